@@ -1,0 +1,38 @@
+"""Suite-wide options: --regen-goldens, and the one-line skip of a test whose oracle is absent."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 cores under pytest -n auto: no oversubscription
+
+import pytest  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--regen-goldens", action="store_true",
+                     help="regenerate every golden from the live references before testing")
+
+
+def pytest_sessionstart(session):
+    if not session.config.getoption("--regen-goldens") or hasattr(session.config, "workerinput"):
+        return
+    from spec_parity import harness
+
+    seen = set()
+    for case in harness.all_cases():
+        if case.control or (case.module, case.golden_name) in seen:
+            continue
+        seen.add((case.module, case.golden_name))
+        harness.regen(case)
+
+
+@pytest.fixture
+def live_oracle():
+    """Call with a module name: skips with one line naming what to install/set if its oracle is absent."""
+    from spec_parity import harness
+
+    def need(module: str):
+        status = harness.pair(module).oracle_status()
+        if status is not None:
+            pytest.skip(f"{harness.pair(module).ORACLE} oracle unavailable: {status}")
+
+    return need

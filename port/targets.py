@@ -1,0 +1,155 @@
+"""Target models on the MLX side: mlx-lm's own classes, opened up for parity.
+
+We do not re-write the targets. This file loads them with mlx-lm's loader and walks mlx-lm's
+decoder layers one by one so every hidden state (the drafters' taps) and the donor K/V the
+Gemma-4 assistant borrows can be read off. The walk is checked bit-exact against mlx-lm's own
+`model(ids)` (tests/test_targets.py), so it adds no arithmetic of its own.
+
+Hidden-state convention (same as transformers' `output_hidden_states`, except the last entry):
+`hidden[0]` = the input to layer 0 (Gemma-4: the √H-scaled embedding), `hidden[i+1]` = the raw
+output of decoder layer i; `final` = the final-normed output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.utils import load_model
+
+FAMILIES = {"gemma4_text": "gemma4", "qwen3": "qwen3"}
+
+
+@dataclass
+class Target:
+    model: object
+    config: dict
+    family: str
+    path: Path
+
+    @property
+    def num_layers(self) -> int:
+        return self.config["num_hidden_layers"]
+
+
+@dataclass
+class Trace:
+    logits: mx.array
+    hidden: list[mx.array]
+    final: mx.array
+    donors: dict[str, tuple[mx.array, mx.array]] = field(default_factory=dict)
+
+
+def load(path: str | Path, dtype: mx.Dtype | None = None) -> Target:
+    path = Path(path)
+    model, config = load_model(path)
+    family = FAMILIES.get(config.get("model_type"))
+    if family is None:
+        raise ValueError(f"{path}: model_type {config.get('model_type')!r} is not a supported target; "
+                         f"supported: {sorted(FAMILIES)}")
+    if dtype is not None:
+        model.set_dtype(dtype)
+    return Target(model, config, family, path)
+
+
+def donor_layers(target: Target) -> dict[str, int]:
+    """The last sliding and last full attention layer that own K/V (not kv-shared)."""
+    c = target.config
+    owners = c["layer_types"][: c["num_hidden_layers"] - c.get("num_kv_shared_layers", 0)]
+    return {kind.split("_")[0]: max(i for i, t in enumerate(owners) if t == kind)
+            for kind in ("sliding_attention", "full_attention")}
+
+
+def _head(target: Target, h: mx.array) -> mx.array:
+    m = target.model
+    logits = m.lm_head(h) if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear(h)
+    cap = target.config.get("final_logit_softcapping")
+    return mx.tanh(logits / cap) * cap if cap else logits
+
+
+def forward(target: Target, ids: mx.array, layer_inputs: list[mx.array] | None = None) -> Trace:
+    """One uncached forward over `ids` [1, T], capturing every layer.
+
+    With `layer_inputs` (teacher-forced mode) layer i runs on `layer_inputs[i]` instead of the
+    previous layer's output, so its error against a reference is its own, not inherited.
+    """
+    walk = _walk_gemma4 if target.family == "gemma4" else _walk_qwen3
+    hidden, donors = walk(target, ids, layer_inputs)
+    final = target.model.model.norm(hidden[-1])
+    return Trace(_head(target, final), hidden, final, donors)
+
+
+def _walk_gemma4(target, ids, layer_inputs):
+    tm = target.model.model
+    emb = tm.embed_tokens(ids)
+    h = emb * tm.embed_scale
+    per_layer = [None] * len(tm.layers)
+    if tm.hidden_size_per_layer_input:
+        pli = tm._project_per_layer_inputs(h, tm._get_per_layer_inputs(ids, emb))
+        per_layer = [pli[:, :, i, :] for i in range(len(tm.layers))]
+    masks = tm._make_masks(h, [None] * len(tm.layers))
+    shared = [(None, None)] * len(tm.layers)
+    hidden = [h]
+    for i, layer in enumerate(tm.layers):
+        x = h if layer_inputs is None else layer_inputs[i]
+        kvs, offset = shared[tm.previous_kvs[i]]
+        h, kvs, offset = layer(x, masks[i], None, per_layer_input=per_layer[i], shared_kv=kvs, offset=offset)
+        shared[i] = (kvs, offset)
+        hidden.append(h)
+    donors = {name: shared[i][0] for name, i in donor_layers(target).items()}
+    return hidden, donors
+
+
+def _walk_qwen3(target, ids, layer_inputs):
+    tm = target.model.model
+    h = tm.embed_tokens(ids)
+    mask = create_attention_mask(h, None)
+    hidden = [h]
+    for i, layer in enumerate(tm.layers):
+        h = layer(h if layer_inputs is None else layer_inputs[i], mask, None)
+        hidden.append(h)
+    return hidden, {}
+
+
+def eos_ids(target: Target) -> set[int]:
+    eos = target.config.get("eos_token_id")
+    return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+
+
+def greedy(target: Target, prompt: mx.array, n: int) -> tuple[list[int], mx.array]:
+    """Plain greedy decoding with mlx-lm's caches (prefill, then one token per call), up to n
+    tokens or EOS (kept, as transformers' generate keeps it).
+
+    Returns the new tokens and the logits each was chosen from [len, V]."""
+    model = target.model
+    cache = make_prompt_cache(model)
+    logits = model(prompt, cache=cache)[:, -1, :]
+    tokens, steps, eos = [], [], eos_ids(target)
+    for _ in range(n):
+        steps.append(logits[0])
+        tok = mx.argmax(logits, axis=-1)
+        tokens.append(int(tok.item()))
+        if tokens[-1] in eos:
+            break
+        logits = model(tok[:, None], cache=cache)[:, -1, :]
+    return tokens, mx.stack(steps)
+
+
+def perturb_rope_base(target: Target, layer: int, factor: float) -> None:
+    """Negative control: scale one layer's RoPE base. Parity must fail and name this layer."""
+    attn = target.model.model.layers[layer].self_attn
+    c = target.config
+    if target.family == "gemma4":
+        params = dict(c["rope_parameters"][c["layer_types"][layer]])
+        params["rope_theta"] = params["rope_theta"] * factor
+        attn.rope = initialize_rope(dims=attn.head_dim, traditional=False, base=params["rope_theta"],
+                                    scaling_config=params,
+                                    max_position_embeddings=c["max_position_embeddings"])
+    else:
+        attn.rope = initialize_rope(dims=c["head_dim"], traditional=False, base=c["rope_theta"] * factor,
+                                    scaling_config=None,
+                                    max_position_embeddings=c["max_position_embeddings"])

@@ -1,0 +1,58 @@
+"""The one case type. Every module's comparisons are lists of these."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from . import checkpoints
+
+
+@dataclass(frozen=True)
+class Case:
+    """What to compare: a checkpoint (factory kind + seed + overrides, or a real path), the
+    parameters of the run, the tier it is held to, and, for a negative control, the planted
+    perturbation (`control`) that the comparison must catch."""
+
+    module: str
+    name: str
+    tier: str
+    kind: str
+    seed: int = 0
+    overrides: dict = field(default_factory=dict, hash=False)
+    params: dict = field(default_factory=dict, hash=False)
+    dtype: str = "float32"
+    control: dict | None = field(default=None, hash=False)
+    path: str | None = None
+
+    @property
+    def id(self) -> str:
+        return f"{self.module}/{self.name}"
+
+    @property
+    def expect(self) -> str:
+        return "FAIL" if self.control else "PASS"
+
+    @property
+    def golden_name(self) -> str:
+        """Controls compare against their base case's golden: the reference did not change."""
+        return self.control["base"] if self.control else self.name
+
+    def checkpoint_dir(self) -> Path:
+        if self.path:
+            return Path(self.path)
+        return checkpoints.build(self.kind, self.seed, self.overrides)
+
+    def manifest(self) -> dict:
+        """The fields a golden must agree with to be used for this case."""
+        return json.loads(json.dumps({
+            "module": self.module, "case": self.golden_name, "tier": self.tier, "dtype": self.dtype,
+            "params": self.params,
+            "checkpoint": {"kind": self.kind, "seed": self.seed, "overrides": self.overrides,
+                           "sha256": checkpoints.checkpoint_hash(self.checkpoint_dir())},
+        }, sort_keys=True))
+
+    def on_path(self, path: str, name_suffix: str = "real") -> Case:
+        """The same case on a real checkpoint given by path (no golden: live oracle only)."""
+        return replace(self, path=str(path), name=f"{self.name}-{name_suffix}")

@@ -1,0 +1,254 @@
+"""Deterministic tiny checkpoints in the real on-disk format (config.json + model.safetensors).
+
+`build(kind, seed, overrides)` returns a directory that transformers and mlx-lm load with their
+normal loaders. The same arguments give the same bytes on every machine: every tensor is drawn
+from its own numpy PCG64 stream keyed by (seed, tensor name), in float64, then cast. Directories
+are created atomically in a cache (SPEC_PARITY_CACHE, default ~/.cache/spec-parity) so parallel
+test workers can race safely.
+
+A kind is a function `(seed, overrides) -> (config, tensors)` registered with `@kind(name)`;
+later drafter issues add their kinds here.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+KINDS: dict[str, Callable[[int, dict], tuple[dict, dict[str, np.ndarray]]]] = {}
+FILES = ("config.json", "model.safetensors")
+
+
+def kind(name: str):
+    def register(fn):
+        KINDS[name] = fn
+        return fn
+
+    return register
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPEC_PARITY_CACHE", Path.home() / ".cache" / "spec-parity"))
+
+
+def _key(kind_name: str, seed: int, overrides: dict) -> str:
+    blob = json.dumps([kind_name, seed, overrides], sort_keys=True).encode()
+    return f"{kind_name}-s{seed}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+def build(kind_name: str, seed: int = 0, overrides: dict | None = None, root: Path | None = None) -> Path:
+    """Return the directory of the tiny checkpoint, creating it atomically if absent."""
+    if kind_name not in KINDS:
+        raise KeyError(f"unknown checkpoint kind {kind_name!r}; known: {sorted(KINDS)}")
+    overrides = dict(overrides or {})
+    root = Path(root or cache_root()) / "checkpoints"
+    out = root / _key(kind_name, seed, overrides)
+    if all((out / f).exists() for f in FILES):
+        return out
+    config, tensors = KINDS[kind_name](seed, overrides)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
+    try:
+        write_checkpoint(tmp, config, tensors)
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            if not all((out / f).exists() for f in FILES):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def write_checkpoint(path: Path, config: dict, tensors: dict[str, np.ndarray]) -> None:
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    save_file({k: np.ascontiguousarray(v) for k, v in sorted(tensors.items())},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def checkpoint_hash(path: Path) -> str:
+    """sha256 over the checkpoint's files; what goldens record to detect a changed checkpoint."""
+    h = hashlib.sha256()
+    for f in FILES:
+        h.update(f.encode())
+        h.update((Path(path) / f).read_bytes())
+    return h.hexdigest()
+
+
+class Draw:
+    """Per-tensor deterministic random draws: each name gets its own stream."""
+
+    def __init__(self, seed: int, dtype=np.float32):
+        self.seed = seed
+        self.dtype = dtype
+        self.tensors: dict[str, np.ndarray] = {}
+
+    def _rng(self, name: str) -> np.random.Generator:
+        return np.random.default_rng([self.seed, zlib.crc32(name.encode())])
+
+    def normal(self, name: str, shape: tuple, std: float) -> None:
+        self.tensors[name] = (self._rng(name).standard_normal(shape) * std).astype(self.dtype)
+
+    def linear(self, name: str, out_dim: int, in_dim: int, gain: float = 1.0) -> None:
+        self.normal(name, (out_dim, in_dim), gain / np.sqrt(in_dim))
+
+    def scale(self, name: str, shape: tuple, lo: float = 0.5, hi: float = 1.5) -> None:
+        """Norm weights and layer scalars: random so a port that ignores them is caught."""
+        self.tensors[name] = self._rng(name).uniform(lo, hi, shape).astype(self.dtype)
+
+
+def _merge(config: dict, overrides: dict) -> dict:
+    config = copy.deepcopy(config)
+    unknown = set(overrides) - set(config)
+    if unknown:
+        raise KeyError(f"override keys {sorted(unknown)} are not in this kind's config; known: {sorted(config)}")
+    config.update(copy.deepcopy(overrides))
+    return config
+
+
+GEMMA4_TARGET = {
+    "architectures": ["Gemma4ForCausalLM"],
+    "model_type": "gemma4_text",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                    "sliding_attention", "sliding_attention", "full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_global_key_value_heads": None,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "attention_k_eq_v": False,
+    "sliding_window": 8,
+    "final_logit_softcapping": 30.0,
+    "rope_parameters": {
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                           "rope_theta": 1000000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 128,
+    "num_kv_shared_layers": 0,
+    "use_double_wide_mlp": False,
+    "enable_moe_block": False,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+
+@kind("gemma4-target")
+def gemma4_target(seed: int, overrides: dict):
+    """Gemma-4 text target: sliding + full layers, proportional RoPE, softcap, optional
+    attention_k_eq_v and per-layer inputs with kv-shared layers (real E2B/26B structure, scaled down)."""
+    c = _merge(GEMMA4_TARGET, overrides)
+    H, L, V = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    first_shared = L - c["num_kv_shared_layers"]
+    ple = c["hidden_size_per_layer_input"]
+    d = Draw(seed)
+    # Small embeddings and a large final norm: with a tied head, a large √H-scaled embedding makes
+    # every token predict itself (constant greedy streams that test nothing); this mix gives
+    # streams of 10-25 distinct tokens with top-1 margins well above the fp32 noise.
+    d.normal("model.embed_tokens.weight", (V, H), 0.1)
+    d.scale("model.norm.weight", (H,), 2.0, 6.0)
+    if ple:
+        d.normal("model.embed_tokens_per_layer.weight", (c["vocab_size_per_layer_input"], L * ple), 1.0)
+        d.linear("model.per_layer_model_projection.weight", L * ple, H)
+        d.scale("model.per_layer_projection_norm.weight", (ple,))
+    for i, layer_type in enumerate(c["layer_types"]):
+        p = f"model.layers.{i}."
+        full = layer_type == "full_attention"
+        hd = c["global_head_dim"] if full else c["head_dim"]
+        k_eq_v = c["attention_k_eq_v"] and full
+        kv_heads = c["num_global_key_value_heads"] if k_eq_v and c["num_global_key_value_heads"] else c["num_key_value_heads"]
+        inter = c["intermediate_size"] * (2 if c["use_double_wide_mlp"] and i >= first_shared > 0 else 1)
+        d.scale(p + "layer_scalar", (1,))
+        d.linear(p + "self_attn.q_proj.weight", c["num_attention_heads"] * hd, H)
+        d.scale(p + "self_attn.q_norm.weight", (hd,))
+        if i < first_shared:
+            d.linear(p + "self_attn.k_proj.weight", kv_heads * hd, H)
+            d.scale(p + "self_attn.k_norm.weight", (hd,))
+            if not k_eq_v:
+                d.linear(p + "self_attn.v_proj.weight", kv_heads * hd, H)
+        d.linear(p + "self_attn.o_proj.weight", H, c["num_attention_heads"] * hd)
+        d.linear(p + "mlp.gate_proj.weight", inter, H)
+        d.linear(p + "mlp.up_proj.weight", inter, H)
+        d.linear(p + "mlp.down_proj.weight", H, inter)
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"):
+            d.scale(p + n + ".weight", (H,))
+        if ple:
+            d.linear(p + "per_layer_input_gate.weight", ple, H)
+            d.linear(p + "per_layer_projection.weight", H, ple)
+            d.scale(p + "post_per_layer_input_norm.weight", (H,))
+    if not c["tie_word_embeddings"]:
+        d.linear("lm_head.weight", V, H)
+    return c, d.tensors
+
+
+QWEN3_TARGET = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+    "torch_dtype": "float32",
+}
+
+
+@kind("qwen3-target")
+def qwen3_target(seed: int, overrides: dict):
+    """Qwen3 target (8B/14B structure, untied head, q/k norms), scaled down."""
+    c = _merge(QWEN3_TARGET, overrides)
+    H, V, hd = c["hidden_size"], c["vocab_size"], c["head_dim"]
+    nh, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+    d = Draw(seed)
+    d.normal("model.embed_tokens.weight", (V, H), 1.0)
+    d.scale("model.norm.weight", (H,))
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        d.linear(p + "self_attn.q_proj.weight", nh * hd, H)
+        d.linear(p + "self_attn.k_proj.weight", nkv * hd, H)
+        d.linear(p + "self_attn.v_proj.weight", nkv * hd, H)
+        d.linear(p + "self_attn.o_proj.weight", H, nh * hd)
+        d.scale(p + "self_attn.q_norm.weight", (hd,))
+        d.scale(p + "self_attn.k_norm.weight", (hd,))
+        d.linear(p + "mlp.gate_proj.weight", c["intermediate_size"], H)
+        d.linear(p + "mlp.up_proj.weight", c["intermediate_size"], H)
+        d.linear(p + "mlp.down_proj.weight", H, c["intermediate_size"])
+        d.scale(p + "input_layernorm.weight", (H,))
+        d.scale(p + "post_attention_layernorm.weight", (H,))
+    if not c["tie_word_embeddings"]:
+        d.linear("lm_head.weight", V, H, gain=4.0)
+    return c, d.tensors

@@ -1,0 +1,137 @@
+"""`spec-parity`: run the parity matrix, list cases and oracles, regenerate goldens, measure budgets."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import goldens, harness, report
+
+
+def _select(args) -> list:
+    modules = [args.module] if getattr(args, "module", None) else list(harness.PAIRS)
+    cases = harness.all_cases(modules)
+    if getattr(args, "case", None):
+        cases = [c for c in cases if c.name == args.case or c.golden_name == args.case]
+        if not cases:
+            sys.exit(f"no case named {args.case!r}; see `spec-parity list`")
+    if getattr(args, "target", None):
+        cases = [c.on_path(args.target) for c in cases if not c.control and _fits(c, args.target)]
+    return cases
+
+
+def _fits(case, path: str) -> bool:
+    """A real target runs the built-in cases of its own family."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    family = (cfg.get("text_config") or cfg).get("model_type", "")
+    return case.kind.split("-")[0] in family
+
+
+def _header() -> str:
+    import mlx.core as mx
+
+    return (f"machine {goldens.machine_key()} ({platform.processor() or platform.machine()}), "
+            f"python {platform.python_version()}, mlx {mx.__version__}")
+
+
+def cmd_run(args) -> int:
+    if args.drafter:
+        sys.exit("--drafter: no drafter module has landed yet (issues 3-5); only the target pair runs")
+    cases = _select(args)
+    rows, t0 = [], time.time()
+    for i, case in enumerate(cases):
+        report.progress(i, len(cases), case.id)
+        try:
+            result = harness.evaluate(case, args.source)
+        except Exception as e:  # a case that cannot run is a failure with its reason, not a crash
+            result = harness.Result(case.module, case.name, "-", case.tier, verdict="ERROR", reason=str(e))
+        rows.append((result, case.expect))
+    report.progress(len(cases), len(cases), "done")
+    header = f"{_header()}; {len(cases)} cases in {time.time() - t0:.1f} s"
+    print(report.table(rows))
+    out = Path(args.out)
+    report.write(out, rows, header)
+    bad = [r for r, e in rows if r.verdict != e]
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} as expected (controls must FAIL); reports in {out}/")
+    for r in bad:
+        print(r.message())
+    return 1 if bad else 0
+
+
+def cmd_list(args) -> int:
+    for module in harness.PAIRS:
+        p = harness.pair(module)
+        status = p.oracle_status()
+        print(f"{module}: oracle {p.ORACLE}: " + ("available here" if status is None else f"NOT available: {status}"))
+        for c in p.cases():
+            where = goldens.locate(c)
+            golden = f"golden {where[0].relative_to(goldens.root())}" if where else "no golden"
+            ctl = f"  [control: {c.control['what']}]" if c.control else ""
+            print(f"  {c.id:44s} {c.tier}  {c.kind} seed={c.seed} {json.dumps(c.overrides)}  {golden}{ctl}")
+    return 0
+
+
+def cmd_regen(args) -> int:
+    seen = set()
+    for case in _select(args):
+        if case.control or case.golden_name in seen:
+            continue
+        seen.add(case.golden_name)
+        print(f"{case.id}: {harness.regen(case)}")
+    return 0
+
+
+def cmd_measure(args) -> int:
+    """Max |Δ| per quantity over seeds 0..N-1 of every non-control case: the numbers behind budgets.py."""
+    worst: dict[str, float] = {}
+    for case in _select(args):
+        if case.control:
+            continue
+        for seed in range(args.seeds):
+            c = dataclasses.replace(case, seed=seed)
+            ref, _ = harness.reference(c, "live")
+            port = harness.pair(c.module).run_port(c, ref)
+            for key, val in harness.pair(c.module).quantities(port, ref).items():
+                worst[key] = max(worst.get(key, 0.0), float(np.max(val)))
+    for k, v in sorted(worst.items()):
+        print(f"{k:20s} {v:.2e}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="spec-parity", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run the parity matrix; non-zero exit on any unexpected verdict")
+    run.add_argument("--module")
+    run.add_argument("--case")
+    run.add_argument("--out", default="parity-report")
+    run.add_argument("--source", choices=("auto", "live", "golden"), default="auto",
+                     help="reference outputs: live oracle, stored goldens, or live where available")
+    run.add_argument("--target", help="a real target checkpoint directory: run the cases of its family on it")
+    run.add_argument("--drafter", help="a real drafter checkpoint directory (drafter modules)")
+    run.set_defaults(fn=cmd_run)
+    sub.add_parser("list", help="cases, goldens, and which oracles run here").set_defaults(fn=cmd_list)
+    fx = sub.add_parser("fixtures", help="goldens")
+    fxs = fx.add_subparsers(dest="fixtures_cmd", required=True)
+    rg = fxs.add_parser("regen", help="regenerate goldens from the live references (this machine's key only)")
+    rg.add_argument("--module")
+    rg.add_argument("--case")
+    rg.set_defaults(fn=cmd_regen)
+    ms = sub.add_parser("measure", help="measure cross-framework errors behind budgets.py")
+    ms.add_argument("--module")
+    ms.add_argument("--case")
+    ms.add_argument("--seeds", type=int, default=5)
+    ms.set_defaults(fn=cmd_measure)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""The comparison core: tiers as data, metrics, and one result record.
+
+Every pair in the project compares through these functions. A tier is a name with a rule; the
+rule's numbers live in `spec_parity.budgets`, never at a call site, so a comparison cannot loosen
+its tier silently.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .budgets import Budget, budget_for, knife_edge_bound
+
+TIERS = {
+    "L1": "bit-exact: identical bytes (same framework, same ops)",
+    "L2": "tensors within the dtype-derived / measured budget AND identical greedy streams and accept traces",
+    "L3": "no oracle: KL, top-1 agreement and acceptance gates",
+}
+
+
+@dataclass
+class Result:
+    """One comparison's record: rendered as the pytest failure message, JSON and Markdown."""
+
+    module: str
+    case: str
+    oracle: str
+    tier: str
+    metrics: dict = field(default_factory=dict)
+    verdict: str = "PASS"
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "PASS"
+
+    def fail(self, reason: str) -> None:
+        self.verdict = "FAIL"
+        self.reason = f"{self.reason}; {reason}" if self.reason else reason
+
+    def note(self, reason: str) -> None:
+        self.reason = f"{self.reason}; {reason}" if self.reason else reason
+
+    def to_json(self) -> dict:
+        return json.loads(json.dumps(asdict(self), default=_jsonable))
+
+    def message(self) -> str:
+        lines = [f"[{self.verdict}] {self.module}/{self.case} vs {self.oracle} at {self.tier} "
+                 f"({TIERS.get(self.tier, '?')})"]
+        if self.reason:
+            lines.append(f"  reason: {self.reason}")
+        for name, m in self.metrics.items():
+            lines.append(f"  {name}: {_brief(m)}")
+        return "\n".join(lines)
+
+    def markdown_row(self) -> str:
+        worst = max((m.get("max_abs", 0.0) for m in self.metrics.values()
+                     if isinstance(m, dict) and isinstance(m.get("max_abs"), float)), default=0.0)
+        return (f"| {self.module} | {self.case} | {self.oracle} | {self.tier} | {self.verdict} | "
+                f"{worst:.2e} | {self.reason.replace('|', '/')} |")
+
+
+def _jsonable(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+def _brief(m) -> str:
+    if not isinstance(m, dict):
+        return str(m)
+    keys = ("ok", "max_abs", "max_rel", "mismatch", "mismatch_pct", "first_mismatch", "cosine",
+            "nmse", "max_ulp", "budget", "first_divergence", "equal", "agree", "kl_max")
+    return ", ".join(f"{k}={_fmt(m[k])}" for k in keys if k in m)
+
+
+def _fmt(v) -> str:
+    return f"{v:.3e}" if isinstance(v, float) else str(v)
+
+
+def ulp(x: np.ndarray, dtype) -> np.ndarray:
+    """Spacing of `dtype` at |x| (bf16 has 7 explicit mantissa bits)."""
+    x = np.abs(np.asarray(x, np.float64))
+    if str(dtype) == "bfloat16":
+        e = np.floor(np.log2(np.maximum(x, np.finfo(np.float32).tiny)))
+        return np.exp2(e - 7)
+    return np.spacing(x.astype(np.dtype(str(dtype)))).astype(np.float64)
+
+
+def tensor_metrics(port, ref, budget: Budget, dtype="float32", first_n: int = 5) -> dict:
+    """Compare two tensors under `budget` (|p - r| <= atol + rtol·|r|, torch.testing's rule).
+
+    NaN/Inf pass only where both sides hold the identical non-finite value.
+    """
+    p = np.asarray(port, np.float64)
+    r = np.asarray(ref, np.float64)
+    m: dict = {"shape": list(r.shape), "budget": budget.describe()}
+    if p.shape != r.shape:
+        m.update(ok=False, error=f"shape {list(p.shape)} != reference {list(r.shape)}")
+        return m
+    finite = np.isfinite(p) & np.isfinite(r)
+    same_nonfinite = ~np.isfinite(p) & ~np.isfinite(r) & ((p == r) | (np.isnan(p) & np.isnan(r)))
+    with np.errstate(invalid="ignore"):
+        diff = np.where(finite, np.abs(p - r), np.inf)
+    diff = np.where(same_nonfinite, 0.0, diff)
+    bad = ~(diff <= budget.atol + budget.rtol * np.where(finite, np.abs(r), 0.0))
+    n_bad = int(bad.sum())
+    fin = finite
+    pf, rf = p[fin], r[fin]
+    denom = float(np.sum(rf * rf))
+    m.update(
+        ok=n_bad == 0,
+        max_abs=float(diff.max()) if diff.size else 0.0,
+        max_rel=float(np.max(np.abs(pf - rf) / np.maximum(np.abs(rf), 1e-30))) if pf.size else 0.0,
+        mismatch=n_bad,
+        mismatch_pct=100.0 * n_bad / max(r.size, 1),
+        first_mismatch=[list(map(int, ix)) for ix in np.argwhere(bad)[:first_n]],
+        nmse=float(np.sum((pf - rf) ** 2) / denom) if denom > 0 else float(np.sum((pf - rf) ** 2)),
+        cosine=float(np.dot(pf, rf) / (np.linalg.norm(pf) * np.linalg.norm(rf)))
+        if pf.size and np.linalg.norm(pf) > 0 and np.linalg.norm(rf) > 0 else 1.0,
+        max_ulp=float(np.max(np.abs(pf - rf) / ulp(rf, dtype))) if pf.size else 0.0,
+        nonfinite_port=int((~np.isfinite(p)).sum()),
+        nonfinite_ref=int((~np.isfinite(r)).sum()),
+    )
+    return m
+
+
+def bit_exact(port, ref) -> dict:
+    """L1: identical dtype, shape and bytes."""
+    p, r = np.asarray(port), np.asarray(ref)
+    same = p.dtype == r.dtype and p.shape == r.shape and p.tobytes() == r.tobytes()
+    m = {"ok": bool(same), "dtype": [str(p.dtype), str(r.dtype)]}
+    if not same and p.shape == r.shape:
+        diff = p.astype(np.float64) != r.astype(np.float64)
+        m.update(mismatch=int(diff.sum()), first_mismatch=[list(map(int, ix)) for ix in np.argwhere(diff)[:5]],
+                 max_abs=float(np.nanmax(np.abs(p.astype(np.float64) - r.astype(np.float64)))))
+    return m
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def kl(ref_logits, port_logits) -> np.ndarray:
+    """KL(ref || port) per row, in nats."""
+    lr, lp = log_softmax(ref_logits), log_softmax(port_logits)
+    return np.sum(np.exp(lr) * (lr - lp), axis=-1)
+
+
+def stream_metrics(port_tokens, ref_tokens, ref_logits, dtype="float32", topk: int = 5) -> dict:
+    """Greedy token streams. At the first divergence: the reference's top-1/top-2 margin, whether
+    the port's token is in the reference's top-k, and whether it is a knife-edge (the margin, and
+    the port token's gap to top-1, below the dtype-ULP-derived bound)."""
+    p = [int(t) for t in port_tokens]
+    r = [int(t) for t in ref_tokens]
+    m: dict = {"length": [len(p), len(r)]}
+    d = next((i for i, (a, b) in enumerate(zip(p, r)) if a != b), None)
+    if d is None and len(p) != len(r):
+        d = min(len(p), len(r))
+    m["first_divergence"] = d
+    m["equal"] = d is None
+    m["ok"] = d is None
+    if d is None or d >= len(p) or d >= len(ref_logits):
+        return m
+    row = np.asarray(ref_logits[d], np.float64)
+    order = np.argsort(-row, kind="stable")
+    margin = float(row[order[0]] - row[order[1]])
+    gap = float(row[order[0]] - row[p[d]])
+    bound = knife_edge_bound(dtype, float(abs(row[order[0]])))
+    m.update(port_token=p[d], ref_token=r[d], ref_margin=margin, port_gap_to_top1=gap,
+             port_in_ref_topk=bool(p[d] in order[:topk].tolist()), knife_edge_bound=bound,
+             knife_edge=bool(margin < bound and gap < bound))
+    m["ok"] = m["knife_edge"]
+    return m
+
+
+def teacher_forced(port_logits, ref_logits, ref_tokens) -> dict:
+    """Score the port on the reference's own stream, position by position."""
+    pl, rl = np.asarray(port_logits), np.asarray(ref_logits)
+    agree = pl.argmax(-1) == np.asarray(ref_tokens)
+    k = kl(rl, pl)
+    return {"agree": int(agree.sum()), "positions": int(agree.size),
+            "first_disagreement": int(np.argmin(agree)) if not agree.all() else None,
+            "kl_max": float(k.max()) if k.size else 0.0, "kl_mean": float(k.mean()) if k.size else 0.0,
+            "kl_per_position": [float(x) for x in k], "ok": bool(agree.all())}
+
+
+def trace_metrics(port_trace, ref_trace) -> dict:
+    """Accept traces: per round (drafted, accepted, emitted) must be equal."""
+    p = [tuple(int(x) for x in r) for r in port_trace]
+    r = [tuple(int(x) for x in t) for t in ref_trace]
+    d = next((i for i, (a, b) in enumerate(zip(p, r)) if a != b), None)
+    if d is None and len(p) != len(r):
+        d = min(len(p), len(r))
+    m = {"rounds": [len(p), len(r)], "first_differing_round": d, "ok": d is None}
+    if d is not None:
+        m["port_round"] = list(p[d]) if d < len(p) else None
+        m["ref_round"] = list(r[d]) if d < len(r) else None
+    return m
+
+
+def l3_metrics(ref_logits, port_logits, gates: dict) -> dict:
+    """L3 (no oracle): KL(ref || port), top-1 agreement, against explicit gates."""
+    k = kl(ref_logits, port_logits)
+    top1 = float(np.mean(np.asarray(ref_logits).argmax(-1) == np.asarray(port_logits).argmax(-1)))
+    ok = k.mean() <= gates["kl_mean_max"] and top1 >= gates["top1_min"]
+    return {"kl_mean": float(k.mean()), "kl_max": float(k.max()), "top1_agree": top1, "gates": gates,
+            "ok": bool(ok)}
+
+
+def acceptance_gate(accepted: int, drafted: int, min_rate: float) -> dict:
+    rate = accepted / drafted if drafted else 0.0
+    return {"acceptance": rate, "min": min_rate, "ok": rate >= min_rate}
+
+
+def check_tensor(result: Result, name: str, port, ref, module: str, quantity: str, dtype="float32") -> dict:
+    """Compare one tensor at the result's tier and record it."""
+    if result.tier == "L1":
+        m = bit_exact(port, ref)
+    else:
+        m = tensor_metrics(port, ref, budget_for(module, quantity, dtype), dtype)
+    result.metrics[name] = m
+    if not m["ok"]:
+        result.fail(f"{name}: " + (m.get("error") or f"{m.get('mismatch')} elements outside {m.get('budget', 'bit-exactness')}"
+                                   f" (max_abs {m.get('max_abs', float('nan')):.3e})"))
+    return m

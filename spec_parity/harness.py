@@ -1,0 +1,79 @@
+"""The one path every module takes: Case -> run(oracle) / run(port) -> compare(tier) -> record.
+
+A pair is a module in `spec_parity.pairs` exposing:
+  NAME                     the module name (port/NAME.py, oracles/NAME.py, fixtures/NAME/)
+  ORACLE                   the reference's name
+  cases() -> list[Case]    its built-in cases (controls included)
+  oracle_status() -> str|None   None if the live reference runs here, else what to install/set
+  run_oracle(case) -> (arrays, provenance)
+  run_port(case, ref) -> arrays        (ref: the reference arrays, for teacher-forced modes)
+  compare(case, port, ref, result)     fills the Result
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterable
+
+from . import goldens
+from .case import Case
+from .compare import Result
+
+PAIRS = ("targets",)
+
+
+def pair(module: str):
+    if module not in PAIRS:
+        raise KeyError(f"unknown module {module!r}; known: {list(PAIRS)}")
+    return importlib.import_module(f"spec_parity.pairs.{module}")
+
+
+def all_cases(modules: Iterable[str] = PAIRS) -> list[Case]:
+    return [c for m in modules for c in pair(m).cases()]
+
+
+def reference(case: Case, source: str = "auto"):
+    """The reference arrays and a label saying where they came from.
+
+    source: "live" runs the reference (error if it cannot run here), "golden" reads fixtures,
+    "auto" prefers live and falls back to goldens.
+    """
+    p = pair(case.module)
+    status = p.oracle_status()
+    if source == "live" or (source == "auto" and status is None):
+        if status is not None:
+            raise RuntimeError(f"{p.ORACLE} cannot run here: {status}")
+        arrays, _ = p.run_oracle(case)
+        return arrays, f"{p.ORACLE} (live)"
+    if case.path:
+        raise RuntimeError(f"{case.id} is on a real checkpoint: it needs the live {p.ORACLE} ({status})")
+    arrays, manifest = goldens.load(case)
+    ref = manifest.get("reference", {})
+    return arrays, f"{p.ORACLE} (golden, {ref.get('versions', {})})"
+
+
+def evaluate(case: Case, source: str = "auto") -> Result:
+    p = pair(case.module)
+    ref, label = reference(case, source)
+    result = Result(case.module, case.name, label, case.tier)
+    port = p.run_port(case, ref)
+    p.compare(case, port, ref, result)
+    if case.control:
+        result.note(f"negative control ({case.control['what']}): expected to fail")
+    return result
+
+
+def regen(case: Case) -> str:
+    """Write the golden of `case` from the live reference (controls share their base's golden)."""
+    p = pair(case.module)
+    status = p.oracle_status()
+    if status is not None:
+        raise RuntimeError(f"cannot regenerate {case.id}: {status}")
+    arrays, provenance = p.run_oracle(case)
+    return str(goldens.save(case, arrays, provenance))
+
+
+def cpu_count_threads() -> None:
+    """Keep torch from oversubscribing the 2-core CI machine under pytest-xdist."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")

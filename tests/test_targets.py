@@ -1,0 +1,128 @@
+"""Target pair: mlx-lm (port/targets.py) vs transformers (oracles/targets.py), at L2.
+
+Every case runs twice: against its golden (no torch needed) and against the live reference.
+Controls must fail, and the first divergent layer must be the planted one.
+"""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from port import targets as port
+from spec_parity import goldens, harness
+from spec_parity.pairs import targets as pair
+
+CASES = pair.cases()
+IDS = [c.name for c in CASES]
+
+
+def _check(case, result):
+    if case.control:
+        assert not result.ok, f"negative control was not caught:\n{result.message()}"
+        assert result.metrics["layers"]["first_divergent_layer"] == case.control["layer"], result.message()
+    else:
+        assert result.ok, result.message()
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_target_vs_golden(case):
+    _check(case, harness.evaluate(case, "golden"))
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_target_vs_live_transformers(case, live_oracle):
+    live_oracle("targets")
+    _check(case, harness.evaluate(case, "live"))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.control], ids=lambda c: c.name)
+def test_layer_walk_is_mlx_lm_bit_exact(case):
+    """L1: our layer-by-layer walk adds no arithmetic to mlx-lm's own forward."""
+    target = port.load(case.checkpoint_dir())
+    ids = mx.array(pair.prompt(case))
+    assert np.array_equal(np.array(port.forward(target, ids).logits), np.array(target.model(ids)))
+
+
+def test_layer_walk_control_breaks_bit_exactness():
+    case = CASES[0]
+    target = port.load(case.checkpoint_dir())
+    ids = mx.array(pair.prompt(case))
+    before = np.array(port.forward(target, ids).logits)
+    port.perturb_rope_base(target, 1, 1.001)
+    assert not np.array_equal(before, np.array(port.forward(target, ids).logits))
+
+
+def test_donor_layers_are_last_owning_sliding_and_full():
+    by_name = {c.name: c for c in CASES}
+    assert port.donor_layers(port.load(by_name["gemma4"].checkpoint_dir())) == {"sliding": 4, "full": 5}
+    # kv-shared layers 4, 5 own no K/V: donors are the last owners, 3 (sliding) and 2 (full).
+    assert port.donor_layers(port.load(by_name["gemma4-ple-kvshared"].checkpoint_dir())) == {"sliding": 3, "full": 2}
+
+
+@pytest.fixture
+def fixture_copy(tmp_path, monkeypatch):
+    shutil.copytree(goldens.root(), tmp_path / "fixtures")
+    monkeypatch.setenv("SPEC_PARITY_FIXTURES", str(tmp_path / "fixtures"))
+    return tmp_path / "fixtures" / "targets"
+
+
+@pytest.mark.golden
+def test_stale_golden_names_the_difference_and_the_fix(fixture_copy):
+    case = CASES[0]
+    mpath = fixture_copy / f"{case.name}.json"
+    manifest = json.loads(mpath.read_text())
+    manifest["params"]["new_tokens"] = 31
+    manifest["checkpoint"]["sha256"] = "0" * 64
+    mpath.write_text(json.dumps(manifest))
+    with pytest.raises(goldens.GoldenError) as e:
+        goldens.load(case)
+    msg = str(e.value)
+    assert "stale golden" in msg and "new_tokens" in msg and "sha256" in msg
+    assert "spec-parity fixtures regen --module targets --case gemma4" in msg
+
+
+@pytest.mark.golden
+def test_edited_golden_fails_its_digest(fixture_copy):
+    case = CASES[0]
+    t = fixture_copy / f"{case.name}.safetensors"
+    data = bytearray(t.read_bytes())
+    data[-1] ^= 1
+    t.write_bytes(bytes(data))
+    with pytest.raises(goldens.GoldenError, match="sha256"):
+        goldens.load(case)
+
+
+def test_missing_golden_says_how_to_make_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_PARITY_FIXTURES", str(tmp_path))
+    with pytest.raises(goldens.GoldenError, match="fixtures regen --module targets"):
+        goldens.load(CASES[0])
+
+
+@pytest.mark.golden
+def test_machine_keyed_golden_overrides_shared(fixture_copy):
+    case = CASES[0]
+    keyed = fixture_copy / goldens.machine_key()
+    keyed.mkdir()
+    for ext in (".json", ".safetensors"):
+        shutil.copy(fixture_copy / f"{case.name}{ext}", keyed / f"{case.name}{ext}")
+    assert goldens.locate(case)[0].parent == keyed
+
+
+@pytest.mark.oracle
+def test_goldens_regenerate_byte_identically(fixture_copy, live_oracle):
+    live_oracle("targets")
+    for case in CASES:
+        if case.control:
+            continue
+        before = {ext: (fixture_copy / f"{case.name}{ext}").read_bytes() for ext in (".json", ".safetensors")}
+        if json.loads(before[".json"])["device"] != goldens.machine_key():
+            pytest.skip(f"committed goldens were made on {json.loads(before['.json'])['device']}")
+        path = harness.regen(case)
+        assert path.startswith(str(fixture_copy)), path
+        for ext, data in before.items():
+            assert (fixture_copy / f"{case.name}{ext}").read_bytes() == data, f"{case.name}{ext} changed on regen"
