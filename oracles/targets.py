@@ -26,7 +26,9 @@ def versions() -> dict[str, str]:
 def load(path: str | Path):
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
 
+    logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(Path(path), dtype=torch.float32,
                                                  attn_implementation="eager")
     model.eval()

@@ -17,8 +17,8 @@ def localize(free, own, ref, module: str, dtype: str = "float32") -> dict:
 
     Free-running outputs are held to the module's "hidden" budget, own errors to the tighter
     "hidden_own" one (measured on own errors, which carry no inherited drift)."""
-    budget = budget_for(module, "hidden_own", dtype)
-    free_m = [tensor_metrics(p, r, budget_for(module, "hidden", dtype), dtype) for p, r in zip(free, ref)]
+    budget, free_budget = budget_for(module, "hidden_own", dtype), budget_for(module, "hidden", dtype)
+    free_m = [tensor_metrics(p, r, free_budget, dtype) for p, r in zip(free, ref)]
     own_m = [tensor_metrics(p, r, budget, dtype) for p, r in zip(own, ref)]
     first_own = next((i for i, m in enumerate(own_m) if not m["ok"]), None)
     first_free = next((i for i, m in enumerate(free_m) if not m["ok"]), None)
@@ -29,4 +29,6 @@ def localize(free, own, ref, module: str, dtype: str = "float32") -> dict:
         "free_max_abs": [m["max_abs"] for m in free_m],
         "own_max_abs": [m["max_abs"] for m in own_m],
         "budget": budget.describe(),
+        "own_budget_atol": budget.atol,
+        "free_budget_atol": free_budget.atol,
     }

@@ -2,8 +2,8 @@
 
 The PNG is drawn with numpy and zlib only (no plotting dependency): one panel per case with
 per-layer errors on a log scale from 1e-8 (bottom) to 1e-2 (top); for each layer a blue bar (free-
-running error) and an orange bar (the layer's own, teacher-forced error); the red line is the
-layer budget. Panels are in the order of report.md's layer table.
+running error) and an orange bar (the layer's own, teacher-forced error); the dark blue line is the
+free-running budget, the red line the own-error budget. A failing layer's own bar is drawn red. Panels are in the order of report.md's layer table.
 """
 
 from __future__ import annotations
@@ -65,32 +65,30 @@ def write(out_dir: Path, rows: list[tuple[Result, str]], header: str) -> None:
     (out_dir / "report.json").write_text(json.dumps(
         {"header": header, "results": [{**r.to_json(), "expected": e} for r, e in rows]}, indent=2) + "\n")
     (out_dir / "report.md").write_text(markdown(rows, header))
-    panels = [(r.metrics["layers"], _budget_atol(r)) for r, _ in rows if "layers" in r.metrics]
+    panels = [r.metrics["layers"] for r, _ in rows if "layers" in r.metrics]
     if panels:
         write_png(out_dir / "layers.png", layer_chart(panels))
 
 
-def _budget_atol(r: Result) -> float:
-    return float(r.metrics["layers"]["budget"].split("atol=")[1])
-
-
-def layer_chart(panels: list[tuple[dict, float]], h: int = 120, bar: int = 8) -> np.ndarray:
+def layer_chart(panels: list[dict], h: int = 120, bar: int = 8) -> np.ndarray:
     lo, hi = -8.0, -2.0
-    width = max(len(p["free_max_abs"]) for p, _ in panels) * (2 * bar + 6) + 10
+    width = max(len(p["free_max_abs"]) for p in panels) * (2 * bar + 6) + 10
     img = np.full((len(panels) * (h + 10), width, 3), 255, np.uint8)
 
     def y_of(v: float) -> int:
         t = (np.log10(max(v, 1e-12)) - lo) / (hi - lo)
         return int(round((1 - min(max(t, 0.0), 1.0)) * (h - 1)))
 
-    for row, (lay, budget) in enumerate(panels):
+    for row, lay in enumerate(panels):
         top = row * (h + 10)
         img[top + h, :] = 0
         for i, (free, own) in enumerate(zip(lay["free_max_abs"], lay["own_max_abs"])):
             x = 10 + i * (2 * bar + 6)
             img[top + y_of(free):top + h, x:x + bar] = (60, 90, 200)
-            img[top + y_of(own):top + h, x + bar:x + 2 * bar] = (240, 140, 30)
-        img[top + y_of(budget), :] = (220, 30, 30)
+            colour = (220, 30, 30) if i == lay["first_divergent_layer"] else (240, 140, 30)
+            img[top + y_of(own):top + h, x + bar:x + 2 * bar] = colour
+        img[top + y_of(lay["free_budget_atol"]), :] = (20, 30, 110)
+        img[top + y_of(lay["own_budget_atol"]), :] = (220, 30, 30)
     return img
 
 
