@@ -30,9 +30,10 @@ def live_oracle():
     """Call with a module name: skips with one line naming what to install/set if its oracle is absent."""
     from spec_parity import harness
 
-    def need(module: str):
-        status = harness.pair(module).oracle_status()
+    def need(module: str, oracle: str = ""):
+        name = oracle or harness.pair(module).ORACLE
+        status = harness.pair(module).oracle_status(name)
         if status is not None:
-            pytest.skip(f"{harness.pair(module).ORACLE} oracle unavailable: {status}")
+            pytest.skip(f"{name} oracle unavailable: {status}")
 
     return need

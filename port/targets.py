@@ -64,6 +64,36 @@ def donor_layers(target: Target) -> dict[str, int]:
             for kind in ("sliding_attention", "full_attention")}
 
 
+def donor_view(target: Target, caches: list) -> dict[str, tuple[mx.array, mx.array]]:
+    """The donor layers' K/V as their mlx-lm caches hold them, chronological (oldest first), keyed
+    by layer type. Owner layers have one cache each, in layer order."""
+    out = {}
+    for name, layer in donor_layers(target).items():
+        c = caches[layer]
+        if c.keys is None:
+            raise RuntimeError("the target cache is empty: prefill before drafting")
+        if hasattr(c, "_temporal_order"):
+            k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
+            n = min(c.offset, k.shape[2])
+            k, v = k[..., -n:, :], v[..., -n:, :]
+        else:
+            k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+        out[f"{name}_attention"] = (k, v)
+    return out
+
+
+def embed_scaled(target: Target, tokens: mx.array) -> mx.array:
+    """The target's input embedding of `tokens` [1, T] (Gemma-4: × √H, as the layers see it)."""
+    tm = target.model.model
+    e = tm.embed_tokens(tokens)
+    return e * tm.embed_scale if hasattr(tm, "embed_scale") else e
+
+
+def head(target: Target, h: mx.array) -> mx.array:
+    """Final-normed hidden -> logits (lm head or tied embedding, then the softcap)."""
+    return _head(target, h)
+
+
 def _head(target: Target, h: mx.array) -> mx.array:
     m = target.model
     logits = m.lm_head(h) if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear(h)

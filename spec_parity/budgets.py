@@ -50,6 +50,13 @@ _measured("targets", "final", 6e-4, _TARGETS.format("1.83e-04"))
 _measured("targets", "donor", 2e-4, _TARGETS.format("3.76e-05"))
 _measured("targets", "stream_logits", 9e-4, _TARGETS.format("2.74e-04") + " (along the shared greedy path)")
 
+# transformers 5.12.1 Gemma4AssistantForCausalLM (torch 2.13.0 CPU, eager) vs port/assistant.py, fp32,
+# identical inputs (the port's donor K/V, anchor and embedding), 4 chained draft steps (each side
+# chains its own next_hidden, so step 3 carries three steps of drift), 5 step cases.
+_ASSISTANT = "spec-parity measure --module assistant --seeds 5: max |Δ| {} over 5 step cases x 5 seeds"
+_measured("assistant", "logits", 1e-3, _ASSISTANT.format("3.21e-04"))
+_measured("assistant", "next_hidden", 2e-4, _ASSISTANT.format("5.56e-05"))
+
 # A greedy-stream divergence is excused as a knife-edge only if the reference's top-1/top-2 margin
 # (and the port token's gap to top-1) is below this many ULPs of the dtype at the top-1 logit's
 # magnitude. fp32: cross-framework logit errors measured above reach ~50 ULPs at |logit| ~20, so

@@ -25,6 +25,7 @@ class Case:
     dtype: str = "float32"
     control: dict | None = field(default=None, hash=False)
     path: str | None = None
+    oracle: str = ""
 
     @property
     def id(self) -> str:
@@ -44,13 +45,22 @@ class Case:
             return Path(self.path)
         return checkpoints.build(self.kind, self.seed, self.overrides)
 
+    def drafter_dir(self) -> Path:
+        """Drafter pairs: the drafter checkpoint (params["drafter"] = [kind, seed, overrides])."""
+        if self.params.get("drafter_path"):
+            return Path(self.params["drafter_path"])
+        kind, seed, overrides = self.params["drafter"]
+        return checkpoints.build(kind, seed, overrides)
+
     def manifest(self) -> dict:
         """The fields a golden must agree with to be used for this case."""
         return json.loads(json.dumps({
             "module": self.module, "case": self.golden_name, "tier": self.tier, "dtype": self.dtype,
+            "oracle": self.oracle,
             "params": self.params,
             "checkpoint": {"kind": self.kind, "seed": self.seed, "overrides": self.overrides,
                            "sha256": checkpoints.checkpoint_hash(self.checkpoint_dir())},
+            **({"drafter_sha256": checkpoints.checkpoint_hash(self.drafter_dir())} if "drafter" in self.params else {}),
         }, sort_keys=True))
 
     def on_path(self, path: str, name_suffix: str = "real") -> Case:

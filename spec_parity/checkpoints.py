@@ -252,3 +252,90 @@ def qwen3_target(seed: int, overrides: dict):
     if not c["tie_word_embeddings"]:
         d.linear("lm_head.weight", V, H, gain=4.0)
     return c, d.tensors
+
+
+ASSISTANT_TEXT = {
+    "model_type": "gemma4_text",
+    "vocab_size": 128,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_global_key_value_heads": None,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "attention_k_eq_v": False,
+    "sliding_window": 8,
+    "final_logit_softcapping": None,
+    "rope_parameters": GEMMA4_TARGET["rope_parameters"],
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 0,
+    "num_kv_shared_layers": 4,
+    "use_double_wide_mlp": False,
+    "enable_moe_block": False,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "pad_token_id": 0,
+    "eos_token_id": 1,
+    "bos_token_id": 2,
+}
+
+ASSISTANT = {
+    "model_type": "gemma4_assistant",
+    "backbone_hidden_size": 64,
+    "use_ordered_embeddings": True,
+    "num_centroids": 8,
+    "centroid_intermediate_top_k": 2,
+    "tie_word_embeddings": True,
+    "text_config": ASSISTANT_TEXT,
+}
+
+
+@kind("gemma4-assistant")
+def gemma4_assistant(seed: int, overrides: dict):
+    """Gemma-4 "-assistant" drafter (E2B/E4B: centroid head; 26B/31B: tied head; 12B: the
+    `gemma4_unified_assistant` type), Q-only layers that read the target's donor K/V. Scaled down
+    to the tiny Gemma-4 target: same head dims, KV heads and window. Override `text_config` keys
+    through `text_config`, e.g. {"text_config": {"attention_k_eq_v": True}}."""
+    ov = dict(overrides)
+    text_ov = ov.pop("text_config", {})
+    c = _merge(ASSISTANT, ov)
+    c["text_config"] = _merge(ASSISTANT_TEXT, text_ov)
+    unified = c["model_type"] == "gemma4_unified_assistant"
+    if unified:
+        c["text_config"]["model_type"] = "gemma4_unified_text"
+        for k in ("hidden_size_per_layer_input", "vocab_size_per_layer_input"):
+            c["text_config"].pop(k)
+    c["architectures"] = ["Gemma4UnifiedAssistantForCausalLM" if unified else "Gemma4AssistantForCausalLM"]
+    c["torch_dtype"] = "float32"
+    t = c["text_config"]
+    B, D, V = c["backbone_hidden_size"], t["hidden_size"], t["vocab_size"]
+    d = Draw(seed)
+    d.normal("model.embed_tokens.weight", (V, D), 1.0)
+    d.scale("model.norm.weight", (D,))
+    d.linear("pre_projection.weight", D, 2 * B)
+    d.linear("post_projection.weight", B, D)
+    for i, layer_type in enumerate(t["layer_types"]):
+        p = f"model.layers.{i}."
+        hd = t["global_head_dim"] if layer_type == "full_attention" else t["head_dim"]
+        d.scale(p + "layer_scalar", (1,))
+        d.linear(p + "self_attn.q_proj.weight", t["num_attention_heads"] * hd, D)
+        d.scale(p + "self_attn.q_norm.weight", (hd,))
+        d.linear(p + "self_attn.o_proj.weight", D, t["num_attention_heads"] * hd)
+        d.linear(p + "mlp.gate_proj.weight", t["intermediate_size"], D)
+        d.linear(p + "mlp.up_proj.weight", t["intermediate_size"], D)
+        d.linear(p + "mlp.down_proj.weight", D, t["intermediate_size"])
+        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm"):
+            d.scale(p + n + ".weight", (D,))
+    if c["use_ordered_embeddings"]:
+        if V % c["num_centroids"]:
+            raise ValueError(f"vocab {V} is not divisible by num_centroids {c['num_centroids']}")
+        d.linear("masked_embedding.centroids.weight", c["num_centroids"], D)
+        order = np.random.default_rng([seed, zlib.crc32(b"token_ordering")]).permutation(V)
+        d.tensors["masked_embedding.token_ordering"] = order.astype(np.int64)
+    return c, d.tensors

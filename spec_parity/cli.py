@@ -68,8 +68,10 @@ def cmd_run(args) -> int:
 def cmd_list(args) -> int:
     for module in harness.PAIRS:
         p = harness.pair(module)
-        status = p.oracle_status()
-        print(f"{module}: oracle {p.ORACLE}: " + ("available here" if status is None else f"NOT available: {status}"))
+        print(f"{module}:")
+        for name in sorted({harness.oracle_name(c) for c in p.cases()}):
+            status = p.oracle_status(name)
+            print(f"  oracle {name}: " + ("available here" if status is None else f"NOT available: {status}"))
         for c in p.cases():
             where = goldens.locate(c)
             golden = f"golden {where[0].relative_to(goldens.root())}" if where else "no golden"

@@ -2,9 +2,9 @@
 
 A pair is a module in `spec_parity.pairs` exposing:
   NAME                     the module name (port/NAME.py, oracles/NAME.py, fixtures/NAME/)
-  ORACLE                   the reference's name
+  ORACLE                   the default reference's name (a case may name another: case.oracle)
   cases() -> list[Case]    its built-in cases (controls included)
-  oracle_status() -> str|None   None if the live reference runs here, else what to install/set
+  oracle_status(oracle) -> str|None   None if that reference runs here, else what to install/set
   run_oracle(case) -> (arrays, provenance)
   run_port(case, ref) -> arrays        (ref: the reference arrays, for teacher-forced modes)
   compare(case, port, ref, result)     fills the Result
@@ -20,7 +20,7 @@ from . import goldens
 from .case import Case
 from .compare import Result
 
-PAIRS = ("targets",)
+PAIRS = ("targets", "assistant")
 
 
 def pair(module: str):
@@ -39,18 +39,22 @@ def reference(case: Case, source: str = "auto"):
     source: "live" runs the reference (error if it cannot run here), "golden" reads fixtures,
     "auto" prefers live and falls back to goldens.
     """
-    p = pair(case.module)
-    status = p.oracle_status()
+    name = oracle_name(case)
+    status = pair(case.module).oracle_status(name)
     if source == "live" or (source == "auto" and status is None):
         if status is not None:
-            raise RuntimeError(f"{p.ORACLE} cannot run here: {status}")
-        arrays, _ = p.run_oracle(case)
-        return arrays, f"{p.ORACLE} (live)"
+            raise RuntimeError(f"{name} cannot run here: {status}")
+        arrays, _ = pair(case.module).run_oracle(case)
+        return arrays, f"{name} (live)"
     if case.path:
-        raise RuntimeError(f"{case.id} is on a real checkpoint: it needs the live {p.ORACLE} ({status})")
+        raise RuntimeError(f"{case.id} is on a real checkpoint: it needs the live {name} ({status})")
     arrays, manifest = goldens.load(case)
     ref = manifest.get("reference", {})
-    return arrays, f"{p.ORACLE} (golden, {ref.get('versions', {})})"
+    return arrays, f"{name} (golden, {ref.get('versions', {})})"
+
+
+def oracle_name(case: Case) -> str:
+    return case.oracle or pair(case.module).ORACLE
 
 
 def evaluate(case: Case, source: str = "auto") -> Result:
@@ -67,7 +71,7 @@ def evaluate(case: Case, source: str = "auto") -> Result:
 def regen(case: Case) -> str:
     """Write the golden of `case` from the live reference (controls share their base's golden)."""
     p = pair(case.module)
-    status = p.oracle_status()
+    status = p.oracle_status(oracle_name(case))
     if status is not None:
         raise RuntimeError(f"cannot regenerate {case.id}: {status}")
     arrays, provenance = p.run_oracle(case)

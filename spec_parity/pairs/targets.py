@@ -36,7 +36,7 @@ def cases() -> list[Case]:
     return out
 
 
-def oracle_status() -> str | None:
+def oracle_status(oracle: str = ORACLE) -> str | None:
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
         from oracles.targets import INSTALL

@@ -1,0 +1,142 @@
+"""References for the Gemma-4 assistant drafter.
+
+optiq 0.7.7 (MLX): `GemmaAssistantDrafter.from_pretrained` + its runtime helpers on an mlx-lm
+target, and its `spec_generate` loop. transformers 5.12.1 (torch): `Gemma4AssistantForCausalLM`
+(or the unified class) fed `shared_kv_states` from `Gemma4ForCausalLM(return_shared_kv_states=
+True)`, with position and window set explicitly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+
+OPTIQ_INSTALL = "pip install --no-deps mlx-optiq==0.7.7"
+HF_INSTALL = "pip install torch==2.13.0 transformers==5.12.1   (or: pip install -e '.[oracle]')"
+
+
+def status(oracle: str) -> str | None:
+    need = {"optiq": (["optiq"], OPTIQ_INSTALL), "transformers": (["torch", "transformers"], HF_INSTALL)}[oracle]
+    missing = [m for m in need[0] if importlib.util.find_spec(m) is None]
+    return f"{', '.join(missing)} not installed: {need[1]}" if missing else None
+
+
+def versions(oracle: str) -> dict[str, str]:
+    from importlib.metadata import version
+
+    pkgs = {"optiq": ["mlx-optiq", "mlx", "mlx-lm"], "transformers": ["torch", "transformers"]}[oracle]
+    return {p: version(p) for p in pkgs}
+
+
+# ---- optiq (MLX) ----------------------------------------------------------------------------
+
+def optiq_draft_steps(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int) -> dict:
+    """Prefill the mlx-lm target with optiq's helpers, then gamma drafter steps as optiq's
+    spec_generate drafts them (donor view from `extract_typed_kv`, position P+k, chained)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+    from optiq.runtime.spec import runtime
+    from optiq.runtime.spec.drafters.gemma_assistant import GemmaAssistantDrafter
+    from optiq.runtime.spec.kv_view import extract_typed_kv
+
+    target, _ = load_model(Path(target_dir))
+    drafter = GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
+    caches = make_prompt_cache(target)
+    hidden, logits = runtime._target_step(target, mx.array(prompt), caches)
+    token = runtime._greedy(logits)
+    h = hidden[:, -1:, :]
+    position = caches[0].offset
+    shared = extract_typed_kv(target, caches)
+    out = {"anchor.token": np.array([token], np.int32), "anchor.hidden": np.array(h),
+           "position": np.array([position], np.int32)}
+    for name, (k, v) in shared.items():
+        out[f"donor.{name}.k"], out[f"donor.{name}.v"] = np.array(k), np.array(v)
+    tok = token
+    for k in range(gamma):
+        emb = runtime._target_embed(target, tok)
+        if k == 0:
+            out["anchor.emb"] = np.array(emb)
+        lg, h = drafter.forward(last_token_emb=emb, target_hidden=h, shared_kv=shared, position=position + k)
+        tok = int(mx.argmax(lg))
+        out[f"step{k}.logits"], out[f"step{k}.next_hidden"] = np.array(lg), np.array(h)
+        out[f"step{k}.token"] = np.array([tok], np.int32)
+    return out
+
+
+class WordTokenizer:
+    """optiq's spec_generate takes a prompt string and a tokenizer: token ids written as words."""
+
+    def __init__(self, eos_token_id: int):
+        self.eos_token_id = eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return [int(w) for w in text.split()]
+
+    def decode(self, ids) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def optiq_spec_generate(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int,
+                        max_tokens: int, eos: int) -> dict:
+    """optiq's own loop. The per-round trace is read off its events: each round emits the
+    accepted drafts (from_draft=True) then one correction/bonus token."""
+    from mlx_lm.utils import load_model
+    from optiq.runtime.spec import SpecConfig, spec_generate
+    from optiq.runtime.spec.drafters.gemma_assistant import GemmaAssistantDrafter
+
+    target, _ = load_model(Path(target_dir))
+    drafter = GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
+    tok = WordTokenizer(eos)
+    events = list(spec_generate(target, drafter, tok, tok.decode(prompt[0].tolist()),
+                                SpecConfig(gamma=gamma, max_tokens=max_tokens, eos_token_id=eos)))
+    tokens = [e.token_id for e in events if e.kind == "token"]
+    stats = events[-1].stats
+    trace, accepted = [], 0
+    for e in [e for e in events if e.kind == "token"][1:]:
+        if e.from_draft:
+            accepted += 1
+        else:
+            trace.append((gamma, accepted, accepted + 1))
+            accepted = 0
+    if accepted:
+        trace.append((gamma, accepted, accepted))
+    return {"stream.tokens": np.array(tokens, np.int32), "stream.trace": np.array(trace, np.int32).reshape(-1, 3),
+            "stream.stats": np.array([stats.n_drafted, stats.n_accepted, stats.n_target_calls, stats.n_emitted],
+                                     np.int32)}
+
+
+# ---- transformers (torch) ---------------------------------------------------------------------
+
+def hf_draft_steps(drafter_dir: Path, inputs: dict, gamma: int, window_keep: int,
+                   positions: str = "optiq") -> dict:
+    """transformers' assistant drafts `gamma` chained steps from the given inputs (the anchor
+    token/hidden, the donor K/V, the anchor position and the target's scaled embedding table).
+    The sliding donor K/V is cut to the newest `window_keep` entries and step k sits at position
+    P+k ("optiq") or P ("hf"): both set explicitly, since the references differ there."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    drafter = AutoModelForCausalLM.from_pretrained(Path(drafter_dir), dtype=torch.float32,
+                                                   attn_implementation="eager").eval()
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()}
+    k, v = t["in.donor.sliding.k"], t["in.donor.sliding.v"]
+    shared = {"sliding_attention": (k[..., -window_keep:, :], v[..., -window_keep:, :]),
+              "full_attention": (t["in.donor.full.k"], t["in.donor.full.v"])}
+    table, h = t["in.embed_table"], t["in.anchor.hidden"]
+    tok, P = int(inputs["in.anchor.token"][0]), int(inputs["in.position"][0])
+    out = {}
+    with torch.no_grad():
+        for step in range(gamma):
+            pos = P + step if positions == "optiq" else P
+            r = drafter(inputs_embeds=torch.cat([table[tok][None, None], h], dim=-1),
+                        position_ids=torch.tensor([[pos]]), shared_kv_states=shared)
+            lg = r.logits[0, 0]
+            tok, h = int(lg.argmax()), r.last_hidden_state
+            out[f"step{step}.logits"], out[f"step{step}.next_hidden"] = lg.numpy(), h.numpy()
+            out[f"step{step}.token"] = np.array([tok], np.int32)
+    return out

@@ -1,0 +1,280 @@
+"""Gemma-4 "-assistant" drafter (gemma4_assistant / gemma4_unified_assistant) in MLX.
+
+A draft step reads no cache of its own: it takes the target's √B-scaled embedding of the last
+token, a hidden state in the target's space, and the target's donor K/V (last sliding and last
+full attention layer, chronological), and returns (token, logits, next hidden):
+
+    h = pre_projection([e ‖ h_in])                 2B -> D
+    4 Q-only layers over the donor K/V             attention scale 1.0, q_norm then RoPE
+    h = norm(h); logits = head(h)                  centroid head or tied embedding head
+    next_hidden = post_projection(h)               D -> B
+
+Conventions where the two references differ (REFERENCES.md, "Reference deltas") are options:
+`position` is whatever the caller passes (optiq: P+k per draft step, HF: P for every step), and
+`window` picks how the sliding donor K/V is cut: "optiq" attends to the newest W-1 entries,
+"hf" to the newest W+1.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+
+from . import targets
+
+MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
+HEADS = ("centroid", "tied")
+
+
+class DrafterError(ValueError):
+    pass
+
+
+@dataclass
+class ModelArgs:
+    model_type: str
+    backbone_hidden_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    head_dim: int
+    global_head_dim: int
+    layer_types: list[str]
+    sliding_window: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_parameters: dict = field(default_factory=dict)
+    use_ordered_embeddings: bool = False
+    num_centroids: int = 0
+    centroid_intermediate_top_k: int = 0
+    tie_word_embeddings: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: dict, path: Path) -> ModelArgs:
+        if cfg.get("model_type") not in MODEL_TYPES:
+            raise DrafterError(f"{path}: model_type {cfg.get('model_type')!r} is not a Gemma-4 assistant "
+                               f"drafter (expected one of {MODEL_TYPES})")
+        t = cfg["text_config"]
+        return cls(
+            model_type=cfg["model_type"], backbone_hidden_size=cfg["backbone_hidden_size"],
+            hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"],
+            num_hidden_layers=t["num_hidden_layers"], num_attention_heads=t["num_attention_heads"],
+            head_dim=t["head_dim"], global_head_dim=t.get("global_head_dim") or t["head_dim"],
+            layer_types=list(t["layer_types"]), sliding_window=t["sliding_window"],
+            vocab_size=t["vocab_size"], rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+            rope_parameters=t["rope_parameters"],
+            use_ordered_embeddings=bool(cfg.get("use_ordered_embeddings", False)),
+            num_centroids=cfg.get("num_centroids", 0),
+            centroid_intermediate_top_k=cfg.get("centroid_intermediate_top_k", 0),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+        )
+
+
+class RMSNorm(nn.Module):
+    """Gemma-4 RMSNorm: the weight is a raw scale (no +1), computed in fp32."""
+
+    def __init__(self, dims: int, eps: float):
+        super().__init__()
+        self.weight = mx.ones((dims,))
+        self.eps = eps
+
+    def __call__(self, x):
+        return mx.fast.rms_norm(x.astype(mx.float32), self.weight, self.eps).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    """Q-only attention over the target's donor K/V, scale 1.0 (q and k are RMS-normed)."""
+
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        full = layer_type == "full_attention"
+        self.head_dim = args.global_head_dim if full else args.head_dim
+        self.n_heads = args.num_attention_heads
+        self.scale = 1.0
+        self.q_proj = nn.Linear(args.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        rope = dict(args.rope_parameters[layer_type])
+        self.rope = initialize_rope(self.head_dim, traditional=False, base=rope.get("rope_theta", 10000.0),
+                                    scaling_config=rope if rope.get("rope_type") != "default" else None)
+
+    def __call__(self, x, keys, values, position: int, mask=None):
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=position)
+        rep = self.n_heads // keys.shape[1]
+        if rep > 1:
+            keys, values = mx.repeat(keys, rep, axis=1), mx.repeat(values, rep, axis=1)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.gelu_approx(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_type: str):
+        super().__init__()
+        self.layer_type = layer_type
+        self.self_attn = Attention(args, layer_type)
+        self.mlp = MLP(args)
+        eps = args.rms_norm_eps
+        self.input_layernorm = RMSNorm(args.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(args.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps)
+        self.layer_scalar = mx.ones((1,))
+
+    def __call__(self, x, keys, values, position: int, mask=None):
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), keys, values, position, mask))
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h * self.layer_scalar
+
+
+class Inner(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args, t) for t in args.layer_types]
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class MaskedEmbedding(nn.Module):
+    """Centroid head: score the centroids, keep the top-k, score only their tokens."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.centroids = nn.Linear(args.hidden_size, args.num_centroids, bias=False)
+        self.token_ordering = mx.zeros((args.vocab_size,), dtype=mx.int64)
+
+
+@dataclass
+class Step:
+    token: int
+    logits: mx.array        # [V]; centroid head: -1e30 outside the selected candidates
+    next_hidden: mx.array   # [1, 1, B]
+    candidates: mx.array | None = None  # centroid head: the scored token ids
+
+
+class Model(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Inner(args)
+        self.pre_projection = nn.Linear(2 * args.backbone_hidden_size, args.hidden_size, bias=False)
+        self.post_projection = nn.Linear(args.hidden_size, args.backbone_hidden_size, bias=False)
+        if args.use_ordered_embeddings:
+            self.masked_embedding = MaskedEmbedding(args)
+
+    @property
+    def head(self) -> str:
+        return "centroid" if self.args.use_ordered_embeddings else "tied"
+
+    def hidden(self, emb, hidden_in, donors, position: int, window: str = "optiq"):
+        """The final-normed drafter hidden [1, 1, D] of one draft step."""
+        h = self.pre_projection(mx.concatenate([emb, hidden_in], axis=-1))
+        for layer in self.model.layers:
+            k, v = donors[layer.layer_type]
+            mask = None
+            if layer.layer_type == "sliding_attention":
+                k, v = sliding_view(k, v, self.args.sliding_window, window)
+            h = layer(h, k, v, position, mask)
+        return self.model.norm(h)
+
+    def logits(self, h) -> tuple[mx.array, mx.array | None]:
+        a = self.args
+        if not a.use_ordered_embeddings:
+            return self.model.embed_tokens.as_linear(h)[0, 0], None
+        scores = self.masked_embedding.centroids(h)[0, 0]
+        k = a.centroid_intermediate_top_k
+        top = mx.argpartition(-scores, kth=k - 1, axis=-1)[:k]
+        per = a.vocab_size // a.num_centroids
+        cand = self.masked_embedding.token_ordering.reshape(a.num_centroids, per)[top].reshape(-1)
+        cand_logits = (h[0, 0][None, :] * self.model.embed_tokens.weight[cand]).sum(axis=-1)
+        full = mx.full((a.vocab_size,), -1e30, dtype=h.dtype)
+        return mx.put_along_axis(full, cand.astype(mx.int32), cand_logits.astype(full.dtype), axis=-1), cand
+
+    def step(self, emb, hidden_in, donors, position: int, window: str = "optiq") -> Step:
+        h = self.hidden(emb, hidden_in, donors, position, window)
+        logits, cand = self.logits(h)
+        return Step(int(mx.argmax(logits).item()), logits, self.post_projection(h), cand)
+
+
+def sliding_view(k, v, window: int, convention: str | int = "optiq"):
+    """The sliding donor entries one draft query attends to (chronological K/V [1, H, T, D]).
+
+    optiq attends to the newest W-1 (the query stands for the token not yet in the cache, which
+    makes W with it); transformers' assistant attends to the newest W+1 it is given."""
+    keep = {"optiq": window - 1, "hf": window + 1}[convention] if isinstance(convention, str) else convention
+    return k[..., -keep:, :], v[..., -keep:, :]
+
+
+def load(path: str | Path) -> Model:
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    args = ModelArgs.from_config(cfg, path)
+    model = Model(args)
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    if not args.tie_word_embeddings and "lm_head.weight" not in weights:
+        raise DrafterError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight; "
+                           f"unsupported head (supported: {HEADS})")
+    if not args.use_ordered_embeddings and "masked_embedding.centroids.weight" in weights:
+        raise DrafterError(f"{path}: carries a centroid head but use_ordered_embeddings is false; "
+                           "set use_ordered_embeddings in config.json")
+    from mlx.utils import tree_flatten
+
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    missing = sorted(expected - set(weights))
+    if missing:
+        raise DrafterError(f"{path}: missing tensor(s) {missing[:6]}{' …' if len(missing) > 6 else ''}; "
+                           "is this a complete Gemma-4 assistant checkpoint?")
+    model.load_weights([(k, v) for k, v in weights.items() if k in expected], strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def check_pairing(drafter: Model, target) -> None:
+    """A drafter is trained against one backbone: refuse a target it cannot read."""
+    if target.family != "gemma4":
+        raise DrafterError(f"the Gemma-4 assistant drafter needs a Gemma-4 target; {target.path} is "
+                           f"{target.config.get('model_type')!r}")
+    a, c = drafter.args, target.config
+    if a.backbone_hidden_size != c["hidden_size"]:
+        raise DrafterError(f"drafter backbone_hidden_size {a.backbone_hidden_size} != target hidden_size "
+                           f"{c['hidden_size']}: this drafter belongs to another Gemma-4 size")
+    if (a.head_dim, a.global_head_dim) != (c["head_dim"], c["global_head_dim"]):
+        raise DrafterError(f"drafter head dims {(a.head_dim, a.global_head_dim)} != target's "
+                           f"{(c['head_dim'], c['global_head_dim'])}: it cannot read the target's K/V")
+    if a.vocab_size != c["vocab_size"]:
+        raise DrafterError(f"drafter vocab {a.vocab_size} != target vocab {c['vocab_size']}")
+
+
+def draft_chain(drafter: Model, target, donors: dict, token: int, hidden, position: int, n: int,
+                positions: str = "optiq", window: str = "optiq") -> list[Step]:
+    """n draft steps against a frozen donor snapshot. Step 0 reads the last emitted token and the
+    target hidden that predicted it; step k>0 chains the previous draft token and next_hidden.
+    positions: "optiq" = position + k, "hf" = position for every step."""
+    steps = []
+    for k in range(n):
+        emb = targets.embed_scaled(target, mx.array([[token]]))
+        pos = position + k if positions == "optiq" else position
+        s = drafter.step(emb, hidden, donors, pos, window)
+        steps.append(s)
+        token, hidden = s.token, s.next_hidden
+    return steps

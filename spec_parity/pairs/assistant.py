@@ -1,0 +1,215 @@
+"""Pair: the Gemma-4 assistant drafter (port/assistant.py) against optiq (MLX, L1) and
+transformers (torch, L2), on tiny Gemma-4 targets.
+
+Step cases: prefill the target on a prompt that crosses the sliding window, then gamma chained
+draft steps from the anchor (the target's greedy next token and the hidden that predicted it).
+optiq computes everything itself from the same mlx-lm target, so the port must match it
+bit-exactly, donor view included. transformers gets the port's inputs (donor K/V, anchor hidden,
+the scaled embedding table) with position and window set explicitly, so only the drafter is
+compared.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..case import Case
+from ..compare import Result, check_tensor, stream_metrics
+
+NAME = "assistant"
+ORACLE = "optiq"
+
+TARGETS = {
+    "gemma4": {},
+    "gemma4-keqv": {"attention_k_eq_v": True, "num_global_key_value_heads": 1},
+    "gemma4-ple-kvshared": {"hidden_size_per_layer_input": 16, "num_kv_shared_layers": 2,
+                            "use_double_wide_mlp": True},
+}
+HEADS = {
+    "centroid": {},
+    "tied": {"use_ordered_embeddings": False},
+    "unified": {"model_type": "gemma4_unified_assistant", "use_ordered_embeddings": False},
+}
+STEP_PAIRS = [("gemma4", "centroid"), ("gemma4", "tied"), ("gemma4", "unified"),
+              ("gemma4-keqv", "centroid"), ("gemma4-ple-kvshared", "tied")]
+TIER = {"optiq": "L1", "transformers": "L2"}
+
+# Planted bugs the step comparisons must catch (each against both oracles' goldens).
+STEP_CONTROLS = {
+    "scale": "attention scale 1/sqrt(d) instead of 1.0",
+    "position": "draft position off by one",
+    "window": "sliding window off by one (newest W entries instead of W-1)",
+    "donor": "wrong donor layer (the second-to-last sliding layer)",
+    "ordering": "centroid token ordering ignored",
+}
+
+
+def drafter_overrides(target: str, head: str) -> dict:
+    ov = dict(HEADS[head])
+    t = TARGETS[target]
+    if t.get("attention_k_eq_v"):
+        ov["text_config"] = {"attention_k_eq_v": True,
+                             "num_global_key_value_heads": t["num_global_key_value_heads"]}
+    return ov
+
+
+def step_case(target: str, head: str, oracle: str, control: str | None = None) -> Case:
+    name = f"step-{target}-{head}-{oracle}"
+    params = {"prompt_len": 20, "gamma": 4, "drafter": ["gemma4-assistant", 0, drafter_overrides(target, head)]}
+    ctl = None
+    if control:
+        ctl = {"base": name, "what": STEP_CONTROLS[control], "bug": control}
+        name = f"{name}-control-{control}"
+    return Case(NAME, name, TIER[oracle], "gemma4-target", 0, TARGETS[target], params, control=ctl, oracle=oracle)
+
+
+def cases() -> list[Case]:
+    out = [step_case(t, h, o) for o in ("optiq", "transformers") for t, h in STEP_PAIRS]
+    for o in ("optiq", "transformers"):
+        for bug in STEP_CONTROLS:
+            out.append(step_case("gemma4", "centroid", o, bug))
+    return out
+
+
+def oracle_status(oracle: str = ORACLE) -> str | None:
+    from oracles.assistant import status
+
+    return status(oracle)
+
+
+def prompt(case: Case) -> np.ndarray:
+    return np.random.default_rng([case.seed, 11]).integers(3, 128, (1, case.params["prompt_len"])).astype(np.int32)
+
+
+def step_inputs(case: Case, target=None) -> dict[str, np.ndarray]:
+    """The anchor of the first draft round, from the port's target (mlx-lm): what the drafter
+    steps of both sides start from."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from port import targets
+
+    target = target or targets.load(case.checkpoint_dir())
+    caches = make_prompt_cache(target.model)
+    h = target.model.model(mx.array(prompt(case)), cache=caches)[:, -1:, :]
+    token = int(mx.argmax(targets.head(target, h)[0, 0]).item())
+    out = {"in.anchor.token": np.array([token], np.int32), "in.anchor.hidden": np.array(h),
+           "in.position": np.array([caches[0].offset], np.int32),
+           "in.embed_table": np.array(targets.embed_scaled(target, mx.arange(target.config["vocab_size"])[None])[0])}
+    for name, (k, v) in targets.donor_view(target, caches).items():
+        out[f"in.donor.{name.split('_')[0]}.k"], out[f"in.donor.{name.split('_')[0]}.v"] = np.array(k), np.array(v)
+    return out
+
+
+def run_oracle(case: Case):
+    from oracles import assistant as oracle
+
+    name = case.oracle
+    if name == "optiq":
+        arrays = oracle.optiq_draft_steps(case.checkpoint_dir(), case.drafter_dir(), prompt(case), case.params["gamma"])
+    else:
+        inputs = step_inputs(case)
+        arrays = {**inputs, **oracle.hf_draft_steps(case.drafter_dir(), inputs, case.params["gamma"],
+                                                    _window(case) - 1)}
+    return arrays, {"reference": {"name": name, "versions": oracle.versions(name)}}
+
+
+def _window(case: Case) -> int:
+    import json
+
+    return json.loads((case.checkpoint_dir() / "config.json").read_text())["sliding_window"]
+
+
+def run_port(case: Case, ref: dict) -> dict:
+    import mlx.core as mx
+
+    from port import assistant, targets
+
+    target = targets.load(case.checkpoint_dir())
+    drafter = assistant.load(case.drafter_dir())
+    assistant.check_pairing(drafter, target)
+    bug = case.control["bug"] if case.control else None
+    inputs = step_inputs(case, target) if case.oracle == "optiq" else {k: v for k, v in ref.items() if k.startswith("in.")}
+    donors = {f"{n}_attention": (mx.array(inputs[f"in.donor.{n}.k"]), mx.array(inputs[f"in.donor.{n}.v"]))
+              for n in ("sliding", "full")}
+    if bug == "donor":
+        donors["sliding_attention"] = _second_to_last_sliding(case, target)
+    if bug == "scale":
+        for layer in drafter.model.layers:
+            layer.self_attn.scale = layer.self_attn.head_dim ** -0.5
+    if bug == "ordering":
+        drafter.masked_embedding.token_ordering = mx.arange(drafter.args.vocab_size, dtype=mx.int64)
+    position = int(inputs["in.position"][0]) + (1 if bug == "position" else 0)
+    window = drafter.args.sliding_window if bug == "window" else "optiq"
+    steps = assistant.draft_chain(drafter, target, donors, int(inputs["in.anchor.token"][0]),
+                                  mx.array(inputs["in.anchor.hidden"]), position, case.params["gamma"], window=window)
+    k, v = assistant.sliding_view(*donors["sliding_attention"], drafter.args.sliding_window, window)
+    out = {"anchor.token": inputs["in.anchor.token"], "anchor.hidden": inputs["in.anchor.hidden"],
+           "donor.sliding_attention.k": np.array(k), "donor.sliding_attention.v": np.array(v),
+           "donor.full_attention.k": np.array(donors["full_attention"][0]),
+           "donor.full_attention.v": np.array(donors["full_attention"][1])}
+    for i, s in enumerate(steps):
+        out[f"step{i}.logits"], out[f"step{i}.next_hidden"] = np.array(s.logits), np.array(s.next_hidden)
+        out[f"step{i}.token"] = np.array([s.token], np.int32)
+    return out
+
+
+def _second_to_last_sliding(case: Case, target):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(target.model)
+    target.model(mx.array(prompt(case)), cache=caches)
+    owners = [i for i, t in enumerate(target.config["layer_types"][: len(caches)]) if t == "sliding_attention"]
+    c = caches[owners[-2]]
+    k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
+    return k, v
+
+
+def compare(case: Case, port: dict, ref: dict, result: Result) -> None:
+    dt, gamma = case.dtype, case.params["gamma"]
+    if case.oracle == "optiq":
+        for key in ("anchor.token", "anchor.hidden", "donor.sliding_attention.k", "donor.sliding_attention.v",
+                    "donor.full_attention.k", "donor.full_attention.v"):
+            check_tensor(result, key, port[key], ref[key], NAME, key, dt)
+    for i in range(gamma):
+        check_tensor(result, f"step{i}.next_hidden", port[f"step{i}.next_hidden"], ref[f"step{i}.next_hidden"],
+                     NAME, "next_hidden", dt)
+        p, r = port[f"step{i}.logits"], ref[f"step{i}.logits"]
+        if result.tier == "L1":
+            check_tensor(result, f"step{i}.logits", p, r, NAME, "logits", dt)
+        else:
+            _compare_l2_logits(result, f"step{i}.logits", p, r, dt)
+    s = stream_metrics([int(port[f"step{i}.token"][0]) for i in range(gamma)],
+                       [int(ref[f"step{i}.token"][0]) for i in range(gamma)],
+                       np.stack([ref[f"step{i}.logits"] for i in range(gamma)]), dt)
+    result.metrics["draft_tokens"] = s
+    if not s["ok"]:
+        result.fail(f"draft token {s['first_divergence']} differs (port {s.get('port_token')} vs ref {s.get('ref_token')})")
+
+
+def _compare_l2_logits(result: Result, name: str, port: np.ndarray, ref: np.ndarray, dt: str) -> None:
+    """Centroid heads fill non-candidates differently (optiq/port -1e30, transformers min-1): compare
+    the candidate sets, then the logits on them."""
+    port_cand = port > -1e29
+    if port_cand.all():
+        check_tensor(result, name, port, ref, NAME, "logits", dt)
+        return
+    ref_cand = ref > ref.min()
+    if not np.array_equal(port_cand, ref_cand):
+        result.metrics[name + ".candidates"] = {"ok": False, "port_only": np.flatnonzero(port_cand & ~ref_cand)[:8].tolist(),
+                                                "ref_only": np.flatnonzero(ref_cand & ~port_cand)[:8].tolist()}
+        result.fail(f"{name}: centroid candidate sets differ")
+        return
+    check_tensor(result, name, port[port_cand], ref[port_cand], NAME, "logits", dt)
+
+
+def quantities(port: dict, ref: dict) -> dict[str, float]:
+    out = {"logits": 0.0, "next_hidden": 0.0}
+    for k in ref:
+        if k.endswith(".next_hidden"):
+            out["next_hidden"] = max(out["next_hidden"], float(np.abs(port[k] - ref[k]).max()))
+        if k.endswith(".logits"):
+            m = (port[k] > -1e29) & (ref[k] > ref[k].min()) if (port[k] <= -1e29).any() else np.ones_like(port[k], bool)
+            out["logits"] = max(out["logits"], float(np.abs(port[k][m] - ref[k][m]).max()))
+    return out

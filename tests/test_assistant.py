@@ -1,0 +1,88 @@
+"""Gemma-4 assistant drafter: port/assistant.py vs optiq (L1) and transformers (L2).
+
+Every case runs against its golden and against the live reference; each planted bug must fail.
+"""
+
+import mlx.core as mx
+import pytest
+
+from port import assistant, targets
+from spec_parity import checkpoints, harness
+from spec_parity.pairs import assistant as pair
+
+CASES = pair.cases()
+
+
+def _check(case, result):
+    if case.control:
+        assert not result.ok, f"negative control was not caught:\n{result.message()}"
+    else:
+        assert result.ok, result.message()
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_assistant_vs_golden(case):
+    _check(case, harness.evaluate(case, "golden"))
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_assistant_vs_live_reference(case, live_oracle):
+    live_oracle("assistant", case.oracle)
+    _check(case, harness.evaluate(case, "live"))
+
+
+def _load(kind, overrides=None):
+    return checkpoints.build(kind, 0, overrides or {})
+
+
+def test_head_is_chosen_by_tensor_presence():
+    assert assistant.load(_load("gemma4-assistant")).head == "centroid"
+    assert assistant.load(_load("gemma4-assistant", {"use_ordered_embeddings": False})).head == "tied"
+
+
+def test_non_gemma4_target_is_refused_by_name():
+    drafter = assistant.load(_load("gemma4-assistant"))
+    with pytest.raises(assistant.DrafterError, match="needs a Gemma-4 target"):
+        assistant.check_pairing(drafter, targets.load(_load("qwen3-target")))
+
+
+def test_backbone_mismatch_is_refused_by_name():
+    drafter = assistant.load(_load("gemma4-assistant", {"backbone_hidden_size": 32}))
+    with pytest.raises(assistant.DrafterError, match="backbone_hidden_size 32 != target hidden_size 64"):
+        assistant.check_pairing(drafter, targets.load(_load("gemma4-target")))
+
+
+def test_missing_tensor_is_named(tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = _load("gemma4-assistant")
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    t = load_file(str(src / "model.safetensors"))
+    del t["model.layers.2.self_attn.q_norm.weight"]
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(assistant.DrafterError, match=r"missing tensor\(s\) \['model.layers.2.self_attn.q_norm.weight'\]"):
+        assistant.load(tmp_path)
+
+
+def test_unsupported_head_is_named(tmp_path):
+    import json
+    import shutil
+
+    src = _load("gemma4-assistant", {"use_ordered_embeddings": False})
+    shutil.copy(src / "model.safetensors", tmp_path / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["tie_word_embeddings"] = False
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(assistant.DrafterError, match="unsupported head"):
+        assistant.load(tmp_path)
+
+
+def test_sliding_view_conventions():
+    k = mx.arange(20)[None, None, :, None]
+    assert assistant.sliding_view(k, k, 8, "optiq")[0].shape[2] == 7
+    assert assistant.sliding_view(k, k, 8, "hf")[0].shape[2] == 9
+    assert assistant.sliding_view(k, k, 8, "optiq")[0][0, 0, 0, 0].item() == 13
