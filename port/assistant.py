@@ -278,3 +278,51 @@ def draft_chain(drafter: Model, target, donors: dict, token: int, hidden, positi
         steps.append(s)
         token, hidden = s.token, s.next_hidden
     return steps
+
+
+class AssistantSource:
+    """The assistant drafter behind the serve-loop seam. It owns no cache: every draft reads the
+    target's live donor K/V and the anchor hidden, and the loop's cache trim is its rollback."""
+
+    tap_layers = None
+
+    def __init__(self, drafter: Model, view, positions: str = "optiq", window: str | int = "optiq"):
+        check_pairing(drafter, view.target)
+        self.drafter, self.view = drafter, view
+        self.positions, self.window = positions, window
+
+    def prefill(self, prompt_ids, tapped) -> None:
+        pass
+
+    def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
+        # The pending token feed[-1] is not in the cache yet: it sits at position offset.
+        position = self.view.caches[0].offset
+        donors = targets.donor_view(self.view.target, self.view.caches)
+        steps = draft_chain(self.drafter, self.view.target, donors, feed[-1], anchor_hidden, position, n,
+                            self.positions, self.window)
+        return [s.token for s in steps]
+
+    def commit(self, n_drafted: int, accepted: int, tapped) -> None:
+        pass
+
+    def dispose(self) -> None:
+        pass
+
+
+class AssistantProvider:
+    """A loaded assistant drafter; `open` binds it to one request's target view."""
+
+    trained_gamma = None
+
+    def __init__(self, path: str | Path, **options):
+        self.path = Path(path)
+        self.id = self.path.name
+        self.drafter = load(self.path)
+        self.weights_bytes = sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
+        self.options = options
+
+    def open(self, view) -> AssistantSource:
+        return AssistantSource(self.drafter, view, **self.options)
+
+    def dispose(self) -> None:
+        self.drafter = None

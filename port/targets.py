@@ -91,29 +91,30 @@ def embed_scaled(target: Target, tokens: mx.array) -> mx.array:
 
 def head(target: Target, h: mx.array) -> mx.array:
     """Final-normed hidden -> logits (lm head or tied embedding, then the softcap)."""
-    return _head(target, h)
-
-
-def _head(target: Target, h: mx.array) -> mx.array:
     m = target.model
     logits = m.lm_head(h) if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear(h)
     cap = target.config.get("final_logit_softcapping")
     return mx.tanh(logits / cap) * cap if cap else logits
 
 
-def forward(target: Target, ids: mx.array, layer_inputs: list[mx.array] | None = None) -> Trace:
-    """One uncached forward over `ids` [1, T], capturing every layer.
+def forward(target: Target, ids: mx.array, layer_inputs: list[mx.array] | None = None,
+            caches: list | None = None) -> Trace:
+    """One forward over `ids` [1, T], capturing every layer; with `caches` (mlx-lm's, from
+    make_prompt_cache) it appends to them, as a serve loop's prefill and verify do.
 
     With `layer_inputs` (teacher-forced mode) layer i runs on `layer_inputs[i]` instead of the
     previous layer's output, so its error against a reference is its own, not inherited.
+    Donor K/V are read off only in an uncached forward (with caches, see `donor_view`).
     """
     walk = _walk_gemma4 if target.family == "gemma4" else _walk_qwen3
-    hidden, donors = walk(target, ids, layer_inputs)
+    n = len(target.model.model.layers)
+    caches = list(caches) + [None] * (n - len(caches)) if caches is not None else [None] * n
+    hidden, donors = walk(target, ids, layer_inputs, caches)
     final = target.model.model.norm(hidden[-1])
-    return Trace(_head(target, final), hidden, final, donors)
+    return Trace(head(target, final), hidden, final, donors)
 
 
-def _walk_gemma4(target, ids, layer_inputs):
+def _walk_gemma4(target, ids, layer_inputs, caches):
     tm = target.model.model
     emb = tm.embed_tokens(ids)
     h = emb * tm.embed_scale
@@ -121,26 +122,26 @@ def _walk_gemma4(target, ids, layer_inputs):
     if tm.hidden_size_per_layer_input:
         pli = tm._project_per_layer_inputs(h, tm._get_per_layer_inputs(ids, emb))
         per_layer = [pli[:, :, i, :] for i in range(len(tm.layers))]
-    masks = tm._make_masks(h, [None] * len(tm.layers))
+    masks = tm._make_masks(h, caches)
     shared = [(None, None)] * len(tm.layers)
     hidden = [h]
     for i, layer in enumerate(tm.layers):
         x = h if layer_inputs is None else layer_inputs[i]
         kvs, offset = shared[tm.previous_kvs[i]]
-        h, kvs, offset = layer(x, masks[i], None, per_layer_input=per_layer[i], shared_kv=kvs, offset=offset)
+        h, kvs, offset = layer(x, masks[i], caches[i], per_layer_input=per_layer[i], shared_kv=kvs, offset=offset)
         shared[i] = (kvs, offset)
         hidden.append(h)
-    donors = {name: shared[i][0] for name, i in donor_layers(target).items()}
+    donors = {} if caches[0] is not None else {name: shared[i][0] for name, i in donor_layers(target).items()}
     return hidden, donors
 
 
-def _walk_qwen3(target, ids, layer_inputs):
+def _walk_qwen3(target, ids, layer_inputs, caches):
     tm = target.model.model
     h = tm.embed_tokens(ids)
-    mask = create_attention_mask(h, None)
+    mask = create_attention_mask(h, caches[0])
     hidden = [h]
     for i, layer in enumerate(tm.layers):
-        h = layer(h if layer_inputs is None else layer_inputs[i], mask, None)
+        h = layer(h if layer_inputs is None else layer_inputs[i], mask, caches[i])
         hidden.append(h)
     return hidden, {}
 
@@ -150,7 +151,7 @@ def eos_ids(target: Target) -> set[int]:
     return set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
 
 
-def greedy(target: Target, prompt: mx.array, n: int) -> tuple[list[int], mx.array]:
+def greedy(target: Target, prompt: mx.array, n: int, eos: set[int] | None = None) -> tuple[list[int], mx.array]:
     """Plain greedy decoding with mlx-lm's caches (prefill, then one token per call), up to n
     tokens or EOS (kept, as transformers' generate keeps it).
 
@@ -158,7 +159,8 @@ def greedy(target: Target, prompt: mx.array, n: int) -> tuple[list[int], mx.arra
     model = target.model
     cache = make_prompt_cache(model)
     logits = model(prompt, cache=cache)[:, -1, :]
-    tokens, steps, eos = [], [], eos_ids(target)
+    tokens, steps = [], []
+    eos = eos_ids(target) if eos is None else eos
     for _ in range(n):
         steps.append(logits[0])
         tok = mx.argmax(logits, axis=-1)

@@ -57,6 +57,11 @@ _ASSISTANT = "spec-parity measure --module assistant --seeds 5: max |Δ| {} over
 _measured("assistant", "logits", 1e-3, _ASSISTANT.format("3.21e-04"))
 _measured("assistant", "next_hidden", 2e-4, _ASSISTANT.format("5.56e-05"))
 
+# Same framework, different grouping: the serve loop's batched verify rows vs mlx-lm's one-token decode
+# (MLX CPU), logits of every committed token along the shared path, tiny Gemma-4 target.
+_measured("assistant", "path_logits", 6e-4, "spec-parity measure --module assistant --case loop-random-* "
+          "--seeds 5: max |Δ| 1.67e-04 (g1 centroid, g3 centroid, g4 tied)")
+
 # A greedy-stream divergence is excused as a knife-edge only if the reference's top-1/top-2 margin
 # (and the port token's gap to top-1) is below this many ULPs of the dtype at the top-1 logit's
 # magnitude. fp32: cross-framework logit errors measured above reach ~50 ULPs at |logit| ~20, so

@@ -167,7 +167,7 @@ def stream_metrics(port_tokens, ref_tokens, ref_logits, dtype="float32", topk: i
     m["first_divergence"] = d
     m["equal"] = d is None
     m["ok"] = d is None
-    if d is None or d >= len(p) or d >= len(ref_logits):
+    if d is None or d >= min(len(p), len(r), len(ref_logits)):
         return m
     row = np.asarray(ref_logits[d], np.float64)
     order = np.argsort(-row, kind="stable")

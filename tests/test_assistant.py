@@ -86,3 +86,57 @@ def test_sliding_view_conventions():
     assert assistant.sliding_view(k, k, 8, "optiq")[0].shape[2] == 7
     assert assistant.sliding_view(k, k, 8, "hf")[0].shape[2] == 9
     assert assistant.sliding_view(k, k, 8, "optiq")[0][0, 0, 0, 0].item() == 13
+
+
+def test_plain_serve_loop_is_greedy_decoding():
+    from port import serve
+
+    target = targets.load(_load("gemma4-target"))
+    prompt = list(range(3, 15))
+    tokens, stats = serve.generate(target, prompt, 20, None, eos=set())
+    plain, _ = targets.greedy(target, mx.array([prompt]), 20, set())
+    assert tokens == plain and stats.target_calls == 20 and stats.drafted == 0
+
+
+def test_trimmed_rotating_cache_continues_like_a_fresh_one():
+    """Verify 4 past the window, trim the 2 rejected, feed one more: the same logits as a cache
+    that only ever saw the committed tokens."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from port import serve
+
+    target = targets.load(_load("gemma4-target"))
+    seq = list(range(3, 23))
+    a = make_prompt_cache(target.model)
+    targets.forward(target, mx.array([seq[:12]]), caches=a)
+    targets.forward(target, mx.array([seq[12:15] + [99]]), caches=a)
+    serve.trim_caches(a, 2)
+    b = make_prompt_cache(target.model)
+    targets.forward(target, mx.array([seq[:14]]), caches=b)
+    for tok in ([seq[14]], [seq[15], seq[16]], [seq[17]]):
+        la = targets.forward(target, mx.array([tok]), caches=a).logits
+        lb = targets.forward(target, mx.array([tok]), caches=b).logits
+        assert float(mx.abs(la - lb).max()) < 1e-4
+    assert a[0].offset == b[0].offset
+
+
+def test_stats_tau_and_acceptance():
+    from port.serve import Stats
+
+    s = Stats(drafted=8, accepted=3, trace=[(4, 1, 2), (4, 2, 3)])
+    assert s.acceptance == 3 / 8 and s.tau == 2.5
+
+
+def test_untrimmed_cache_is_caught_by_the_same_check():
+    from mlx_lm.models.cache import make_prompt_cache
+
+    target = targets.load(_load("gemma4-target"))
+    seq = list(range(3, 23))
+    a = make_prompt_cache(target.model)
+    targets.forward(target, mx.array([seq[:12]]), caches=a)
+    targets.forward(target, mx.array([seq[12:15] + [99]]), caches=a)
+    b = make_prompt_cache(target.model)
+    targets.forward(target, mx.array([seq[:14]]), caches=b)
+    la = targets.forward(target, mx.array([[seq[14]]]), caches=a).logits
+    lb = targets.forward(target, mx.array([[seq[14]]]), caches=b).logits
+    assert float(mx.abs(la - lb).max()) > 1e-2

@@ -172,3 +172,9 @@ def test_l1_tier_uses_bit_exactness():
     a = np.float32([1.0, 2.0])
     check_tensor(r, "x", a + np.spacing(a), a, "m", "x")
     assert not r.ok
+
+
+def test_longer_port_stream_is_a_divergence_without_a_margin():
+    lg, toks = _logits()
+    m = stream_metrics(np.concatenate([toks, [1]]), toks, lg)
+    assert not m["ok"] and m["first_divergence"] == len(toks) and "ref_margin" not in m

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..case import Case
-from ..compare import Result, check_tensor, stream_metrics
+from ..compare import Result, check_tensor, stream_metrics, trace_metrics
 
 NAME = "assistant"
 ORACLE = "optiq"
@@ -63,11 +63,37 @@ def step_case(target: str, head: str, oracle: str, control: str | None = None) -
     return Case(NAME, name, TIER[oracle], "gemma4-target", 0, TARGETS[target], params, control=ctl, oracle=oracle)
 
 
+# Planted bugs in the serve loop, caught by the loop comparisons against optiq's spec_generate.
+LOOP_CONTROLS = {
+    "trim": ("trim one too few", {"trim_bias": 1}),
+    "eos": ("EOS emitted as content", {"emit_eos": True}),
+}
+
+
+def loop_case(head: str, gamma: int, drafter: str = "random", control: str | None = None, eos: int = -1) -> Case:
+    """eos -1: no stop token, every case runs max_tokens; eos 1 (the config's): ends at EOS."""
+    name = f"loop-{drafter}-{head}-g{gamma}" + ("-eos" if eos >= 0 else "")
+    kind = "gemma4-assistant" if drafter == "random" else "gemma4-assistant-agreeing"
+    target = "gemma4-target" if drafter == "random" else "gemma4-target-agreeing"
+    params = {"loop": True, "prompt_len": 12, "gamma": gamma, "max_tokens": 40, "eos": eos,
+              "drafter": [kind, 0, drafter_overrides("gemma4", head)]}
+    ctl = None
+    if control:
+        what, knobs = LOOP_CONTROLS[control]
+        ctl = {"base": name, "what": what, "bug": control, "knobs": knobs}
+        name = f"{name}-control-{control}"
+    return Case(NAME, name, "L2", target, 0, {}, params, control=ctl, oracle="optiq")
+
+
 def cases() -> list[Case]:
     out = [step_case(t, h, o) for o in ("optiq", "transformers") for t, h in STEP_PAIRS]
     for o in ("optiq", "transformers"):
         for bug in STEP_CONTROLS:
             out.append(step_case("gemma4", "centroid", o, bug))
+    out += [loop_case(h, g) for h in ("centroid", "tied") for g in (1, 2, 3, 4)]
+    out.append(loop_case("centroid", 2, eos=EOS))
+    out.append(loop_case("centroid", 2, control="trim"))
+    out.append(loop_case("centroid", 2, control="eos", eos=EOS))
     return out
 
 
@@ -105,7 +131,10 @@ def run_oracle(case: Case):
     from oracles import assistant as oracle
 
     name = case.oracle
-    if name == "optiq":
+    if case.params.get("loop"):
+        arrays = oracle.optiq_spec_generate(case.checkpoint_dir(), case.drafter_dir(), prompt(case),
+                                            case.params["gamma"], case.params["max_tokens"], case.params["eos"])
+    elif name == "optiq":
         arrays = oracle.optiq_draft_steps(case.checkpoint_dir(), case.drafter_dir(), prompt(case), case.params["gamma"])
     else:
         inputs = step_inputs(case)
@@ -120,7 +149,12 @@ def _window(case: Case) -> int:
     return json.loads((case.checkpoint_dir() / "config.json").read_text())["sliding_window"]
 
 
+EOS = 1
+
+
 def run_port(case: Case, ref: dict) -> dict:
+    if case.params.get("loop"):
+        return run_port_loop(case)
     import mlx.core as mx
 
     from port import assistant, targets
@@ -154,6 +188,61 @@ def run_port(case: Case, ref: dict) -> dict:
     return out
 
 
+def run_port_loop(case: Case) -> dict:
+    """Our serve loop with the AssistantSource, and the target's plain greedy decoding to hold it
+    to: tokens, and the logits row of every committed token along the shared path."""
+    import mlx.core as mx
+
+    from port import assistant, serve, targets
+
+    target = targets.load(case.checkpoint_dir())
+    knobs = case.control["knobs"] if case.control else {}
+    p, n = prompt(case), case.params["max_tokens"]
+    eos = {case.params["eos"]}
+    tokens, stats = serve.generate(target, p[0].tolist(), n, assistant.AssistantProvider(case.drafter_dir()),
+                                   gamma=case.params["gamma"], eos=eos, record=True, **knobs)
+    plain, plain_logits = targets.greedy(target, mx.array(p), n, eos)
+    return {"stream.tokens": np.array(tokens, np.int32), "stream.trace": np.array(stats.trace, np.int32).reshape(-1, 3),
+            "stream.stats": np.array([stats.drafted, stats.accepted, stats.target_calls, stats.emitted], np.int32),
+            "stream.logits": np.array(mx.stack(stats.logits)), "greedy.tokens": np.array(plain, np.int32),
+            "greedy.logits": np.array(plain_logits)}
+
+
+def compare_loop(case: Case, port: dict, ref: dict, result: Result) -> None:
+    """L2 for the loop: our content stream and per-round trace equal optiq's (optiq yields the EOS
+    token as an event; EOS is not content for us), and our stream equals the target's plain greedy
+    stream (lossless) with the logits along the path within budget."""
+    eos = case.params["eos"]
+    ref_tokens = ref["stream.tokens"].tolist()
+    if ref_tokens and ref_tokens[-1] == eos:
+        ref_tokens = ref_tokens[:-1]
+    s = stream_metrics(port["stream.tokens"], ref_tokens, port["greedy.logits"], case.dtype)
+    result.metrics["stream_vs_optiq"] = s
+    if not s["ok"]:
+        result.fail(f"token stream differs from optiq's at {s['first_divergence']} "
+                    f"(port {s.get('port_token')} vs optiq {s.get('ref_token')}; lengths {s['length']})")
+    t = trace_metrics(port["stream.trace"], ref["stream.trace"])
+    result.metrics["trace_vs_optiq"] = t
+    if not t["ok"]:
+        result.fail(f"accept trace differs from optiq's at round {t['first_differing_round']} "
+                    f"(port {t.get('port_round')} vs optiq {t.get('ref_round')})")
+    if not np.array_equal(port["stream.stats"][:3], ref["stream.stats"][:3]):
+        result.fail(f"drafted/accepted/target calls {port['stream.stats'][:3].tolist()} != optiq's "
+                    f"{ref['stream.stats'][:3].tolist()}")
+    plain = port["greedy.tokens"].tolist()
+    plain = plain[:-1] if plain and plain[-1] == eos else plain
+    g = stream_metrics(port["stream.tokens"], plain, port["greedy.logits"], case.dtype)
+    result.metrics["lossless_vs_greedy"] = g
+    if not g["ok"]:
+        result.fail(f"not lossless: diverges from the target's greedy stream at {g['first_divergence']}")
+    n = min(len(port["stream.logits"]), len(port["greedy.logits"]))
+    check_tensor(result, "path_logits_vs_greedy", port["stream.logits"][:n], port["greedy.logits"][:n], NAME,
+                 "path_logits", case.dtype)
+    acc = port["stream.stats"]
+    result.metrics["acceptance"] = {"drafted": int(acc[0]), "accepted": int(acc[1]),
+                                    "rate": float(acc[1] / acc[0]) if acc[0] else 0.0, "ok": True}
+
+
 def _second_to_last_sliding(case: Case, target):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -167,6 +256,8 @@ def _second_to_last_sliding(case: Case, target):
 
 
 def compare(case: Case, port: dict, ref: dict, result: Result) -> None:
+    if case.params.get("loop"):
+        return compare_loop(case, port, ref, result)
     dt, gamma = case.dtype, case.params["gamma"]
     if case.oracle == "optiq":
         for key in ("anchor.token", "anchor.hidden", "donor.sliding_attention.k", "donor.sliding_attention.v",
@@ -205,6 +296,9 @@ def _compare_l2_logits(result: Result, name: str, port: np.ndarray, ref: np.ndar
 
 
 def quantities(port: dict, ref: dict) -> dict[str, float]:
+    if "greedy.logits" in port:
+        n = min(len(port["stream.logits"]), len(port["greedy.logits"]))
+        return {"path_logits": float(np.abs(port["stream.logits"][:n] - port["greedy.logits"][:n]).max())}
     out = {"logits": 0.0, "next_hidden": 0.0}
     for k in ref:
         if k.endswith(".next_hidden"):
