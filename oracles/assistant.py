@@ -110,12 +110,13 @@ def optiq_spec_generate(target_dir: Path, drafter_dir: Path, prompt: np.ndarray,
 
 # ---- transformers (torch) ---------------------------------------------------------------------
 
-def hf_draft_steps(drafter_dir: Path, inputs: dict, gamma: int, window_keep: int,
+def hf_draft_steps(drafter_dir: Path, inputs: dict, gamma: int, window_keep: int | None,
                    positions: str = "optiq") -> dict:
     """transformers' assistant drafts `gamma` chained steps from the given inputs (the anchor
     token/hidden, the donor K/V, the anchor position and the target's scaled embedding table).
-    The sliding donor K/V is cut to the newest `window_keep` entries and step k sits at position
-    P+k ("optiq") or P ("hf"): both set explicitly, since the references differ there."""
+    The sliding donor K/V is cut to the newest `window_keep` entries (None: all, and transformers'
+    own mask picks the newest W+1) and step k sits at position P+k ("optiq") or P ("hf"): both set
+    explicitly, since the references differ there."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
@@ -125,7 +126,8 @@ def hf_draft_steps(drafter_dir: Path, inputs: dict, gamma: int, window_keep: int
                                                    attn_implementation="eager").eval()
     t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in inputs.items()}
     k, v = t["in.donor.sliding.k"], t["in.donor.sliding.v"]
-    shared = {"sliding_attention": (k[..., -window_keep:, :], v[..., -window_keep:, :]),
+    keep = window_keep or k.shape[2]
+    shared = {"sliding_attention": (k[..., -keep:, :], v[..., -keep:, :]),
               "full_attention": (t["in.donor.full.k"], t["in.donor.full.v"])}
     table, h = t["in.embed_table"], t["in.anchor.hidden"]
     tok, P = int(inputs["in.anchor.token"][0]), int(inputs["in.position"][0])
@@ -140,3 +142,39 @@ def hf_draft_steps(drafter_dir: Path, inputs: dict, gamma: int, window_keep: int
             out[f"step{step}.logits"], out[f"step{step}.next_hidden"] = lg.numpy(), h.numpy()
             out[f"step{step}.token"] = np.array([tok], np.int32)
     return out
+
+
+def hf_assisted_generate_record(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_new_tokens: int,
+                                num_assistant_tokens: int) -> dict:
+    """transformers' own assisted generation (generate(assistant_model=...)), with a forward
+    pre-hook recording what each drafter call was fed: the hidden half of inputs_embeds, its
+    position_ids, and the length of the shared K/V it attended to."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    target = AutoModelForCausalLM.from_pretrained(Path(target_dir), dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+    drafter = AutoModelForCausalLM.from_pretrained(Path(drafter_dir), dtype=torch.float32,
+                                                   attn_implementation="eager").eval()
+    drafter.generation_config.num_assistant_tokens = num_assistant_tokens
+    drafter.generation_config.num_assistant_tokens_schedule = "constant"
+    calls = []
+
+    def record(module, args, kwargs):
+        B = kwargs["inputs_embeds"].shape[-1] // 2
+        calls.append({"hidden": kwargs["inputs_embeds"][0, 0, B:].clone(),
+                      "position": int(kwargs["position_ids"][0, 0]),
+                      "kv_len": int(kwargs["shared_kv_states"]["full_attention"][0].shape[2])})
+
+    hook = drafter.register_forward_pre_hook(record, with_kwargs=True)
+    ids = torch.from_numpy(prompt.astype(np.int64))
+    try:
+        with torch.no_grad():
+            seq = target.generate(ids, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+            hs = target(ids, output_hidden_states=True).hidden_states[-1][0]
+    finally:
+        hook.remove()
+    return {"sequence": seq[0].numpy(), "calls": calls, "prompt_final_hidden": hs.numpy()}

@@ -339,3 +339,8 @@ def gemma4_assistant(seed: int, overrides: dict):
         order = np.random.default_rng([seed, zlib.crc32(b"token_ordering")]).permutation(V)
         d.tensors["masked_embedding.token_ordering"] = order.astype(np.int64)
     return c, d.tensors
+
+
+# The agreeing target/drafter kinds (controlled acceptance) live in their own module; importing it
+# registers them.
+from . import agreeing  # noqa: E402,F401

@@ -53,9 +53,19 @@ def drafter_overrides(target: str, head: str) -> dict:
     return ov
 
 
-def step_case(target: str, head: str, oracle: str, control: str | None = None) -> Case:
-    name = f"step-{target}-{head}-{oracle}"
-    params = {"prompt_len": 20, "gamma": 4, "drafter": ["gemma4-assistant", 0, drafter_overrides(target, head)]}
+# Where the references differ (REFERENCES.md "Reference deltas"), the port offers transformers'
+# convention as an option; these cases hold it to transformers under that convention.
+CONVENTIONS = {
+    "optiq": {"positions": "optiq", "window": "optiq"},
+    "hfpos": {"positions": "hf", "window": "optiq"},    # every draft step at position P
+    "hfwin": {"positions": "optiq", "window": "hf"},    # transformers' own sliding mask (newest W+1)
+}
+
+
+def step_case(target: str, head: str, oracle: str, control: str | None = None, convention: str = "optiq") -> Case:
+    name = f"step-{target}-{head}-{oracle}" + ("" if convention == "optiq" else f"-{convention}")
+    params = {"prompt_len": 20, "gamma": 4, "drafter": ["gemma4-assistant", 0, drafter_overrides(target, head)],
+              "convention": convention}
     ctl = None
     if control:
         ctl = {"base": name, "what": STEP_CONTROLS[control], "bug": control}
@@ -87,6 +97,7 @@ def loop_case(head: str, gamma: int, drafter: str = "random", control: str | Non
 
 def cases() -> list[Case]:
     out = [step_case(t, h, o) for o in ("optiq", "transformers") for t, h in STEP_PAIRS]
+    out += [step_case("gemma4", "centroid", "transformers", convention=c) for c in ("hfpos", "hfwin")]
     for o in ("optiq", "transformers"):
         for bug in STEP_CONTROLS:
             out.append(step_case("gemma4", "centroid", o, bug))
@@ -138,8 +149,10 @@ def run_oracle(case: Case):
         arrays = oracle.optiq_draft_steps(case.checkpoint_dir(), case.drafter_dir(), prompt(case), case.params["gamma"])
     else:
         inputs = step_inputs(case)
-        arrays = {**inputs, **oracle.hf_draft_steps(case.drafter_dir(), inputs, case.params["gamma"],
-                                                    _window(case) - 1)}
+        conv = CONVENTIONS[case.params["convention"]]
+        keep = None if conv["window"] == "hf" else _window(case) - 1
+        arrays = {**inputs, **oracle.hf_draft_steps(case.drafter_dir(), inputs, case.params["gamma"], keep,
+                                                    conv["positions"])}
     return arrays, {"reference": {"name": name, "versions": oracle.versions(name)}}
 
 
@@ -173,10 +186,12 @@ def run_port(case: Case, ref: dict) -> dict:
             layer.self_attn.scale = layer.self_attn.head_dim ** -0.5
     if bug == "ordering":
         drafter.masked_embedding.token_ordering = mx.arange(drafter.args.vocab_size, dtype=mx.int64)
+    conv = CONVENTIONS[case.params["convention"]]
     position = int(inputs["in.position"][0]) + (1 if bug == "position" else 0)
-    window = drafter.args.sliding_window if bug == "window" else "optiq"
+    window = drafter.args.sliding_window if bug == "window" else conv["window"]
     steps = assistant.draft_chain(drafter, target, donors, int(inputs["in.anchor.token"][0]),
-                                  mx.array(inputs["in.anchor.hidden"]), position, case.params["gamma"], window=window)
+                                  mx.array(inputs["in.anchor.hidden"]), position, case.params["gamma"],
+                                  positions=conv["positions"], window=window)
     k, v = assistant.sliding_view(*donors["sliding_attention"], drafter.args.sliding_window, window)
     out = {"anchor.token": inputs["in.anchor.token"], "anchor.hidden": inputs["in.anchor.hidden"],
            "donor.sliding_attention.k": np.array(k), "donor.sliding_attention.v": np.array(v),

@@ -1,0 +1,346 @@
+"""Agreeing checkpoints: a Gemma-4 target whose greedy stream is known in advance and a Gemma-4
+assistant drafter that agrees with it on a chosen part of the vocabulary.
+
+Random drafters accept ~0% of their drafts, so only the correction path of a speculative loop
+runs. These two kinds make every accepted length 0..γ happen, in the real on-disk format, with
+numpy only (no training; building both takes well under a second).
+
+Target ("gemma4-target-agreeing"). Greedy decoding walks a permutation f of the vocabulary: the
+special ids 0, 1, 2 are fixed points and the other V-3 ids form one cycle, so EOS (1) never follows
+a normal token. The embedding rows are, in a random orthonormal basis R,
+
+    E[x] = R (alpha u + beta c_x)
+
+with u a constant direction, c_x = e_x for the specials and, for the token at index k of the
+cycle, a harmonic frame c_x = (cos 2pi m_j k/N, sin 2pi m_j k/N)_j / sqrt(P) over P frequencies
+chosen for low coherence. f is then one linear map on the embeddings, S = R Q R^T (Q rotates
+plane j by 2pi m_j/N), and the last layer's MLP computes it exactly: its gate reads only u, so
+gelu(gate) is the same constant for every token and down(gelu(gate) * up(x)) is linear; down is
+solved so that the MLP writes D_F^-1 S E[x] (D_F the final norm weight, which it undoes), with a
+large post-feedforward norm weight so this write dominates the residual. Through the tied head
+the logits are then <E[y], E[f(x)]>: the successor wins by beta^2 (1 - coherence). Every other
+residual write (post-attention and post-feedforward norms, per-layer-input norm) is scaled x0.1;
+all other tensors stay as the random "gemma4-target" kind draws them (norms, q/k norms, layer
+scalars, attention), so the checkpoint is an ordinary Gemma-4 text model.
+
+Caveat: the next token ignores the context, so a stream test on this target cannot see cache or
+context bugs; compare logits / hidden states along the path too.
+
+Assistant ("gemma4-assistant-agreeing"). It proposes h(t) for the token t it is fed, with h = f
+on a subset A of the cycle and h = f(rho(t)) off A (rho a cyclic shift of the non-A tokens, so h
+is a permutation and h(t) != f(t) there). A draft is accepted exactly while the chain stays in A.
+A is laid out along the cycle as runs of lengths 0, 3, 1, 4, 2 (interleaved with filler runs
+near the mean) so every accepted length 0..4 and full accepts occur within any ~40 tokens.
+The drafter is built from the same target embedding (recomputed from `target_seed`):
+pre_projection's embedding half maps sqrt(H) E[t] to D_n^-1 phi(t), where phi(t) = R_d P_sel E0[t]
+keeps 16 of the target's frequency planes (including m = 1) in a random drafter basis R_d, and
+D_n is the drafter's final norm weight (undone); the hidden half is small. Its four layers write
+x0.1 (post norms), so the final hidden is ~phi(t). The drafter's own embedding (its head) has row
+E_d[h(t)] = sigma phi(t), so the head's argmax is h(t). Centroid head: cluster c holds the 16
+tokens y whose preimage h^-1(y) lies on the c-th arc of the cycle; its centroid is the arc's mean
+direction in the m = 1 plane, so the right cluster is always among the top 2 of 8.
+
+`agreement(seed, agree_frac, vocab_size)` gives f, h and A for tests that want the expected
+acceptance.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .checkpoints import gemma4_assistant, gemma4_target, kind
+
+SPECIALS = 3                 # ids 0 (pad), 1 (eos), 2 (bos): fixed points of f and h
+ALPHA2 = 0.1                 # share of |E[x]|^2 on the constant direction u
+EMBED_NORM = 4.0             # |E[x]|: the residual stream starts at rms EMBED_NORM
+WRITE_SCALE = 0.1            # post-attention / post-feedforward norm weights x this
+TARGET_LOGIT = 16.0          # ~ the successor's raw logit (before the softcap)
+LAST_WRITE = (20.0, 60.0)    # the last layer's post-feedforward norm weight, uniform
+GATE = (2.0, 3.0)            # the last MLP's (constant) gate pre-activations, uniform
+DRAFT_RMS = 4.0              # rms of the drafter's residual after pre_projection
+DRAFT_ROW = 2.0              # |E_d[y]| of the drafter's head rows
+HIDDEN_GAIN = 0.05           # gain of pre_projection's hidden half
+LADDER = (0, 3, 1, 4, 2)     # run lengths of A laid along the cycle, repeated
+LADDER_EVERY = 25            # about one ladder per this many cycle positions
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(("agreeing/" + name).encode())])
+
+
+def _orthogonal(rng: np.random.Generator, n: int, m: int | None = None) -> np.ndarray:
+    """n x m (default n x n) with orthonormal columns, sign-fixed so it is a function of rng."""
+    q, r = np.linalg.qr(rng.standard_normal((n, m or n)))
+    return q * np.sign(np.diag(r))
+
+
+def _coherence(cos_table: np.ndarray, freqs) -> float:
+    return float(cos_table[list(freqs)].mean(axis=0)[1:].max())
+
+
+@lru_cache(maxsize=None)
+def frequencies(n: int, planes: int, pool: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """`planes` frequencies (always including 1) from `pool` (default 1..(n-1)//2) whose harmonic
+    frame on n points has low max coherence max_{d!=0} mean_j cos(2pi m_j d/n). Deterministic
+    (fixed search seed), independent of the checkpoint seed."""
+    pool = tuple(pool or range(1, (n - 1) // 2 + 1))
+    if planes > len(pool) or 1 not in pool:
+        raise ValueError(f"cannot pick {planes} frequencies (with 1) from {len(pool)} on a cycle of {n}")
+    d = np.arange(n)
+    table = {m: np.cos(2 * np.pi * m * d / n) for m in pool}
+    cos = np.zeros((max(pool) + 1, n))
+    for m, row in table.items():
+        cos[m] = row
+    rng = np.random.default_rng(20240601)
+    others = [m for m in pool if m != 1]
+    best, best_c = None, np.inf
+    for _ in range(8):
+        cur = [1] + list(rng.choice(others, planes - 1, replace=False))
+        c = _coherence(cos, cur)
+        improved = True
+        while improved:                      # best single swap until none helps
+            improved = False
+            total = cos[cur].sum(axis=0)
+            outside = [m for m in pool if m not in cur]
+            for i in range(1, planes):
+                trial = (total - cos[cur[i]])[None, :] + cos[outside]
+                scores = trial[:, 1:].max(axis=1) / planes
+                j = int(np.argmin(scores))
+                if scores[j] < c - 1e-12:
+                    cur[i], c, improved = outside[j], float(scores[j]), True
+                    total = cos[cur].sum(axis=0)
+                    outside = [m for m in pool if m not in cur]
+        if c < best_c:
+            best, best_c = sorted(cur), c
+    return tuple(int(m) for m in best)
+
+
+@dataclass
+class Frame:
+    """The agreeing target's token geometry (float64)."""
+    f: np.ndarray          # [V] successor permutation
+    order: np.ndarray      # [N] the cycle: f(order[k]) = order[k+1]
+    index: np.ndarray      # [V] cycle index of each token (-1 for specials)
+    freqs: tuple           # frequencies of the planes
+    E0: np.ndarray         # [V, H] embedding rows in the frame basis
+    R: np.ndarray          # [H, H] E = E0 @ R.T
+    Q: np.ndarray          # [H, H] successor map in the frame basis: E0[f(x)] = Q E0[x]
+
+    @property
+    def E(self) -> np.ndarray:
+        return self.E0 @ self.R.T
+
+    @property
+    def S(self) -> np.ndarray:
+        return self.R @ self.Q @ self.R.T
+
+    @property
+    def u(self) -> np.ndarray:
+        return self.R[:, SPECIALS]
+
+
+def target_frame(seed: int, vocab_size: int, hidden_size: int) -> Frame:
+    """Everything about the agreeing target that its drafter needs too: depends on (seed, V, H)."""
+    V, H = vocab_size, hidden_size
+    N, P = V - SPECIALS, (hidden_size - SPECIALS - 1) // 2
+    if N < 3 or P < 2:
+        raise ValueError(f"vocab {V} / hidden {H} too small for an agreeing target")
+    freqs = frequencies(N, P)
+    order = SPECIALS + _rng(seed, "cycle").permutation(N)
+    f = np.arange(V)
+    f[order] = np.roll(order, -1)
+    index = np.full(V, -1)
+    index[order] = np.arange(N)
+    alpha, beta = EMBED_NORM * math.sqrt(ALPHA2), EMBED_NORM * math.sqrt(1 - ALPHA2)
+    E0 = np.zeros((V, H))
+    E0[:SPECIALS, :SPECIALS] = beta * np.eye(SPECIALS)
+    E0[:, SPECIALS] = alpha
+    Q = np.eye(H)
+    angle = 2 * np.pi * np.outer(np.arange(N), freqs) / N            # [N, P]
+    cols = SPECIALS + 1 + 2 * np.arange(P)
+    E0[np.ix_(order, cols)] = beta * np.cos(angle) / math.sqrt(P)
+    E0[np.ix_(order, cols + 1)] = beta * np.sin(angle) / math.sqrt(P)
+    for j, m in enumerate(freqs):
+        c, s = math.cos(2 * math.pi * m / N), math.sin(2 * math.pi * m / N)
+        a, b = cols[j], cols[j] + 1
+        Q[a, a], Q[a, b], Q[b, a], Q[b, b] = c, -s, s, c
+    R = _orthogonal(_rng(seed, "basis"), H)
+    return Frame(f, order, index, freqs, E0, R, Q)
+
+
+def _runs(n: int, n_in: int) -> list[int]:
+    """Lengths of the runs of A between the n - n_in tokens outside it: ladders of LADDER
+    interleaved evenly with filler runs near the mean."""
+    n_out = n - n_in
+    if n_out == 0:
+        return []
+    L, ls = len(LADDER), sum(LADDER)
+    fit = min(n_in // ls, n_out // L)
+    if fit and n_in - fit * ls > 0 and n_out - fit * L == 0:
+        fit -= 1                                    # leave a filler run for the remainder
+    ladders = min(fit, max(1, math.ceil(n / LADDER_EVERY)))
+    rest, tot = n_out - L * ladders, n_in - ls * ladders
+    fill = [tot // rest + ((i + 1) * (tot % rest) // rest - i * (tot % rest) // rest)
+            for i in range(rest)] if rest else []
+    lad = list(LADDER) * ladders
+    runs, i, j = [], 0, 0
+    while i < len(lad) or j < len(fill):
+        if j >= len(fill) or (i < len(lad) and i * len(fill) <= j * len(lad)):
+            runs.append(lad[i])
+            i += 1
+        else:
+            runs.append(fill[j])
+            j += 1
+    assert sum(runs) == n_in and len(runs) == n_out
+    return runs
+
+
+@dataclass
+class Agreement:
+    f: np.ndarray          # [V] the target's successor
+    h: np.ndarray          # [V] the drafter's proposal
+    agree: np.ndarray      # [V] bool: h == f here (specials included)
+    frame: Frame
+
+
+def agreement(seed: int, agree_frac: float, vocab_size: int = 128, hidden_size: int = 64) -> Agreement:
+    """f, h and the agreeing set for the agreeing pair built with this (target) seed."""
+    fr = target_frame(seed, vocab_size, hidden_size)
+    N = len(fr.order)
+    if not 0.0 <= agree_frac <= 1.0:
+        raise ValueError(f"agree_frac {agree_frac} is not in [0, 1]")
+    n_in = round(agree_frac * N)
+    if N - n_in == 1:
+        raise ValueError(f"agree_frac {agree_frac} leaves one token outside the agreeing set; a "
+                         "permutation cannot disagree on exactly one token")
+    inside = np.ones(N, bool)
+    pos = 0
+    for r in _runs(N, n_in):
+        inside[pos] = False
+        pos += 1 + r
+    inside = np.roll(inside, int(_rng(seed, "agree-offset").integers(N)))
+    agree = np.ones(vocab_size, bool)
+    agree[fr.order] = inside
+    h = fr.f.copy()
+    out = fr.order[~inside]                          # cycle order
+    h[out] = fr.f[np.roll(out, -1)]
+    return Agreement(fr.f, h, agree, fr)
+
+
+@kind("gemma4-target-agreeing")
+def gemma4_target_agreeing(seed: int, overrides: dict):
+    """Gemma-4 target whose greedy stream walks a known permutation (see the module docstring).
+    Takes the "gemma4-target" overrides (e.g. attention_k_eq_v, per-layer inputs)."""
+    c, t = gemma4_target(seed, overrides)
+    H, V, L = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
+    fr = target_frame(seed, V, H)
+    f32, f64 = np.float32, lambda a: np.asarray(a, np.float64)
+    E = fr.E
+    t["model.embed_tokens.weight"] = E.astype(f32)
+    if not c["tie_word_embeddings"]:
+        t["lm_head.weight"] = E.astype(f32)
+    # Final norm weight sets the logit scale: successor logit ~ 8 |E| mean(w_F) ~ TARGET_LOGIT.
+    w_mean = TARGET_LOGIT / (math.sqrt(H) * EMBED_NORM)
+    t["model.norm.weight"] = _rng(seed, "final-norm").uniform(0.5 * w_mean, 1.5 * w_mean, H).astype(f32)
+    last = L - 1
+    for i in range(L):
+        p = f"model.layers.{i}."
+        names = ["post_attention_layernorm", "post_per_layer_input_norm"] + (
+            ["post_feedforward_layernorm"] if i != last else [])
+        for n in names:
+            if p + n + ".weight" in t:
+                t[p + n + ".weight"] = (t[p + n + ".weight"] * f32(WRITE_SCALE)).astype(f32)
+    p = f"model.layers.{last}."
+    inter = t[p + "mlp.up_proj.weight"].shape[0]
+    w_pre = f64(t[p + "pre_feedforward_layernorm.weight"])
+    w_out = _rng(seed, "last-write").uniform(*LAST_WRITE, H).astype(f32)
+    t[p + "post_feedforward_layernorm.weight"] = w_out
+    w_fin = f64(t["model.norm.weight"])
+    # Input to the last MLP: w_pre * n, n = rms-normed residual ~ sqrt(H) E[x] / |E|.
+    # gate_j = gamma_j <u, n> |E| / (sqrt(H) alpha) = gamma_j: the same for every token.
+    gamma = _rng(seed, "gate").uniform(*GATE, inter)
+    alpha = EMBED_NORM * math.sqrt(ALPHA2)
+    gate = np.outer(gamma, fr.u / w_pre) * EMBED_NORM / (math.sqrt(H) * alpha)
+    act = 0.5 * gamma * (1 + np.tanh(math.sqrt(2 / math.pi) * (gamma + 0.044715 * gamma ** 3)))
+    up = _orthogonal(_rng(seed, "up"), inter, H) * math.sqrt(inter / H)     # up.T @ up = inter/H
+    # down @ diag(act) @ up = D_out^-1 D_fin^-1 S D_pre^-1, so MLP(w_pre * n) = D_out^-1 D_fin^-1 S n
+    # and the post-feedforward norm writes ~ D_fin^-1 E[f(x)] (its own weight undone).
+    target_map = (fr.S / w_pre[None, :]) / (f64(w_out) * w_fin)[:, None]
+    down = target_map @ up.T / (inter / H) / act[None, :]
+    t[p + "mlp.gate_proj.weight"] = gate.astype(f32)
+    t[p + "mlp.up_proj.weight"] = up.astype(f32)
+    t[p + "mlp.down_proj.weight"] = down.astype(f32)
+    return c, t
+
+
+@kind("gemma4-assistant-agreeing")
+def gemma4_assistant_agreeing(seed: int, overrides: dict):
+    """Gemma-4 assistant drafter for "gemma4-target-agreeing" built with seed `target_seed`
+    (default: this seed): proposes f(t) on a share `agree_frac` (default 0.6) of the cycle and a
+    wrong token elsewhere. Takes the "gemma4-assistant" overrides (head, unified type, ...)."""
+    ov = dict(overrides)
+    agree_frac = float(ov.pop("agree_frac", 0.6))
+    target_seed = int(ov.pop("target_seed", seed))
+    c, t = gemma4_assistant(seed, ov)
+    tc = c["text_config"]
+    B, D, V = c["backbone_hidden_size"], tc["hidden_size"], tc["vocab_size"]
+    ag = agreement(target_seed, agree_frac, V, B)
+    fr = ag.frame
+    N = len(fr.order)
+    P = len(fr.freqs)
+    if D % 2 or D // 2 > P:
+        raise ValueError(f"drafter hidden {D} must be even and at most 2 x {P} (the target's planes)")
+    f32, f64 = np.float32, lambda a: np.asarray(a, np.float64)
+    sub = frequencies(N, D // 2, fr.freqs)
+    planes = [fr.freqs.index(m) for m in sub]
+    cols = np.array([SPECIALS + 1 + 2 * j + e for j in planes for e in (0, 1)])
+    R_d = _orthogonal(_rng(seed, "drafter-basis"), D)
+    select = np.zeros((D, B))
+    select[np.arange(D), cols] = 1.0
+    proj = R_d @ select                          # phi(t) = proj @ E0[t]
+    phi = fr.E0 @ proj.T                         # [V, D], zero rows for the specials
+    phi_norm = float(np.linalg.norm(phi[fr.order[0]]))
+    # pre_projection: [sqrt(B) E[t] | h_in] -> D_n^-1 phi(t), scaled to rms DRAFT_RMS.
+    w_n = f64(t["model.norm.weight"])
+    scale = DRAFT_RMS * math.sqrt(D) / phi_norm
+    emb_half = (scale / math.sqrt(B)) * (proj @ fr.R.T) / w_n[:, None]
+    hid_half = _rng(seed, "hidden-half").standard_normal((D, B)) * HIDDEN_GAIN / math.sqrt(B)
+    t["pre_projection.weight"] = np.concatenate([emb_half, hid_half], axis=1).astype(f32)
+    # The head: E_d[h(t)] = DRAFT_ROW phi(t) / |phi|; specials (never fed, never right) get small
+    # random rows.
+    rows = _rng(seed, "special-rows").standard_normal((V, D)) * (0.1 * DRAFT_ROW / math.sqrt(D))
+    rows[ag.h[fr.order]] = DRAFT_ROW * phi[fr.order] / phi_norm
+    t["model.embed_tokens.weight"] = rows.astype(f32)
+    for i in range(tc["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        for n in ("post_attention_layernorm", "post_feedforward_layernorm"):
+            t[p + n + ".weight"] = (t[p + n + ".weight"] * f32(WRITE_SCALE)).astype(f32)
+    if c["use_ordered_embeddings"]:
+        K = c["num_centroids"]
+        per = V // K
+        # Cluster by the preimage's position on the cycle: arcs of `per` tokens (specials last).
+        pre_index = np.full(V, N + np.arange(V))      # specials sort after the cycle
+        pre_index[ag.h[fr.order]] = np.arange(N)       # y = h(order[k]) has preimage index k
+        by_arc = np.argsort(pre_index, kind="stable")
+        clusters = by_arc.reshape(K, per)
+        shuffle = _rng(seed, "cluster-order")
+        order = np.concatenate([shuffle.permutation(cl) for cl in clusters])
+        t["masked_embedding.token_ordering"] = order.astype(np.int64)
+        # Centroid: the arc's mean direction in the m = 1 plane (first selected plane pair).
+        one = SPECIALS + 1 + 2 * fr.freqs.index(1)
+        cent = np.zeros((K, D))
+        for ci, cl in enumerate(clusters):
+            k = pre_index[cl]
+            k = k[k < N]
+            ang = 2 * np.pi * k / N
+            v = np.zeros(B)
+            v[one], v[one + 1] = np.cos(ang).sum(), np.sin(ang).sum()
+            v = proj @ v
+            cent[ci] = DRAFT_ROW * v / np.linalg.norm(v)
+        t["masked_embedding.centroids.weight"] = cent.astype(f32)
+    return c, t
