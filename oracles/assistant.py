@@ -32,9 +32,18 @@ def versions(oracle: str) -> dict[str, str]:
 
 # ---- optiq (MLX) ----------------------------------------------------------------------------
 
-def optiq_draft_steps(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int) -> dict:
+def _np(a) -> np.ndarray:
+    """MLX -> numpy; bf16 goes through fp32, which holds every bf16 value exactly."""
+    import mlx.core as mx
+
+    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+
+
+def optiq_draft_steps(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int,
+                      dtype: str = "float32") -> dict:
     """Prefill the mlx-lm target with optiq's helpers, then gamma drafter steps as optiq's
-    spec_generate drafts them (donor view from `extract_typed_kv`, position P+k, chained)."""
+    spec_generate drafts them (donor view from `extract_typed_kv`, position P+k, chained).
+    dtype "bfloat16" casts both models' floating weights, as a bf16 deployment would."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
@@ -44,24 +53,27 @@ def optiq_draft_steps(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, g
 
     target, _ = load_model(Path(target_dir))
     drafter = GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
+    if dtype != "float32":
+        target.set_dtype(getattr(mx, dtype))
+        drafter.set_dtype(getattr(mx, dtype))
     caches = make_prompt_cache(target)
     hidden, logits = runtime._target_step(target, mx.array(prompt), caches)
     token = runtime._greedy(logits)
     h = hidden[:, -1:, :]
     position = caches[0].offset
     shared = extract_typed_kv(target, caches)
-    out = {"anchor.token": np.array([token], np.int32), "anchor.hidden": np.array(h),
+    out = {"anchor.token": np.array([token], np.int32), "anchor.hidden": _np(h),
            "position": np.array([position], np.int32)}
     for name, (k, v) in shared.items():
-        out[f"donor.{name}.k"], out[f"donor.{name}.v"] = np.array(k), np.array(v)
+        out[f"donor.{name}.k"], out[f"donor.{name}.v"] = _np(k), _np(v)
     tok = token
     for k in range(gamma):
         emb = runtime._target_embed(target, tok)
         if k == 0:
-            out["anchor.emb"] = np.array(emb)
+            out["anchor.emb"] = _np(emb)
         lg, h = drafter.forward(last_token_emb=emb, target_hidden=h, shared_kv=shared, position=position + k)
         tok = int(mx.argmax(lg))
-        out[f"step{k}.logits"], out[f"step{k}.next_hidden"] = np.array(lg), np.array(h)
+        out[f"step{k}.logits"], out[f"step{k}.next_hidden"] = _np(lg), _np(h)
         out[f"step{k}.token"] = np.array([tok], np.int32)
     return out
 

@@ -223,7 +223,7 @@ def sliding_view(k, v, window: int, convention: str | int = "optiq"):
     return k[..., -keep:, :], v[..., -keep:, :]
 
 
-def load(path: str | Path) -> Model:
+def load(path: str | Path, dtype: mx.Dtype | None = None) -> Model:
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_config(cfg, path)
@@ -245,6 +245,8 @@ def load(path: str | Path) -> Model:
         raise DrafterError(f"{path}: missing tensor(s) {missing[:6]}{' …' if len(missing) > 6 else ''}; "
                            "is this a complete Gemma-4 assistant checkpoint?")
     model.load_weights([(k, v) for k, v in weights.items() if k in expected], strict=True)
+    if dtype is not None:
+        model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
 

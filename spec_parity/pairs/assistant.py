@@ -62,15 +62,18 @@ CONVENTIONS = {
 }
 
 
-def step_case(target: str, head: str, oracle: str, control: str | None = None, convention: str = "optiq") -> Case:
-    name = f"step-{target}-{head}-{oracle}" + ("" if convention == "optiq" else f"-{convention}")
+def step_case(target: str, head: str, oracle: str, control: str | None = None, convention: str = "optiq",
+              dtype: str = "float32") -> Case:
+    name = (f"step-{target}-{head}-{oracle}" + ("" if convention == "optiq" else f"-{convention}")
+            + ("" if dtype == "float32" else "-bf16"))
     params = {"prompt_len": 20, "gamma": 4, "drafter": ["gemma4-assistant", 0, drafter_overrides(target, head)],
               "convention": convention}
     ctl = None
     if control:
         ctl = {"base": name, "what": STEP_CONTROLS[control], "bug": control}
         name = f"{name}-control-{control}"
-    return Case(NAME, name, TIER[oracle], "gemma4-target", 0, TARGETS[target], params, control=ctl, oracle=oracle)
+    return Case(NAME, name, TIER[oracle], "gemma4-target", 0, TARGETS[target], params, dtype=dtype,
+                control=ctl, oracle=oracle)
 
 
 # Planted bugs in the serve loop, caught by the loop comparisons against optiq's spec_generate.
@@ -98,6 +101,7 @@ def loop_case(head: str, gamma: int, drafter: str = "random", control: str | Non
 def cases() -> list[Case]:
     out = [step_case(t, h, o) for o in ("optiq", "transformers") for t, h in STEP_PAIRS]
     out += [step_case("gemma4", "centroid", "transformers", convention=c) for c in ("hfpos", "hfwin")]
+    out += [step_case("gemma4", h, "optiq", dtype="bfloat16") for h in ("centroid", "tied")]
     for o in ("optiq", "transformers"):
         for bug in STEP_CONTROLS:
             out.append(step_case("gemma4", "centroid", o, bug))
@@ -118,6 +122,12 @@ def prompt(case: Case) -> np.ndarray:
     return np.random.default_rng([case.seed, 11]).integers(3, 128, (1, case.params["prompt_len"])).astype(np.int32)
 
 
+def _np(a) -> np.ndarray:
+    import mlx.core as mx
+
+    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+
+
 def step_inputs(case: Case, target=None) -> dict[str, np.ndarray]:
     """The anchor of the first draft round, from the port's target (mlx-lm): what the drafter
     steps of both sides start from."""
@@ -126,16 +136,22 @@ def step_inputs(case: Case, target=None) -> dict[str, np.ndarray]:
 
     from port import targets
 
-    target = target or targets.load(case.checkpoint_dir())
+    target = target or targets.load(case.checkpoint_dir(), _dtype(case))
     caches = make_prompt_cache(target.model)
     h = target.model.model(mx.array(prompt(case)), cache=caches)[:, -1:, :]
     token = int(mx.argmax(targets.head(target, h)[0, 0]).item())
-    out = {"in.anchor.token": np.array([token], np.int32), "in.anchor.hidden": np.array(h),
+    out = {"in.anchor.token": np.array([token], np.int32), "in.anchor.hidden": _np(h),
            "in.position": np.array([caches[0].offset], np.int32),
-           "in.embed_table": np.array(targets.embed_scaled(target, mx.arange(target.config["vocab_size"])[None])[0])}
+           "in.embed_table": _np(targets.embed_scaled(target, mx.arange(target.config["vocab_size"])[None])[0])}
     for name, (k, v) in targets.donor_view(target, caches).items():
-        out[f"in.donor.{name.split('_')[0]}.k"], out[f"in.donor.{name.split('_')[0]}.v"] = np.array(k), np.array(v)
+        out[f"in.donor.{name.split('_')[0]}.k"], out[f"in.donor.{name.split('_')[0]}.v"] = _np(k), _np(v)
     return out
+
+
+def _dtype(case: Case):
+    import mlx.core as mx
+
+    return getattr(mx, case.dtype)
 
 
 def run_oracle(case: Case):
@@ -146,7 +162,8 @@ def run_oracle(case: Case):
         arrays = oracle.optiq_spec_generate(case.checkpoint_dir(), case.drafter_dir(), prompt(case),
                                             case.params["gamma"], case.params["max_tokens"], case.params["eos"])
     elif name == "optiq":
-        arrays = oracle.optiq_draft_steps(case.checkpoint_dir(), case.drafter_dir(), prompt(case), case.params["gamma"])
+        arrays = oracle.optiq_draft_steps(case.checkpoint_dir(), case.drafter_dir(), prompt(case), case.params["gamma"],
+                                          case.dtype)
     else:
         inputs = step_inputs(case)
         conv = CONVENTIONS[case.params["convention"]]
@@ -172,12 +189,13 @@ def run_port(case: Case, ref: dict) -> dict:
 
     from port import assistant, targets
 
-    target = targets.load(case.checkpoint_dir())
-    drafter = assistant.load(case.drafter_dir())
+    target = targets.load(case.checkpoint_dir(), _dtype(case))
+    drafter = assistant.load(case.drafter_dir(), _dtype(case))
     assistant.check_pairing(drafter, target)
     bug = case.control["bug"] if case.control else None
     inputs = step_inputs(case, target) if case.oracle == "optiq" else {k: v for k, v in ref.items() if k.startswith("in.")}
-    donors = {f"{n}_attention": (mx.array(inputs[f"in.donor.{n}.k"]), mx.array(inputs[f"in.donor.{n}.v"]))
+    dt = _dtype(case)
+    donors = {f"{n}_attention": (mx.array(inputs[f"in.donor.{n}.k"]).astype(dt), mx.array(inputs[f"in.donor.{n}.v"]).astype(dt))
               for n in ("sliding", "full")}
     if bug == "donor":
         donors["sliding_attention"] = _second_to_last_sliding(case, target)
@@ -190,15 +208,15 @@ def run_port(case: Case, ref: dict) -> dict:
     position = int(inputs["in.position"][0]) + (1 if bug == "position" else 0)
     window = drafter.args.sliding_window if bug == "window" else conv["window"]
     steps = assistant.draft_chain(drafter, target, donors, int(inputs["in.anchor.token"][0]),
-                                  mx.array(inputs["in.anchor.hidden"]), position, case.params["gamma"],
+                                  mx.array(inputs["in.anchor.hidden"]).astype(dt), position, case.params["gamma"],
                                   positions=conv["positions"], window=window)
     k, v = assistant.sliding_view(*donors["sliding_attention"], drafter.args.sliding_window, window)
     out = {"anchor.token": inputs["in.anchor.token"], "anchor.hidden": inputs["in.anchor.hidden"],
-           "donor.sliding_attention.k": np.array(k), "donor.sliding_attention.v": np.array(v),
-           "donor.full_attention.k": np.array(donors["full_attention"][0]),
-           "donor.full_attention.v": np.array(donors["full_attention"][1])}
+           "donor.sliding_attention.k": _np(k), "donor.sliding_attention.v": _np(v),
+           "donor.full_attention.k": _np(donors["full_attention"][0]),
+           "donor.full_attention.v": _np(donors["full_attention"][1])}
     for i, s in enumerate(steps):
-        out[f"step{i}.logits"], out[f"step{i}.next_hidden"] = np.array(s.logits), np.array(s.next_hidden)
+        out[f"step{i}.logits"], out[f"step{i}.next_hidden"] = _np(s.logits), _np(s.next_hidden)
         out[f"step{i}.token"] = np.array([s.token], np.int32)
     return out
 
