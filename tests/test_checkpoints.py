@@ -12,12 +12,17 @@ from spec_parity import checkpoints
 from spec_parity.pairs.targets import GEMMA4
 
 VARIANTS = [("gemma4-target", ov) for ov in GEMMA4.values()] + [("qwen3-target", {})]
+TARGETS = VARIANTS + [("gemma4-target-agreeing", {})]
+DRAFTERS = [("gemma4-assistant", {}), ("gemma4-assistant", {"use_ordered_embeddings": False}),
+            ("gemma4-assistant", {"model_type": "gemma4_unified_assistant", "use_ordered_embeddings": False}),
+            ("gemma4-assistant-agreeing", {}), ("gemma4-assistant-agreeing", {"use_ordered_embeddings": False})]
 
 
-def test_same_arguments_same_bytes_in_another_process(tmp_path):
-    here = checkpoints.checkpoint_hash(checkpoints.build("gemma4-target", 3, {}, root=tmp_path / "a"))
+@pytest.mark.parametrize("kind", ["gemma4-target", "gemma4-target-agreeing", "gemma4-assistant-agreeing"])
+def test_same_arguments_same_bytes_in_another_process(kind, tmp_path):
+    here = checkpoints.checkpoint_hash(checkpoints.build(kind, 3, {}, root=tmp_path / "a"))
     code = ("import sys; from pathlib import Path; from spec_parity import checkpoints as c; "
-            "print(c.checkpoint_hash(c.build('gemma4-target', 3, {}, root=Path(sys.argv[1]))))")
+            f"print(c.checkpoint_hash(c.build('{kind}', 3, {{}}, root=Path(sys.argv[1]))))")
     there = subprocess.run([sys.executable, "-c", code, str(tmp_path / "b")], capture_output=True, text=True,
                            check=True).stdout.strip()
     assert here == there
@@ -51,7 +56,7 @@ def test_norms_and_layer_scalars_are_randomized(tmp_path):
         assert len(set(t[name].tolist())) == t[name].size and (t[name] != 1).all(), name
 
 
-@pytest.mark.parametrize("kind,ov", VARIANTS)
+@pytest.mark.parametrize("kind,ov", TARGETS)
 def test_mlx_lm_loads_it_strictly(kind, ov, tmp_path):
     from mlx_lm.utils import load_model
 
@@ -59,8 +64,34 @@ def test_mlx_lm_loads_it_strictly(kind, ov, tmp_path):
     assert config["model_type"] in ("gemma4_text", "qwen3")
 
 
+@pytest.mark.parametrize("kind,ov", DRAFTERS)
+def test_port_loads_every_drafter_kind(kind, ov, tmp_path):
+    from port import assistant
+
+    d = assistant.load(checkpoints.build(kind, 0, ov, root=tmp_path))
+    assert d.head == ("tied" if ov.get("use_ordered_embeddings") is False else "centroid")
+
+
+def test_agreeing_target_greedy_walks_its_permutation(tmp_path):
+    import mlx.core as mx
+
+    from port import targets
+    from spec_parity import agreeing
+
+    f = agreeing.agreement(0, 0.6).f
+    t = targets.load(checkpoints.build("gemma4-target-agreeing", 0, {}, root=tmp_path))
+    prompt = [5, 9, 17, 33, 40]
+    tokens, logits = targets.greedy(t, mx.array([prompt]), 30, set())
+    expect = [int(f[prompt[-1]])]
+    while len(expect) < 30:
+        expect.append(int(f[expect[-1]]))
+    assert tokens == expect
+    top2 = mx.sort(logits, axis=-1)[:, -2:]
+    assert float(mx.min(top2[:, 1] - top2[:, 0])) > 3.0
+
+
 @pytest.mark.oracle
-@pytest.mark.parametrize("kind,ov", VARIANTS)
+@pytest.mark.parametrize("kind,ov", TARGETS + DRAFTERS)
 def test_transformers_loads_it_with_no_missing_or_unexpected_keys(kind, ov, tmp_path, live_oracle):
     live_oracle("targets")
     from transformers import AutoModelForCausalLM

@@ -80,6 +80,7 @@ def step_case(target: str, head: str, oracle: str, control: str | None = None, c
 LOOP_CONTROLS = {
     "trim": ("trim one too few", {"trim_bias": 1}),
     "eos": ("EOS emitted as content", {"emit_eos": True}),
+    "bonus": ("bonus token dropped on a full accept", {"bonus": False}),
 }
 
 
@@ -106,9 +107,12 @@ def cases() -> list[Case]:
         for bug in STEP_CONTROLS:
             out.append(step_case("gemma4", "centroid", o, bug))
     out += [loop_case(h, g) for h in ("centroid", "tied") for g in (1, 2, 3, 4)]
+    out += [loop_case(h, g, "agreeing") for h in ("centroid", "tied", "unified") for g in (1, 2, 3, 4)]
     out.append(loop_case("centroid", 2, eos=EOS))
     out.append(loop_case("centroid", 2, control="trim"))
+    out.append(loop_case("centroid", 3, "agreeing", control="trim"))
     out.append(loop_case("centroid", 2, control="eos", eos=EOS))
+    out.append(loop_case("centroid", 3, "agreeing", control="bonus"))
     return out
 
 
