@@ -39,7 +39,8 @@ class DraftSource(Protocol):
         """Up to n tokens following feed[-1]; anchor_hidden is the target hidden that predicted it."""
 
     def commit(self, n_drafted: int, accepted: int, tapped: list[mx.array] | None) -> None:
-        """The verify kept pending + `accepted` drafts; `tapped` are the verify's taps of those rows."""
+        """The verify kept pending + `accepted` drafts; `tapped` are the verify's taps of all its
+        rows [pending, d1..dn]: only the first accepted + 1 belong to the committed context."""
 
     def dispose(self) -> None: ...
 
@@ -65,6 +66,7 @@ class Stats:
     accepted_by_position: list[int] = field(default_factory=list)
     drafted_by_position: list[int] = field(default_factory=list)
     trace: list[tuple[int, int, int]] = field(default_factory=list)  # per round (drafted, accepted, emitted)
+    proposals: list[list[int]] = field(default_factory=list)  # per round, the draft tokens
     elapsed_s: float = 0.0
     stop: str = ""
     logits: list = field(default_factory=list)  # with record=True: the row each committed token came from
@@ -144,6 +146,7 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     while pending not in eos and len(committed) < max_tokens:
         drafts = source.draft([pending], gamma, anchor) if source is not None else []
         drafts = drafts[:gamma]
+        stats.proposals.append(list(drafts))
         trace = targets.forward(target, mx.array([[pending] + drafts]), caches=caches)
         stats.target_calls += 1
         greedy = mx.argmax(trace.logits[0], axis=-1).tolist()
@@ -166,7 +169,7 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
         stats.trace.append((len(drafts), k, len(emitted)))
         trim_caches(caches, len(drafts) - k - trim_bias + (1 if dropped else 0))
         if source is not None:
-            source.commit(len(drafts), k, _taps(trace, taps, slice(0, k + 1)))
+            source.commit(len(drafts), k, _taps(trace, taps, slice(None)))
         if len(emitted) < len(new):
             break
         pending = emitted[-1]

@@ -62,6 +62,18 @@ _measured("assistant", "next_hidden", 2e-4, _ASSISTANT.format("5.56e-05"))
 _measured("assistant", "path_logits", 6e-4, "spec-parity measure --module assistant --case loop-random-* "
           "--seeds 5: max |Δ| 1.67e-04 (g1 centroid, g3 centroid, g4 tied)")
 
+# DeepSpec afdfa7c (torch 2.13.0 CPU, sdpa, transformers 5.12.1) vs port/dspark.py, fp32: the first draft
+# round after a 12-token prompt, 8 variants (Gemma-4 plain / k_eq_v / gated / rnn / DFlash, Qwen3 plain /
+# embedding tap / DFlash); path logits: our loop's verify rows vs the plain decode (same framework).
+_DSPARK = "DEEPSPEC_SRC=... spec-parity measure --module dspark --seeds 5: max |Δ| {} over 8 variants x 5 seeds"
+_measured("dspark", "taps", 2e-4, _DSPARK.format("3.89e-05"))
+_measured("dspark", "context", 7e-5, _DSPARK.format("2.11e-05"))
+_measured("dspark", "context_kv", 7e-5, _DSPARK.format("2.21e-05"))
+_measured("dspark", "block_hidden", 2e-4, _DSPARK.format("5.46e-05"))
+_measured("dspark", "logits", 3e-4, _DSPARK.format("7.28e-05"))
+_measured("dspark", "confidence", 2e-4, _DSPARK.format("4.86e-05"))
+_measured("dspark", "path_logits", 2e-4, _DSPARK.format("4.91e-05") + " (8 loop cases)")
+
 # A greedy-stream divergence is excused as a knife-edge only if the reference's top-1/top-2 margin
 # (and the port token's gap to top-1) is below this many ULPs of the dtype at the top-1 logit's
 # magnitude. fp32: cross-framework logit errors measured above reach ~50 ULPs at |logit| ~20, so

@@ -13,6 +13,7 @@ later drafter issues add their kinds here.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -41,8 +42,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPEC_PARITY_CACHE", Path.home() / ".cache" / "spec-parity"))
 
 
+@functools.cache
+def _factory_digest() -> str:
+    """The factory's own source: a changed kind must not be served from a stale cache entry."""
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / f).read_bytes() for f in ("checkpoints.py", "agreeing.py"))).hexdigest()
+
+
 def _key(kind_name: str, seed: int, overrides: dict) -> str:
-    blob = json.dumps([kind_name, seed, overrides], sort_keys=True).encode()
+    blob = json.dumps([kind_name, seed, overrides, _factory_digest()], sort_keys=True).encode()
     return f"{kind_name}-s{seed}-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
@@ -338,6 +346,113 @@ def gemma4_assistant(seed: int, overrides: dict):
         d.linear("masked_embedding.centroids.weight", c["num_centroids"], D)
         order = np.random.default_rng([seed, zlib.crc32(b"token_ordering")]).permutation(V)
         d.tensors["masked_embedding.token_ordering"] = order.astype(np.int64)
+    return c, d.tensors
+
+
+DSPARK = {
+    "target_kind": "gemma4-target",
+    "target_overrides": {},
+    "target_layer_ids": [1, 2, 4],
+    "num_draft_layers": 2,
+    "block_size": 7,
+    "mask_token_id": 0,
+    "num_anchors": 64,
+    "markov_rank": 8,
+    "markov_head_type": "vanilla",
+    "confidence_head_alpha": 1.0,
+    "confidence_head_with_markov": True,
+}
+
+
+def dspark_config(target: dict, args: dict) -> dict:
+    """The draft config DeepSpec's `build_draft_config` derives from a target config (its config
+    path is checked against this one in the oracle tests): the target's text config with the
+    draft's layer count, all-full layers, an untied head and the DSpark fields."""
+    c = copy.deepcopy(target)
+    n_target = c["num_hidden_layers"]
+    ids = [int(i) for i in args["target_layer_ids"]]
+    if any(b <= a for a, b in zip(ids, ids[1:])) or any(i != -1 and not 0 <= i < n_target for i in ids):
+        raise ValueError(f"target_layer_ids {ids} must be strictly increasing in {{-1}} U [0, {n_target - 1}]")
+    gemma = c["model_type"] == "gemma4_text"
+    c.update({
+        "architectures": ["Gemma4DSparkModel" if gemma else "Qwen3DSparkModel"],
+        "num_target_layers": n_target,
+        "num_hidden_layers": args["num_draft_layers"],
+        "block_size": args["block_size"],
+        "tie_word_embeddings": False,
+        "layer_types": ["full_attention"] * args["num_draft_layers"],
+        "mask_token_id": args["mask_token_id"],
+        "target_layer_ids": ids,
+        "num_anchors": args["num_anchors"],
+        "enable_confidence_head": args["confidence_head_alpha"] > 0,
+        "markov_rank": args["markov_rank"],
+    })
+    if gemma:
+        c["target_model_type"], c["target_text_model_type"] = "gemma4", "gemma4_text"
+    elif "rope_theta" in c:  # transformers 5 writes Qwen3's RoPE as rope_parameters
+        c["rope_parameters"] = {"rope_theta": c.pop("rope_theta"), "rope_type": "default"}
+    if c["enable_confidence_head"]:
+        c["confidence_head_with_markov"] = bool(args["confidence_head_with_markov"])
+    if args["markov_rank"] > 0:
+        c["markov_head_type"] = args["markov_head_type"]
+    c.pop("torch_dtype", None)
+    c["dtype"] = "float32"
+    return c
+
+
+@kind("dspark-drafter")
+def dspark_drafter(seed: int, overrides: dict):
+    """A DeepSpec DSpark drafter (Gemma-4 or Qwen3 family, by `target_kind`) in DeepSpec's own
+    format: the state-dict names and config its `save_pretrained` writes. Its embedding and lm head
+    are the target's (DeepSpec copies them at training start), so the target is built first.
+    markov_rank 0 and confidence_head_alpha 0 give DeepSpec's DFlash variant."""
+    a = _merge(DSPARK, overrides)
+    target_cfg, target_tensors = KINDS[a["target_kind"]](a.get("target_seed", seed), a["target_overrides"])
+    c = dspark_config(target_cfg, a)
+    gemma = c["model_type"] == "gemma4_text"
+    H, V, r = c["hidden_size"], c["vocab_size"], a["markov_rank"]
+    d = Draw(seed)
+    d.tensors["embed_tokens.weight"] = target_tensors["model.embed_tokens.weight"]
+    d.tensors["lm_head.weight"] = target_tensors.get("lm_head.weight", target_tensors["model.embed_tokens.weight"])
+    d.linear("fc.weight", H, len(c["target_layer_ids"]) * H)
+    d.scale("hidden_norm.weight", (H,))
+    d.scale("norm.weight", (H,))
+    if gemma:
+        hd = c["global_head_dim"]
+        kv = c["num_global_key_value_heads"] if c["attention_k_eq_v"] else c["num_key_value_heads"]
+    else:
+        hd, kv = c["head_dim"], c["num_key_value_heads"]
+    nh = c["num_attention_heads"]
+    for i in range(c["num_hidden_layers"]):
+        p = f"layers.{i}."
+        d.linear(p + "self_attn.q_proj.weight", nh * hd, H)
+        d.linear(p + "self_attn.k_proj.weight", kv * hd, H)
+        if not (gemma and c["attention_k_eq_v"]):
+            d.linear(p + "self_attn.v_proj.weight", kv * hd, H)
+        d.linear(p + "self_attn.o_proj.weight", H, nh * hd)
+        d.scale(p + "self_attn.q_norm.weight", (hd,))
+        d.scale(p + "self_attn.k_norm.weight", (hd,))
+        d.linear(p + "mlp.gate_proj.weight", c["intermediate_size"], H)
+        d.linear(p + "mlp.up_proj.weight", c["intermediate_size"], H)
+        d.linear(p + "mlp.down_proj.weight", H, c["intermediate_size"])
+        norms = ("input_layernorm", "post_attention_layernorm")
+        if gemma:
+            norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+            d.scale(p + "layer_scalar", (1,))
+        for n in norms:
+            d.scale(p + n + ".weight", (H,))
+    if r:
+        d.normal("markov_head.markov_w1.weight", (V, r), 1.0)
+        d.linear("markov_head.markov_w2.weight", V, r, gain=2.0)
+        if a["markov_head_type"] == "gated":
+            d.linear("markov_head.gate_proj.weight", r, H + r)
+            d.normal("markov_head.gate_proj.bias", (r,), 0.1)
+        elif a["markov_head_type"] == "rnn":
+            d.linear("markov_head.joint_proj.weight", 3 * r, 2 * r + H)
+            d.normal("markov_head.joint_proj.bias", (3 * r,), 0.1)
+    if c["enable_confidence_head"]:
+        d.linear("confidence_head.proj.weight", 1, H + (r if c.get("confidence_head_with_markov") else 0), gain=4.0)
+        d.normal("confidence_head.proj.bias", (1,), 0.5)
     return c, d.tensors
 
 

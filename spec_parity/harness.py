@@ -20,7 +20,7 @@ from . import goldens
 from .case import Case
 from .compare import Result
 
-PAIRS = ("targets", "assistant")
+PAIRS = ("targets", "assistant", "dspark")
 
 
 def pair(module: str):

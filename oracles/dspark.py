@@ -1,0 +1,190 @@
+"""Reference for the DSpark drafter: DeepSeek's DeepSpec, imported from DEEPSPEC_SRC.
+
+DeepSpec is not on PyPI and its code never enters this repository: fetch github
+deepseek-ai/DeepSpec, extract it outside the repo, `export DEEPSPEC_SRC=/path/to/DeepSpec`
+(see README). Everything here imports and calls DeepSpec's own functions: the config path
+(`build_draft_config`), `extract_context_feature`, `forward_dspark_draft_block`,
+`compute_logits`, `sample_draft_tokens`, `predict_confidence_step`, `_confident_prefix_length`,
+`build_dspark_proposal`, and the evaluator's T=0 decoding loop `generate_decoding_sample`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+INSTALL = ("fetch github deepseek-ai/DeepSpec (HEAD afdfa7c), extract it outside this repo and "
+           "`export DEEPSPEC_SRC=/path/to/DeepSpec`; it needs torch==2.13.0 transformers==5.12.1")
+
+
+def status() -> str | None:
+    src = os.environ.get("DEEPSPEC_SRC")
+    if not src:
+        return f"DEEPSPEC_SRC is not set: {INSTALL}"
+    if not (Path(src) / "deepspec" / "modeling" / "dspark").is_dir():
+        return f"DEEPSPEC_SRC={src} holds no deepspec/modeling/dspark: {INSTALL}"
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"{', '.join(missing)} not installed: pip install torch==2.13.0 transformers==5.12.1"
+    return None
+
+
+def _import():
+    src = os.environ["DEEPSPEC_SRC"]
+    if src not in sys.path:
+        sys.path.insert(0, src)
+
+
+def commit() -> str:
+    src = Path(os.environ["DEEPSPEC_SRC"])
+    if (src / ".git").exists():
+        return subprocess.run(["git", "-C", str(src), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+    marker = src / "COMMIT"
+    return marker.read_text().strip() if marker.exists() else "unknown"
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    return {"deepspec": commit(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _models(target_dir: Path, drafter_dir: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    _import()
+    from deepspec.modeling.dspark import Gemma4DSparkModel, Qwen3DSparkModel
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    target = AutoModelForCausalLM.from_pretrained(Path(target_dir), dtype=torch.float32,
+                                                  attn_implementation="sdpa").eval()
+    cls = Gemma4DSparkModel if target.config.model_type == "gemma4_text" else Qwen3DSparkModel
+    draft = cls.from_pretrained(Path(drafter_dir), dtype=torch.float32, attn_implementation="sdpa").eval()
+    return target, draft
+
+
+def draft_config(target_dir: Path, args: dict) -> dict:
+    """DeepSpec's own config path: `build_draft_config(target_config, model_args)` (Gemma-4 wants
+    the multimodal top-level config, so the tiny text config is wrapped in a Gemma4Config)."""
+    import transformers
+    from transformers import AutoConfig
+
+    _import()
+    text = AutoConfig.from_pretrained(Path(target_dir))
+    model_args = _Args(args)
+    if text.model_type == "gemma4_text":
+        from deepspec.modeling.dspark.gemma4.config import build_draft_config
+
+        top = transformers.Gemma4Config(text_config=text.to_dict())
+        cfg = build_draft_config(top, model_args)
+    else:
+        from deepspec.modeling.dspark.qwen3.config import build_draft_config
+
+        cfg = build_draft_config(text, model_args)
+    return cfg.to_dict()
+
+
+class _Args(dict):
+    """DeepSpec's model_args: attribute access plus `in`."""
+
+    __getattr__ = dict.__getitem__
+
+
+def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, thresholds: list[float]) -> dict:
+    """First draft round after prefill, module by module, through DeepSpec's functions."""
+    import torch
+    from transformers import DynamicCache
+
+    _import()
+    from deepspec.eval.dspark.draft_ops import (
+        _confident_prefix_length,
+        _predict_confidence_logits,
+        build_dspark_proposal,
+        forward_dspark_draft_block,
+    )
+    from deepspec.modeling.dspark import extract_context_feature
+
+    target, m = _models(target_dir, drafter_dir)
+    bs = int(m.block_size)
+    ids = torch.from_numpy(prompt.astype(np.int64))
+    P = ids.shape[1]
+    out = {}
+    with torch.no_grad():
+        res = target(input_ids=ids, use_cache=False, output_hidden_states=True)
+        anchor = int(res.logits[0, -1].argmax())
+        taps = extract_context_feature(res.hidden_states, m.target_layer_ids)
+        out["taps"] = taps[0]
+        out["context"] = m.hidden_norm(m.fc(taps))[0]
+        draft_ids = torch.full((1, bs), int(m.mask_token_id), dtype=torch.long)
+        draft_ids[:, 0] = anchor
+        position_ids = torch.arange(P + bs + 1).unsqueeze(0)
+        cache = DynamicCache()
+        block = forward_dspark_draft_block(m, draft_input_ids=draft_ids, position_ids=position_ids,
+                                           past_key_values_draft=cache, target_hidden_states=taps,
+                                           start=P, block_size=bs)
+        for i, layer in enumerate(cache.layers):
+            out[f"context_k.{i}"], out[f"context_v.{i}"] = layer.keys[0], layer.values[0]
+        out["block_hidden"] = block[0, :bs]
+        base = m.compute_logits(block[:, :bs])
+        out["base_logits"] = base[0]
+        tokens, logits = m.sample_draft_tokens(base, first_prev_token_ids=draft_ids[:, 0], temperature=0.0,
+                                               hidden_states=block[:, :bs])
+        out["logits"], out["tokens"] = logits[0], tokens[0].to(torch.int32)
+        out["anchor"] = torch.tensor([anchor], dtype=torch.int32)
+        conf = _predict_confidence_logits(m, proposal_hidden_states=block[:, :bs], draft_input_ids=draft_ids,
+                                          sampled_tokens=tokens, block_size=bs)
+        if conf is not None:
+            out["confidence"] = conf[0]
+        for t in thresholds:
+            n = _confident_prefix_length(conf, block_size=bs, threshold=t) if conf is not None else bs
+            prop = build_dspark_proposal(m, draft_input_ids=draft_ids, block_hidden=block, block_size=bs,
+                                         temperature=0.0, confidence_threshold=t)
+            out[f"prefix@{t}"] = torch.tensor([n], dtype=torch.int32)
+            out[f"proposal@{t}"] = prop.verify_input_ids[0, 1:].to(torch.int32)
+    return {k: v.detach().float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
+
+
+def loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_new_tokens: int, threshold: float) -> dict:
+    """DeepSpec's own T=0 decoding loop (`generate_decoding_sample` with the DSpark evaluator's
+    `_init_context` / `_propose` / `_update`); the proposals are observed, not changed."""
+    import torch
+
+    _import()
+    from deepspec.eval.base_evaluator import generate_decoding_sample
+    from deepspec.eval.dspark.evaluator import Gemma4DSparkEvaluator, Qwen3DSparkEvaluator
+
+    target, m = _models(target_dir, drafter_dir)
+    cls = Gemma4DSparkEvaluator if target.config.model_type == "gemma4_text" else Qwen3DSparkEvaluator
+    ev = object.__new__(cls)
+    ev.draft_model, ev.target_model, ev.confidence_head_recorder = m, target, None
+    ev.args = SimpleNamespace(max_new_tokens=max_new_tokens, temperature=0.0, confidence_threshold=threshold)
+    proposals = []
+
+    def propose(**kw):
+        p = ev._propose(**kw)
+        proposals.append(p.verify_input_ids[0, 1:].tolist())
+        return p
+
+    torch.manual_seed(0)
+    ids = torch.from_numpy(prompt.astype(np.int64))
+    res = generate_decoding_sample(target_model=target, input_ids=ids, max_new_tokens=max_new_tokens,
+                                   max_proposal_tokens=ev.max_proposal_tokens, temperature=0.0, stop_token_ids=None,
+                                   init_context=ev._init_context, propose=propose, update=ev._update)
+    flat = [t for p in proposals for t in p]
+    return {"stream.tokens": res.output_ids[0, res.num_input_tokens:].numpy().astype(np.int32),
+            "stream.accepted": np.array(res.accepted_draft_lengths, np.int32),
+            "stream.proposed": np.array(res.proposal_lengths, np.int32),
+            "stream.acceptance_lengths": np.array(res.acceptance_lengths, np.int32),
+            "stream.proposals": np.array(flat, np.int32),
+            "stream.proposal_sizes": np.array([len(p) for p in proposals], np.int32)}

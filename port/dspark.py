@@ -1,0 +1,412 @@
+"""DeepSeek's DSpark drafter (DeepSpec `deepspec/modeling/dspark`) in MLX, Gemma-4 and Qwen3.
+
+One draft round, from the target's hidden states:
+
+    x  = concat(hidden_states[l + 1] for l in target_layer_ids)      taps (-1: the embedding)
+    c  = hidden_norm(fc(x))                                          context projection
+    per draft layer: K = RoPE(k_norm(k_proj(c))), V = v_norm(v_proj(c))   (Qwen3: V = v_proj(c))
+         at the rows' absolute positions, cached; only context rows persist
+    block ids [anchor, MASK x (bs-1)] at positions start..start+bs-1; Q from the block only;
+         keys [context | block], no mask; scale 1.0 (Gemma-4) or head_dim^-0.5 (Qwen3)
+    final norm -> own lm head -> Gemma-4 softcap -> Markov head (added after the softcap,
+         sequentially: prev_0 = anchor, prev_k = draft k-1) -> greedy tokens
+    confidence sigmoid(w . [h_k ; W1[prev_k]]): the proposal stops at the first k below the
+         threshold (per step, not the cumulative product); 0 tokens is possible
+
+`bugs` plants the negative controls the tests must catch; it is empty in use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+
+from . import targets
+
+BUGS = {
+    "markov_before_softcap": "Markov bias added before the softcap",
+    "cumulative_truncation": "truncation on the cumulative product of confidences",
+    "rejected_rows": "rejected rows appended to the context",
+    "rope_on_v": "RoPE applied to V",
+    "no_embed_scale": "the sqrt(H) embedding scale missing",
+    "anchor_not_predicting": "the anchor slot does not predict (slots 1..bs used)",
+    "tap_index": "taps read hidden_states[l] instead of [l + 1]",
+}
+
+
+class DSparkError(ValueError):
+    pass
+
+
+@dataclass
+class ModelArgs:
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    rope: dict
+    attention_k_eq_v: bool = False
+    final_logit_softcapping: float | None = None
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    max_position_embeddings: int = 4096
+    bugs: frozenset = field(default_factory=frozenset)
+
+    @classmethod
+    def from_config(cls, c: dict, path: Path) -> ModelArgs:
+        arch = (c.get("architectures") or [""])[0]
+        family = {"Gemma4DSparkModel": "gemma4", "Qwen3DSparkModel": "qwen3"}.get(arch)
+        if family is None:
+            raise DSparkError(f"{path}: architectures {c.get('architectures')} is not a DeepSpec DSpark drafter "
+                              "(expected Gemma4DSparkModel or Qwen3DSparkModel)")
+        gemma = family == "gemma4"
+        keqv = bool(gemma and c.get("attention_k_eq_v"))
+        if gemma:
+            rope = dict(c["rope_parameters"]["full_attention"])
+        else:
+            rp = c.get("rope_parameters") or {}
+            rope = {"rope_type": rp.get("rope_type", "default"), "rope_theta": rp.get("rope_theta", c.get("rope_theta", 1e6))}
+        return cls(
+            family=family, hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+            num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
+            num_key_value_heads=c["num_global_key_value_heads"] if keqv else c["num_key_value_heads"],
+            head_dim=c["global_head_dim"] if gemma else c["head_dim"], vocab_size=c["vocab_size"],
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6), block_size=c["block_size"], mask_token_id=c["mask_token_id"],
+            target_layer_ids=list(c["target_layer_ids"]), num_target_layers=c["num_target_layers"], rope=rope,
+            attention_k_eq_v=keqv, final_logit_softcapping=c.get("final_logit_softcapping") if gemma else None,
+            markov_rank=c.get("markov_rank", 0), markov_head_type=c.get("markov_head_type", "vanilla"),
+            enable_confidence_head=c.get("enable_confidence_head", False),
+            confidence_head_with_markov=c.get("confidence_head_with_markov", False),
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+        )
+
+
+def rms_norm(x, weight, eps):
+    return mx.fast.rms_norm(x, weight, eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.a = a
+        self.n_heads, self.n_kv, self.head_dim = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        H = a.hidden_size
+        self.q_proj = nn.Linear(H, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
+        if not a.attention_k_eq_v:
+            self.v_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=False)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=a.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=a.rms_norm_eps)
+        rope = a.rope
+        self.rope = initialize_rope(self.head_dim, traditional=False, base=rope.get("rope_theta", 10000.0),
+                                    scaling_config=rope if rope.get("rope_type", "default") != "default" else None,
+                                    max_position_embeddings=a.max_position_embeddings)
+        self.scale = 1.0 if a.family == "gemma4" else self.head_dim ** -0.5
+
+    def kv(self, x, offset: int):
+        """K/V of rows x [1, T, H] at positions offset..offset+T-1, as [1, n_kv, T, D]."""
+        B, T, _ = x.shape
+        k_raw = self.k_proj(x).reshape(B, T, self.n_kv, self.head_dim)
+        v = k_raw if self.a.attention_k_eq_v else self.v_proj(x).reshape(B, T, self.n_kv, self.head_dim)
+        k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset=offset)
+        if self.a.family == "gemma4":
+            v = rms_norm(v, None, self.a.rms_norm_eps)
+        v = v.transpose(0, 2, 1, 3)
+        if "rope_on_v" in self.a.bugs:
+            v = self.rope(v, offset=offset)
+        return k, v
+
+    def __call__(self, x, ctx_k, ctx_v, offset: int):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        q = self.rope(q, offset=offset)
+        k, v = self.kv(x, offset)
+        k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gemma = a.family == "gemma4"
+        self.gate_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(a.hidden_size, a.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
+
+    def __call__(self, x):
+        g = self.gate_proj(x)
+        return self.down_proj((nn.gelu_approx(g) if self.gemma else nn.silu(g)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.gemma = a.family == "gemma4"
+        self.self_attn = Attention(a)
+        self.mlp = MLP(a)
+        H, eps = a.hidden_size, a.rms_norm_eps
+        self.input_layernorm = nn.RMSNorm(H, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(H, eps=eps)
+        if self.gemma:
+            self.pre_feedforward_layernorm = nn.RMSNorm(H, eps=eps)
+            self.post_feedforward_layernorm = nn.RMSNorm(H, eps=eps)
+            self.layer_scalar = mx.ones((1,))
+
+    def __call__(self, x, ctx_k, ctx_v, offset: int):
+        attn = self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, offset)
+        if not self.gemma:
+            h = x + attn
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(attn)
+        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        return h * self.layer_scalar
+
+
+class MarkovHead(nn.Module):
+    """Vanilla: bias = W2(W1[prev]); gated: W2(sigmoid(G[h; W1[prev]]) * W1[prev]);
+    rnn: a GRU-like state over the block, bias = W2(tanh(output))."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.kind, r, H = a.markov_head_type, a.markov_rank, a.hidden_size
+        self.markov_w1 = nn.Embedding(a.vocab_size, r)
+        self.markov_w2 = nn.Linear(r, a.vocab_size, bias=False)
+        if self.kind == "gated":
+            self.gate_proj = nn.Linear(H + r, r)
+        elif self.kind == "rnn":
+            self.joint_proj = nn.Linear(2 * r + H, 3 * r)
+        elif self.kind != "vanilla":
+            raise DSparkError(f"unsupported markov_head_type {self.kind!r} (vanilla, gated, rnn)")
+
+    def step(self, prev, h, state):
+        """Bias for one slot given the previous token [1] and hidden [1, H]; returns (bias, state)."""
+        e = self.markov_w1(prev)
+        if self.kind == "vanilla":
+            return self.markov_w2(e), state
+        if self.kind == "gated":
+            return self.markov_w2(mx.sigmoid(self.gate_proj(mx.concatenate([h, e], axis=-1))) * e), state
+        state = mx.zeros_like(e) if state is None else state
+        g, cand, out = mx.split(self.joint_proj(mx.concatenate([state, e, h], axis=-1)), 3, axis=-1)
+        g = mx.sigmoid(g)
+        return self.markov_w2(mx.tanh(out)), g * state + (1.0 - g) * mx.tanh(cand)
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, dims: int):
+        super().__init__()
+        self.proj = nn.Linear(dims, 1)
+
+
+@dataclass
+class Block:
+    """One draft block: per-slot hidden, base and Markov-corrected logits, tokens, confidence."""
+
+    hidden: mx.array          # [bs, H]
+    base_logits: mx.array     # [bs, V]
+    logits: mx.array          # [bs, V] after the Markov head
+    tokens: list[int]
+    confidence: mx.array | None  # [bs] logits (pre-sigmoid)
+
+
+class Model(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        H = a.hidden_size
+        self.embed_tokens = nn.Embedding(a.vocab_size, H)
+        self.layers = [DecoderLayer(a) for _ in range(a.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=a.rms_norm_eps)
+        self.fc = nn.Linear(len(a.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=a.rms_norm_eps)
+        self.lm_head = nn.Linear(H, a.vocab_size, bias=False)
+        if a.markov_rank > 0:
+            self.markov_head = MarkovHead(a)
+        if a.enable_confidence_head:
+            self.confidence_head = ConfidenceHead(H + (a.markov_rank if a.confidence_head_with_markov else 0))
+
+    def tap_layers(self) -> list[int]:
+        """The target layers whose outputs the drafter reads (hidden_states[l + 1]; -1 = embedding)."""
+        ids = self.args.target_layer_ids
+        return [i - 1 if i >= 0 else i for i in ids] if "tap_index" in self.args.bugs else list(ids)
+
+    def taps(self, hidden: list) -> mx.array:
+        """Concatenated taps from a target's hidden states (hidden[0] = the embedding output)."""
+        return mx.concatenate([hidden[i + 1] for i in self.tap_layers()], axis=-1)
+
+    def project(self, x):
+        return self.hidden_norm(self.fc(x))
+
+    def context_kv(self, c, offset: int) -> list[tuple[mx.array, mx.array]]:
+        return [layer.self_attn.kv(c, offset) for layer in self.layers]
+
+    def embed(self, ids):
+        e = self.embed_tokens(ids)
+        if self.args.family == "gemma4" and "no_embed_scale" not in self.args.bugs:
+            e = e * mx.array(math.sqrt(self.args.hidden_size), dtype=e.dtype)
+        return e
+
+    def block_hidden(self, anchor: int, ctx: list[tuple[mx.array, mx.array]], start: int) -> mx.array:
+        a = self.args
+        ids = mx.array([[anchor] + [a.mask_token_id] * (a.block_size - 1)])
+        h = self.embed(ids)
+        for layer, (k, v) in zip(self.layers, ctx):
+            h = layer(h, k, v, start)
+        return self.norm(h)[0]
+
+    def logits(self, h, bias=None):
+        out = self.lm_head(h)
+        if bias is not None and "markov_before_softcap" in self.args.bugs:
+            out = out + bias
+            bias = None
+        cap = self.args.final_logit_softcapping
+        if cap:
+            out = mx.tanh(out / cap) * cap
+        return out if bias is None else out + bias
+
+    def draft_block(self, anchor: int, ctx, start: int) -> Block:
+        a = self.args
+        full = self.block_hidden(anchor, ctx, start)
+        hidden = full[1:] if "anchor_not_predicting" in a.bugs else full
+        if "anchor_not_predicting" in a.bugs:
+            hidden = mx.concatenate([hidden, hidden[-1:]], axis=0)
+        base = self.logits(hidden)
+        tokens, rows, prev, state = [], [], anchor, None
+        for k in range(a.block_size):
+            if a.markov_rank > 0:
+                bias, state = self.markov_head.step(mx.array([prev]), hidden[k:k + 1], state)
+                row = self.logits(hidden[k:k + 1], bias)[0] if "markov_before_softcap" in a.bugs else base[k] + bias[0]
+            else:
+                row = base[k]
+            rows.append(row)
+            prev = int(mx.argmax(row).item())
+            tokens.append(prev)
+        conf = None
+        if a.enable_confidence_head:
+            feats = hidden
+            if a.confidence_head_with_markov:
+                feats = mx.concatenate([hidden, self.markov_head.markov_w1(mx.array([anchor] + tokens[:-1]))], axis=-1)
+            conf = self.confidence_head.proj(feats)[:, 0]
+        return Block(hidden, base, mx.stack(rows), tokens, conf)
+
+    def prefix_length(self, confidence, threshold: float) -> int:
+        """Draft tokens kept: up to the first slot whose sigmoid(confidence) < threshold."""
+        if confidence is None or threshold <= 0.0:
+            return self.args.block_size
+        p = mx.sigmoid(confidence)
+        if "cumulative_truncation" in self.args.bugs:
+            p = mx.cumprod(p)
+        below = (p < threshold).tolist()
+        return below.index(True) if True in below else self.args.block_size
+
+
+def load(path: str | Path, bugs=()) -> Model:
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    a = ModelArgs.from_config(cfg, path)
+    a.bugs = frozenset(bugs)
+    unknown = a.bugs - set(BUGS)
+    if unknown:
+        raise DSparkError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
+    model = Model(a)
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    from mlx.utils import tree_flatten
+
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    missing = sorted(expected - set(weights))
+    if missing:
+        raise DSparkError(f"{path}: missing tensor(s) {missing[:6]}{' …' if len(missing) > 6 else ''}; "
+                          "is this a complete DeepSpec DSpark checkpoint?")
+    model.load_weights([(k, v) for k, v in weights.items() if k in expected], strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def check_pairing(drafter: Model, target: targets.Target) -> None:
+    """A DSpark drafter reads one target's hidden states: refuse a target it was not built on."""
+    a, c = drafter.args, target.config
+    if a.family != target.family:
+        raise DSparkError(f"a {a.family} DSpark drafter needs a {a.family} target; {target.path} is "
+                          f"{c.get('model_type')!r}")
+    if a.num_target_layers != c["num_hidden_layers"]:
+        raise DSparkError(f"drafter was built on a {a.num_target_layers}-layer target; {target.path} has "
+                          f"{c['num_hidden_layers']} layers (tap layers {a.target_layer_ids} would read the wrong depth)")
+    if a.hidden_size != c["hidden_size"] or a.vocab_size != c["vocab_size"]:
+        raise DSparkError(f"drafter hidden/vocab {(a.hidden_size, a.vocab_size)} != target's "
+                          f"{(c['hidden_size'], c['vocab_size'])}")
+    if c["num_hidden_layers"] - 1 in a.target_layer_ids:
+        raise DSparkError(f"target_layer_ids {a.target_layer_ids} include the final layer: its hidden state is "
+                          "the final-normed one in transformers, not a raw layer output")
+
+
+class DeepspecSource:
+    """DSpark behind the serve-loop seam. It owns the per-layer context K/V: prefill queues the
+    tapped prompt rows, each draft first appends the queued rows (projected, at their absolute
+    positions), and commit queues only the anchor + accepted rows of the verify."""
+
+    def __init__(self, drafter: Model, view, threshold: float = 0.0):
+        check_pairing(drafter, view.target)
+        self.m, self.threshold = drafter, threshold
+        self.tap_layers = drafter.tap_layers()
+        self.cache: list[tuple[mx.array, mx.array]] | None = None
+        self.length = 0
+        self.pending = None
+        self.last_block: Block | None = None
+
+    def prefill(self, prompt_ids, tapped) -> None:
+        self.pending = mx.concatenate(tapped, axis=-1)
+
+    def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
+        rows = self.pending
+        kv = self.m.context_kv(self.m.project(rows), self.length)
+        self.cache = kv if self.cache is None else [
+            (mx.concatenate([k0, k], axis=2), mx.concatenate([v0, v], axis=2)) for (k0, v0), (k, v) in zip(self.cache, kv)]
+        self.length += rows.shape[1]
+        self.pending = None
+        block = self.m.draft_block(feed[-1], self.cache, self.length)
+        self.last_block = block
+        keep = self.m.prefix_length(block.confidence, self.threshold)
+        return block.tokens[: min(keep, n)]
+
+    def commit(self, n_drafted: int, accepted: int, tapped) -> None:
+        x = mx.concatenate(tapped, axis=-1)
+        self.pending = x if "rejected_rows" in self.m.args.bugs else x[:, : accepted + 1]
+
+    def dispose(self) -> None:
+        self.cache = None
+
+
+class DeepspecProvider:
+    def __init__(self, path: str | Path, threshold: float = 0.0, bugs=()):
+        self.path = Path(path)
+        self.id = self.path.name
+        self.drafter = load(self.path, bugs)
+        self.weights_bytes = sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
+        self.trained_gamma = self.drafter.args.block_size
+        self.threshold = threshold
+
+    def open(self, view) -> DeepspecSource:
+        return DeepspecSource(self.drafter, view, self.threshold)
+
+    def dispose(self) -> None:
+        self.drafter = None

@@ -1,0 +1,114 @@
+"""DSpark drafter: port/dspark.py vs DeepSeek's DeepSpec (DEEPSPEC_SRC) at L2.
+
+Every case runs against its golden and, with DEEPSPEC_SRC set, against the live reference; each
+planted bug must fail."""
+
+import json
+
+import pytest
+
+from port import dspark, targets
+from spec_parity import checkpoints, harness
+from spec_parity.pairs import dspark as pair
+
+CASES = pair.cases()
+
+
+def _check(case, result):
+    if case.control:
+        assert not result.ok, f"negative control was not caught:\n{result.message()}"
+    else:
+        assert result.ok, result.message()
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_dspark_vs_golden(case):
+    _check(case, harness.evaluate(case, "golden"))
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_dspark_vs_live_deepspec(case, live_oracle):
+    live_oracle("dspark")
+    _check(case, harness.evaluate(case, "live"))
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("variant", ["gemma4", "gemma4-keqv", "qwen3", "gemma4-rnn", "gemma4-dflash"])
+def test_factory_config_is_deepspecs_own_config_path(variant, live_oracle):
+    """Our tiny drafter's config.json is what DeepSpec's build_draft_config derives from the same
+    target and model args, and DeepSpec's from_pretrained loads its tensors with nothing missing."""
+    live_oracle("dspark")
+    from oracles import dspark as oracle
+
+    ov = pair.VARIANTS[variant]
+    args = {**checkpoints.DSPARK, **ov}
+    tdir = checkpoints.build(args["target_kind"], 0, args["target_overrides"])
+    ours = json.loads((checkpoints.build("dspark-drafter", 0, ov) / "config.json").read_text())
+    theirs = oracle.draft_config(tdir, {k: v for k, v in args.items() if k not in ("target_kind", "target_overrides")})
+    keys = ["architectures", "num_target_layers", "num_hidden_layers", "block_size", "tie_word_embeddings", "layer_types",
+            "mask_token_id", "target_layer_ids", "enable_confidence_head", "markov_rank", "hidden_size",
+            "num_attention_heads", "num_key_value_heads", "vocab_size", "final_logit_softcapping", "attention_k_eq_v",
+            "confidence_head_with_markov", "markov_head_type", "global_head_dim", "head_dim", "rope_parameters"]
+    from deepdiff import DeepDiff
+
+    diff = DeepDiff({k: theirs.get(k) for k in keys}, {k: ours.get(k) for k in keys})
+    assert not diff, diff.pretty()
+    target, _ = oracle._models(tdir, checkpoints.build("dspark-drafter", 0, ov))
+    assert target is not None
+
+
+def _drafter(ov=None):
+    return checkpoints.build("dspark-drafter", 0, ov or {})
+
+
+def test_wrong_family_target_is_refused_by_name():
+    m = dspark.load(_drafter())
+    with pytest.raises(dspark.DSparkError, match="gemma4 DSpark drafter needs a gemma4 target"):
+        dspark.check_pairing(m, targets.load(checkpoints.build("qwen3-target", 0, {})))
+
+
+def test_wrong_depth_target_is_refused_by_name():
+    m = dspark.load(_drafter())
+    with pytest.raises(dspark.DSparkError, match="built on a 6-layer target"):
+        dspark.check_pairing(m, targets.load(checkpoints.build(
+            "gemma4-target", 0, {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention",
+                                                                         "full_attention"]})))
+
+
+def test_tap_layer_ids_are_validated_at_build():
+    with pytest.raises(ValueError, match="strictly increasing"):
+        checkpoints.build("dspark-drafter", 0, {"target_layer_ids": [2, 1]})
+
+
+def test_missing_tensor_is_named(tmp_path):
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = _drafter()
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    t = load_file(str(src / "model.safetensors"))
+    del t["markov_head.markov_w2.weight"]
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(dspark.DSparkError, match=r"missing tensor\(s\) \['markov_head.markov_w2.weight'\]"):
+        dspark.load(tmp_path)
+
+
+def test_not_a_dspark_checkpoint_is_named():
+    with pytest.raises(dspark.DSparkError, match="not a DeepSpec DSpark drafter"):
+        dspark.load(checkpoints.build("gemma4-target", 0, {}))
+
+
+def test_zero_token_proposal_runs_the_loop():
+    """Threshold 1.0 keeps no draft: every round verifies the pending token alone, losslessly."""
+    import mlx.core as mx
+
+    from port import serve
+
+    target = targets.load(checkpoints.build("gemma4-target", 0, {}))
+    prov = dspark.DeepspecProvider(_drafter(), threshold=1.0)
+    tokens, stats = serve.generate(target, list(range(3, 15)), 10, prov, gamma=prov.trained_gamma, eos=set())
+    plain, _ = targets.greedy(target, mx.array([list(range(3, 15))]), 10, set())
+    assert tokens == plain and stats.drafted == 0 and all(d == 0 for d, _, _ in stats.trace)
