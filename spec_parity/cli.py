@@ -107,6 +107,29 @@ def cmd_measure(args) -> int:
     return 0
 
 
+def cmd_ab(args) -> int:
+    """Paired drafter A/B through the serve loop at T=0: prints the report (JSON with --json).
+    Exit 0 on PASS, 1 on FAIL."""
+    from port import ab
+
+    cfg = json.loads((Path(args.target) / "config.json").read_text())
+    prompts = ab.read_prompts(args.prompts, (cfg.get("text_config") or cfg).get("vocab_size"))
+    a_results, b_results = ab.run_ab(args.target, args.a, args.b, prompts, gamma=args.gamma,
+                                     max_tokens=args.max_tokens)
+    verdict = ab.paired_verdict(a_results, b_results, max_drop_pts=args.max_drop_pts)
+    text, doc = ab.render_report(Path(args.a).name, Path(args.b).name, verdict)
+    print(f"{_header()}; target {Path(args.target).name}, {len(prompts)} prompts, "
+          f"gamma {args.gamma}, max {args.max_tokens} tokens, T=0")
+    print(text)
+    if args.json:
+        doc = {**doc, "target": str(args.target), "drafters": {"a": str(args.a), "b": str(args.b)},
+               "gamma": args.gamma, "max_tokens": args.max_tokens,
+               "prompts": {"a": [r.to_json() for r in a_results], "b": [r.to_json() for r in b_results]}}
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        print(f"JSON report in {args.json}")
+    return 0 if verdict.passed else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="spec-parity", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -131,6 +154,18 @@ def main(argv=None) -> int:
     ms.add_argument("--case")
     ms.add_argument("--seeds", type=int, default=5)
     ms.set_defaults(fn=cmd_measure)
+    abp = sub.add_parser("ab", help="paired drafter A/B through the serve loop at T=0 (exit 1 on FAIL)")
+    abp.add_argument("--target", required=True, help="target checkpoint directory")
+    abp.add_argument("--a", required=True, help="drafter A checkpoint directory (the baseline)")
+    abp.add_argument("--b", required=True, help="drafter B checkpoint directory (the candidate)")
+    abp.add_argument("--prompts", required=True,
+                     help="one prompt per line as whitespace-separated token ids (# comments, blank lines skipped)")
+    abp.add_argument("--gamma", type=int, default=4)
+    abp.add_argument("--max-tokens", type=int, default=32)
+    abp.add_argument("--max-drop-pts", type=float, default=3,
+                     help="largest acceptance drop of B vs A, absolute points, that still passes")
+    abp.add_argument("--json", help="also write the report (with per-prompt results) to this JSON file")
+    abp.set_defaults(fn=cmd_ab)
     args = ap.parse_args(argv)
     return args.fn(args)
 
