@@ -1,5 +1,7 @@
 """Agreeing checkpoints: a Gemma-4 target whose greedy stream is known in advance and a Gemma-4
-assistant drafter that agrees with it on a chosen part of the vocabulary.
+assistant drafter that agrees with it on a chosen part of the vocabulary. The Qwen3 target and
+the DeepSpec DSpark drafter built the same way are described further down
+("qwen3-target-agreeing", "dspark-drafter-agreeing").
 
 Random drafters accept ~0% of their drafts, so only the correction path of a speculative loop
 runs. These two kinds make every accepted length 0..γ happen, in the real on-disk format, with
@@ -54,7 +56,16 @@ from functools import cache
 
 import numpy as np
 
-from .checkpoints import gemma4_assistant, gemma4_target, kind
+from .checkpoints import (
+    DSPARK,
+    KINDS,
+    _merge,
+    dspark_drafter,
+    gemma4_assistant,
+    gemma4_target,
+    kind,
+    qwen3_target,
+)
 
 SPECIALS = 3                 # ids 0 (pad), 1 (eos), 2 (bos): fixed points of f and h
 ALPHA2 = 0.1                 # share of |E[x]|^2 on the constant direction u
@@ -185,13 +196,13 @@ def target_frame(seed: int, vocab_size: int, hidden_size: int) -> Frame:
     return Frame(f, order, index, freqs, E0, R, Q)
 
 
-def _runs(n: int, n_in: int) -> list[int]:
-    """Lengths of the runs of A between the n - n_in tokens outside it: ladders of LADDER
+def _runs(n: int, n_in: int, ladder: tuple[int, ...] = LADDER) -> list[int]:
+    """Lengths of the runs of A between the n - n_in tokens outside it: ladders of `ladder`
     interleaved evenly with filler runs near the mean."""
     n_out = n - n_in
     if n_out == 0:
         return []
-    L, ls = len(LADDER), sum(LADDER)
+    L, ls = len(ladder), sum(ladder)
     fit = min(n_in // ls, n_out // L)
     if fit and n_in - fit * ls > 0 and n_out - fit * L == 0:
         fit -= 1                                    # leave a filler run for the remainder
@@ -199,7 +210,7 @@ def _runs(n: int, n_in: int) -> list[int]:
     rest, tot = n_out - L * ladders, n_in - ls * ladders
     fill = [tot // rest + ((i + 1) * (tot % rest) // rest - i * (tot % rest) // rest)
             for i in range(rest)] if rest else []
-    lad = list(LADDER) * ladders
+    lad = list(ladder) * ladders
     runs, i, j = [], 0, 0
     while i < len(lad) or j < len(fill):
         if j >= len(fill) or (i < len(lad) and i * len(fill) <= j * len(lad)):
@@ -221,8 +232,10 @@ class Agreement:
 
 
 def agreement(seed: int, agree_frac: float, vocab_size: int = 128,
-              hidden_size: int = 64) -> Agreement:
-    """f, h and the agreeing set for the agreeing pair built with this (target) seed."""
+              hidden_size: int = 64, ladder: tuple[int, ...] = LADDER) -> Agreement:
+    """f, h and the agreeing set for the agreeing pair built with this (target) seed. `ladder`:
+    the run lengths of A laid along the cycle (LADDER for the assistant; the DSpark drafter uses
+    `dspark_ladder(block_size)`)."""
     fr = target_frame(seed, vocab_size, hidden_size)
     N = len(fr.order)
     if not 0.0 <= agree_frac <= 1.0:
@@ -233,7 +246,7 @@ def agreement(seed: int, agree_frac: float, vocab_size: int = 128,
                          "permutation cannot disagree on exactly one token")
     inside = np.ones(N, bool)
     pos = 0
-    for r in _runs(N, n_in):
+    for r in _runs(N, n_in, tuple(ladder)):
         inside[pos] = False
         pos += 1 + r
     inside = np.roll(inside, int(_rng(seed, "agree-offset").integers(N)))
@@ -364,3 +377,201 @@ def gemma4_assistant_agreeing(seed: int, overrides: dict):
         cent *= CENTROID_SCORE / np.abs(unit @ cent.T).max()
         t["masked_embedding.centroids.weight"] = cent.astype(f32)
     return c, _stable(t)
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3 agreeing target and the DSpark drafter that agrees with either agreeing target.
+#
+# Qwen3 ("qwen3-target-agreeing"): the same token geometry as the Gemma-4 one (`target_frame`,
+# so `agreement(seed, ...)` gives its f too), embeddings scaled to |E| = QWEN_EMBED_NORM, every
+# residual write shrunk (o_proj and down_proj x WRITE_SCALE), so the last hidden is E[x] plus a
+# small context-dependent residue. The head is untied: lm_head row f(x) = g E[x] / w_F (w_F the
+# final norm weight, undone), so logit_y = g <E[f^-1(y)], E[x] + noise> sqrt(H)/|.|: the
+# successor scores ~TARGET_LOGIT, every other token at most ALPHA2 + (1 - ALPHA2) x coherence of
+# that. Everything else stays as "qwen3-target" draws it.
+#
+# DSpark ("dspark-drafter-agreeing"): the random "dspark-drafter" backbone (taps, fc, layers) on
+# the agreeing target, with three heads set:
+#  * base logits bounded: the final norm weight is scaled so |base logit| <= BASE_BOUND for any
+#    hidden (|rmsnorm(x) * w| <= max|w| sqrt(H)); the lm head / embedding stay the target's.
+#  * Markov head W1[t] = R_m [sqrt(beta) code_t ; MEMBER s_t ; 0], W2[j] = R_m [sqrt(beta)
+#    code_{h^-1(j)} ; 0 ; 0], code_t a harmonic frame over the cycle index of t in the first
+#    2P = 2 floor((r - 1) / 2) dims (low coherence mu), s_t = +1 on the agreeing set else -1,
+#    R_m a random rotation. So the Markov bias of prev = t is beta <code_t, code_{h^-1(j)}>: h(t)
+#    wins by beta (1 - mu) > 2 BASE_BOUND whatever the backbone does, and the draft chain at
+#    T=0 is anchor -> h(anchor) -> h(h(anchor)) ... Gated head: gate ~ 1 (bias GATE_BIAS);
+#    RNN head: output chunk a R_m P_code R_m^T W1 / sqrt(beta) through tanh (near-linear, a set
+#    so |input| <= RNN_TANH), W2 scaled by 1/a; the state never reaches the bias.
+#  * confidence sigmoid(w . [h_k ; W1[prev_k]]) with w reading the membership coordinate:
+#    logit +-CONF_LOGIT (sigma ~0.95 / ~0.05) plus a random part bounded by 2 CONF_NOISE. So at a
+#    threshold in (0.1, 0.9) the proposal stops at the first slot whose previous token leaves
+#    the agreeing set: every proposed draft is accepted and empty proposals happen.
+# The agreeing set is laid out as `dspark_ladder(block_size)` runs (0, bs, 1, bs - 1, ...) plus
+# fillers, so every accepted length 0..bs occurs somewhere on the cycle. At threshold 0 every
+# round ends one step after a token outside the set, so over a full cycle the acceptance is at
+# most agree_frac / ((1 - agree_frac) bs) (0.21 for 0.6 and bs 7); agree_frac 1.0 gives h = f
+# and tau = bs + 1.
+# DeepSpec's DFlash variant (markov_rank 0) has no Markov head to carry h: not offered.
+
+QWEN_EMBED_NORM = 8.0        # |E[x]| of the Qwen3 agreeing target (rms 1 per coordinate)
+AGREE_MARKOV_RANK = 32       # the DSpark drafter's default markov_rank (DSPARK's 8 is too coherent)
+MARKOV_BETA = 40.0           # Markov bias of the proposed token
+MEMBER = 1.0                 # |membership coordinate| of W1
+CONF_LOGIT = math.log(0.95 / 0.05)   # confidence logit on / off the agreeing set
+CONF_NOISE = 0.25            # bound on each random part (hidden, code dims) of a confidence logit
+BASE_BOUND = 3.0             # bound on |base logit| of the DSpark drafter
+MARKOV_MARGIN = 4.0          # required Markov margin beyond 2 BASE_BOUND
+GATE_BIAS = 12.0             # gated Markov head: gate pre-activation ~ this (gate ~ 1)
+RNN_TANH = 0.35              # RNN Markov head: bound on |tanh input| of the output chunk
+AGREEING_TARGETS = ("gemma4-target-agreeing", "qwen3-target-agreeing")
+
+
+@kind("qwen3-target-agreeing")
+def qwen3_target_agreeing(seed: int, overrides: dict):
+    """Qwen3 target whose greedy stream walks `agreement(seed, ...).f` (untied head). Takes the
+    "qwen3-target" overrides."""
+    c, t = qwen3_target(seed, overrides)
+    if c["tie_word_embeddings"]:
+        raise ValueError("qwen3-target-agreeing needs an untied lm_head (tie_word_embeddings False)")
+    H, V, L = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"]
+    fr = target_frame(seed, V, H)
+    f32 = np.float32
+    E = fr.E * (QWEN_EMBED_NORM / EMBED_NORM)
+    t["model.embed_tokens.weight"] = E.astype(f32)
+    for i in range(L):
+        for n in ("self_attn.o_proj", "mlp.down_proj"):
+            name = f"model.layers.{i}.{n}.weight"
+            t[name] = (t[name] * f32(WRITE_SCALE)).astype(f32)
+    # Normed last hidden ~ w_F * sqrt(H) E[x] / |E|; row f(x) = g E[x] / w_F gives the successor
+    # g |E| sqrt(H) = TARGET_LOGIT.
+    w_fin = np.asarray(t["model.norm.weight"], np.float64)
+    g = TARGET_LOGIT / (QWEN_EMBED_NORM * math.sqrt(H))
+    pre = np.argsort(fr.f)                               # pre[y] = f^-1(y)
+    t["lm_head.weight"] = (g * E[pre] / w_fin[None, :]).astype(f32)
+    return c, _stable(t)
+
+
+def dspark_ladder(block_size: int) -> tuple[int, ...]:
+    """Run lengths 0..block_size, low and high alternating: (0, bs, 1, bs - 1, ...)."""
+    lo, hi, out = 0, block_size, []
+    while lo <= hi:
+        out.append(lo)
+        if hi != lo:
+            out.append(hi)
+        lo, hi = lo + 1, hi - 1
+    return tuple(out)
+
+
+def _markov_bias(kind_name: str, W1, W2, out_map=None) -> np.ndarray:
+    """[prev, j] Markov bias of the constructed head (gate taken as 1; RNN state irrelevant)."""
+    if kind_name == "rnn":
+        return np.tanh(W1 @ out_map.T) @ W2.T
+    return W1 @ W2.T
+
+
+@kind("dspark-drafter-agreeing")
+def dspark_drafter_agreeing(seed: int, overrides: dict):
+    """DeepSpec DSpark drafter (DeepSpec's format, as "dspark-drafter") on an agreeing target
+    (`target_kind` "gemma4-target-agreeing" (default) or "qwen3-target-agreeing", built with
+    `target_seed` (default: this seed) and `target_overrides`). At T=0 it drafts h(prev) (see
+    `agreement(target_seed, agree_frac, V, H, dspark_ladder(block_size))`) on a share
+    `agree_frac` (default 0.6) of the cycle; its confidence is ~0.95 when the previous token
+    is in the agreeing set and ~0.05 otherwise. Takes the "dspark-drafter" overrides; markov_rank
+    defaults to AGREE_MARKOV_RANK."""
+    ov = dict(overrides)
+    agree_frac = float(ov.pop("agree_frac", 0.6))
+    target_seed = int(ov.pop("target_seed", seed))
+    ov.setdefault("target_kind", AGREEING_TARGETS[0])
+    ov.setdefault("markov_rank", AGREE_MARKOV_RANK)
+    a = _merge(DSPARK, ov)
+    if a["target_kind"] not in AGREEING_TARGETS:
+        raise ValueError(f"dspark-drafter-agreeing needs an agreeing target_kind {AGREEING_TARGETS}, "
+                         f"got {a['target_kind']!r}")
+    r, mtype = int(a["markov_rank"]), a["markov_head_type"]
+    if r <= 0:
+        raise ValueError("dspark-drafter-agreeing: markov_rank 0 (DeepSpec's DFlash variant) has no Markov "
+                         "head to carry the agreement; this variant is not offered")
+    if a["confidence_head_alpha"] > 0 and not a["confidence_head_with_markov"]:
+        raise ValueError("dspark-drafter-agreeing: a confidence head without the Markov features cannot see "
+                         "the previous token; set confidence_head_with_markov True (or confidence_head_alpha 0)")
+    if mtype not in ("vanilla", "gated", "rnn"):
+        raise ValueError(f"unsupported markov_head_type {mtype!r}")
+    c, t = dspark_drafter(seed, ov)
+    tt = KINDS[a["target_kind"]](target_seed, a["target_overrides"])[1] if target_seed != seed else None
+    H, V, bs = c["hidden_size"], c["vocab_size"], c["block_size"]
+    ag = agreement(target_seed, agree_frac, V, H, dspark_ladder(bs))
+    fr = ag.frame
+    N, P = len(fr.order), (r - 1) // 2
+    if P < 1 or P > (N - 1) // 2:
+        raise ValueError(f"markov_rank {r} must be in [3, {2 * ((N - 1) // 2) + 1}] for a cycle of {N}")
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    if tt is not None:
+        t["embed_tokens.weight"] = tt["model.embed_tokens.weight"]
+        t["lm_head.weight"] = tt.get("lm_head.weight", tt["model.embed_tokens.weight"])
+    head, embed = t["lm_head.weight"], t["embed_tokens.weight"]
+    # Base logits: |lm_head[y] . (w * x / rms(x))| <= |lm_head[y]| max|w| sqrt(H) <= BASE_BOUND.
+    row_max = float(np.linalg.norm(f64(head), axis=1).max())
+    w_rand = f64(t["norm.weight"])
+    w_norm = w_rand * (BASE_BOUND / (row_max * w_rand.max() * math.sqrt(H)))
+    t["norm.weight"] = w_norm
+    h_max = float(w_norm.max()) * math.sqrt(H)          # |final hidden| bound
+    # Markov codes (cycle-index harmonic frame), membership coordinate, random rotation.
+    freqs = frequencies(N, P)
+    angle = 2 * np.pi * np.outer(np.arange(N), freqs) / N
+    code = np.zeros((V, r))
+    code[np.ix_(fr.order, 2 * np.arange(P))] = np.cos(angle) / math.sqrt(P)
+    code[np.ix_(fr.order, 2 * np.arange(P) + 1)] = np.sin(angle) / math.sqrt(P)
+    member = 2 * P
+    R_m = _orthogonal(_rng(seed, "markov-basis"), r)
+    sb = math.sqrt(MARKOV_BETA)
+    w1_pre = sb * code
+    w1_pre[:, member] = MEMBER * np.where(ag.agree, 1.0, -1.0)
+    pre_h = np.argsort(ag.h)                             # pre_h[j] = h^-1(j)
+    W1 = w1_pre @ R_m.T
+    w2_pre = MARKOV_BETA / sb * code[pre_h]
+    out_map = None
+    if mtype == "rnn":
+        code_only = np.diag((np.arange(r) < member).astype(float))
+        scale = RNN_TANH / np.abs(code @ R_m.T).max()
+        out_map = scale / sb * (R_m @ code_only @ R_m.T)      # out = scale R_m [code_t ; 0]
+        w2_pre = MARKOV_BETA / scale * code[pre_h]        # bias = beta <code_{h^-1(j)}, code_t> + O(tanh)
+        joint = f64(t["markov_head.joint_proj.weight"])
+        bias = f64(t["markov_head.joint_proj.bias"])
+        joint[2 * r:] = 0.0
+        joint[2 * r:, r:2 * r] = out_map
+        bias[2 * r:] = 0.0
+        t["markov_head.joint_proj.weight"], t["markov_head.joint_proj.bias"] = joint, bias
+    elif mtype == "gated":
+        # |gate pre-activation - GATE_BIAS| <= 2: rows of unit norm over [h / h_max ; e / e_max].
+        e_max = float(np.linalg.norm(W1, axis=1).max())
+        g = _rng(seed, "markov-gate").standard_normal((r, H + r))
+        g /= np.linalg.norm(g, axis=1, keepdims=True)
+        g[:, :H] /= h_max
+        g[:, H:] /= e_max
+        t["markov_head.gate_proj.weight"] = g
+        t["markov_head.gate_proj.bias"] = np.full(r, GATE_BIAS)
+    W2 = w2_pre @ R_m.T
+    t["markov_head.markov_w1.weight"], t["markov_head.markov_w2.weight"] = W1, W2
+    # The margin is a property of the construction: check it for every non-special prev.
+    B = _markov_bias(mtype, W1, W2, out_map)[fr.order]
+    want = ag.h[fr.order]
+    top = B[np.arange(N), want]
+    B[np.arange(N), want] = -np.inf
+    margin = float((top - B.max(axis=1)).min())
+    slack = 0.05 * MARKOV_BETA if mtype == "gated" else 0.0
+    if margin - slack < 2 * BASE_BOUND + MARKOV_MARGIN:
+        raise ValueError(f"markov_rank {r}: Markov margin {margin:.2f} < {2 * BASE_BOUND + MARKOV_MARGIN + slack:.1f} "
+                         f"(codes too coherent); use a larger markov_rank, e.g. {AGREE_MARKOV_RANK}")
+    if c["enable_confidence_head"]:
+        rng = _rng(seed, "confidence")
+        w_h = rng.standard_normal(H)
+        w_h *= CONF_NOISE / (np.linalg.norm(w_h) * h_max)
+        w_e_pre = np.zeros(r)
+        noise = rng.standard_normal(member)
+        w_e_pre[:member] = noise * CONF_NOISE / (np.linalg.norm(noise) * sb)
+        w_e_pre[member] = CONF_LOGIT / MEMBER
+        t["confidence_head.proj.weight"] = np.concatenate([w_h, R_m @ w_e_pre])[None, :]
+        t["confidence_head.proj.bias"] = np.zeros(1)
+    t = _stable(t)
+    t["embed_tokens.weight"], t["lm_head.weight"] = embed, head   # bit-exact copies of the target's
+    return c, t

@@ -18,7 +18,8 @@ DRAFTERS = [("gemma4-assistant", {}), ("gemma4-assistant", {"use_ordered_embeddi
             ("gemma4-assistant-agreeing", {}), ("gemma4-assistant-agreeing", {"use_ordered_embeddings": False})]
 
 
-@pytest.mark.parametrize("kind", ["gemma4-target", "gemma4-target-agreeing", "gemma4-assistant-agreeing"])
+@pytest.mark.parametrize("kind", ["gemma4-target", "gemma4-target-agreeing", "gemma4-assistant-agreeing",
+                                  "qwen3-target-agreeing", "dspark-drafter", "dspark-drafter-agreeing"])
 def test_same_arguments_same_bytes_in_another_process(kind, tmp_path):
     here = checkpoints.checkpoint_hash(checkpoints.build(kind, 3, {}, root=tmp_path / "a"))
     code = ("import sys; from pathlib import Path; from spec_parity import checkpoints as c; "

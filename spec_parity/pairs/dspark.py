@@ -33,6 +33,10 @@ VARIANTS = {
 }
 LOOPS = [("gemma4", 0.0), ("gemma4", 0.5), ("gemma4-keqv", 0.5), ("qwen3", 0.0), ("qwen3", 0.3),
          ("gemma4-rnn", 0.0), ("gemma4-dflash", 0.0), ("qwen3-dflash", 0.0)]
+# Agreeing pairs (spec_parity/agreeing.py): the Markov head carries the target's successor on a
+# share `agree_frac` of the vocabulary; 1.0 accepts every draft (tau = block size + 1 = 8).
+AGREEING = [("gemma4", 1.0, 0.0), ("gemma4", 0.8, 0.0), ("gemma4-keqv", 0.8, 0.5), ("qwen3", 0.8, 0.0),
+            ("qwen3", 0.6, 0.5), ("gemma4-rnn", 0.8, 0.0)]
 
 # Planted bugs (port.dspark.BUGS) and the case that must catch each.
 CONTROLS = {
@@ -46,17 +50,22 @@ CONTROLS = {
 }
 
 
-def _case(name: str, variant: str, params: dict, control: dict | None = None) -> Case:
-    ov = VARIANTS[variant]
+def _case(name: str, variant: str, params: dict, agree_frac: float | None = None) -> Case:
+    ov = dict(VARIANTS[variant])
     target = ov.get("target_kind", "gemma4-target")
-    return Case(NAME, name, "L2", target, 0, ov.get("target_overrides", {}),
-                {**params, "drafter": ["dspark-drafter", 0, ov]}, control=control)
+    kind = "dspark-drafter"
+    if agree_frac is not None:
+        target = target.replace("-target", "-target-agreeing")
+        ov.update(target_kind=target, agree_frac=agree_frac)
+        kind = "dspark-drafter-agreeing"
+    return Case(NAME, name, "L2", target, 0, ov.get("target_overrides", {}), {**params, "drafter": [kind, 0, ov]})
 
 
 def cases() -> list[Case]:
     out = [_case(f"mod-{v}", v, {"prompt_len": 12, "thresholds": THRESHOLDS}) for v in VARIANTS]
-    out += [_case(f"loop-{v}-t{t}", v, {"loop": True, "prompt_len": 12, "max_new_tokens": 24, "threshold": t})
-            for v, t in LOOPS]
+    loop = {"loop": True, "prompt_len": 12, "max_new_tokens": 24}
+    out += [_case(f"loop-{v}-t{t}", v, {**loop, "threshold": t}) for v, t in LOOPS]
+    out += [_case(f"loop-agree{f}-{v}-t{t}", v, {**loop, "max_new_tokens": 32, "threshold": t}, f) for v, f, t in AGREEING]
     from port.dspark import BUGS
 
     by_name = {c.name: c for c in out}
