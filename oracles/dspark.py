@@ -188,3 +188,26 @@ def loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_new_tokens
             "stream.acceptance_lengths": np.array(res.acceptance_lengths, np.int32),
             "stream.proposals": np.array(flat, np.int32),
             "stream.proposal_sizes": np.array([len(p) for p in proposals], np.int32)}
+
+
+def save_via_deepspec(target_dir: Path, drafter_dir: Path, args: dict, out_dir: Path) -> Path:
+    """Build the drafter the way DeepSpec does (its `build_draft_config` on the target config, its
+    model class), fill it with the given checkpoint's tensors (strict), and `save_pretrained` it:
+    the files a DeepSpec training run writes, for the port to load."""
+    import torch
+    from safetensors.torch import load_file
+
+    _import()
+    from deepspec.modeling.dspark import Gemma4DSparkModel, Qwen3DSparkModel
+
+    cfg_dict = draft_config(target_dir, args)
+    gemma = cfg_dict["architectures"] == ["Gemma4DSparkModel"]
+    cls = Gemma4DSparkModel if gemma else Qwen3DSparkModel
+    config = cls.config_class.from_dict(cfg_dict)
+    model = cls(config).to(torch.float32)
+    missing, unexpected = model.load_state_dict(load_file(str(Path(drafter_dir) / "model.safetensors")), strict=False)
+    missing = [k for k in missing if "rotary" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"DeepSpec's model and the checkpoint disagree: missing {missing}, unexpected {unexpected}")
+    model.save_pretrained(out_dir)
+    return Path(out_dir)

@@ -112,3 +112,31 @@ def test_zero_token_proposal_runs_the_loop():
     tokens, stats = serve.generate(target, list(range(3, 15)), 10, prov, gamma=prov.trained_gamma, eos=set())
     plain, _ = targets.greedy(target, mx.array([list(range(3, 15))]), 10, set())
     assert tokens == plain and stats.drafted == 0 and all(d == 0 for d, _, _ in stats.trace)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("variant", ["gemma4", "gemma4-keqv", "qwen3"])
+def test_port_loads_what_deepspec_saves(variant, tmp_path, live_oracle):
+    """The drafter built through DeepSpec's own config path and saved with its save_pretrained loads
+    in the port and drafts exactly what the factory's files draft."""
+    live_oracle("dspark")
+    import mlx.core as mx
+    import numpy as np
+
+    from oracles import dspark as oracle
+
+    ov = pair.VARIANTS[variant]
+    args = {**checkpoints.DSPARK, **ov}
+    tdir = checkpoints.build(args["target_kind"], 0, args["target_overrides"])
+    ddir = checkpoints.build("dspark-drafter", 0, ov)
+    saved = oracle.save_via_deepspec(tdir, ddir, {k: v for k, v in args.items()
+                                                  if k not in ("target_kind", "target_overrides")}, tmp_path / "ds")
+    target = targets.load(tdir)
+    trace = targets.forward(target, mx.array([list(range(3, 15))]))
+    blocks = []
+    for path in (ddir, saved):
+        m = dspark.load(path)
+        dspark.check_pairing(m, target)
+        blocks.append(m.draft_block(5, m.context_kv(m.project(m.taps(trace.hidden)), 0), 12))
+    assert blocks[0].tokens == blocks[1].tokens
+    assert np.array_equal(np.array(blocks[0].logits), np.array(blocks[1].logits))
