@@ -98,7 +98,7 @@ def cmd_measure(args) -> int:
             continue
         for seed in range(args.seeds):
             c = dataclasses.replace(case, seed=seed)
-            ref, _ = harness.reference(c, "live")
+            ref, _, _ = harness.reference(c, "live")
             port = harness.pair(c.module).run_port(c, ref)
             for key, val in harness.pair(c.module).quantities(port, ref).items():
                 worst[key] = max(worst.get(key, 0.0), float(np.max(val)))

@@ -74,7 +74,7 @@ def _jsonable(x):
 def _brief(m) -> str:
     if not isinstance(m, dict):
         return str(m)
-    keys = ("ok", "max_abs", "max_rel", "mismatch", "mismatch_pct", "first_mismatch", "cosine",
+    keys = ("versions", "ok", "max_abs", "max_rel", "mismatch", "mismatch_pct", "first_mismatch", "cosine",
             "nmse", "max_ulp", "budget", "first_divergence", "equal", "agree", "kl_max")
     return ", ".join(f"{k}={_fmt(m[k])}" for k in keys if k in m)
 

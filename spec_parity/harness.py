@@ -20,7 +20,7 @@ from . import goldens
 from .case import Case
 from .compare import Result
 
-PAIRS = ("targets", "assistant", "dspark")
+PAIRS = ("targets", "assistant", "dspark", "dflash")
 
 
 def pair(module: str):
@@ -34,7 +34,8 @@ def all_cases(modules: Iterable[str] = PAIRS) -> list[Case]:
 
 
 def reference(case: Case, source: str = "auto"):
-    """The reference arrays and a label saying where they came from.
+    """The reference arrays, a short label saying where they came from, and the reference's
+    versions (recorded in the result's metrics).
 
     source: "live" runs the reference (error if it cannot run here), "golden" reads fixtures,
     "auto" prefers live and falls back to goldens.
@@ -44,13 +45,12 @@ def reference(case: Case, source: str = "auto"):
     if source == "live" or (source == "auto" and status is None):
         if status is not None:
             raise RuntimeError(f"{name} cannot run here: {status}")
-        arrays, _ = pair(case.module).run_oracle(case)
-        return arrays, f"{name} (live)"
+        arrays, provenance = pair(case.module).run_oracle(case)
+        return arrays, f"{name} (live)", provenance["reference"]["versions"]
     if case.path:
         raise RuntimeError(f"{case.id} is on a real checkpoint: it needs the live {name} ({status})")
     arrays, manifest = goldens.load(case)
-    ref = manifest.get("reference", {})
-    return arrays, f"{name} (golden, {ref.get('versions', {})})"
+    return arrays, f"{name} (golden)", manifest.get("reference", {}).get("versions", {})
 
 
 def oracle_name(case: Case) -> str:
@@ -59,8 +59,9 @@ def oracle_name(case: Case) -> str:
 
 def evaluate(case: Case, source: str = "auto") -> Result:
     p = pair(case.module)
-    ref, label = reference(case, source)
+    ref, label, versions = reference(case, source)
     result = Result(case.module, case.name, label, case.tier)
+    result.metrics["reference"] = {"ok": True, "versions": versions}
     port = p.run_port(case, ref)
     p.compare(case, port, ref, result)
     if case.control:
