@@ -74,6 +74,22 @@ _measured("dspark", "logits", 3e-4, _DSPARK.format("7.28e-05"))
 _measured("dspark", "confidence", 2e-4, _DSPARK.format("4.86e-05"))
 _measured("dspark", "path_logits", 2e-4, _DSPARK.format("4.91e-05") + " (8 loop cases)")
 
+# z-lab dflash 0.1.0 vs port/dflash.py, fp32, tiny Qwen3 / Gemma-4 targets, 6 drafter variants. Against its
+# MLX model (MLX 0.32.4 CPU, mlx-lm 0.32.2) the module cases are L1: measured max |Δ| 0 for taps, block hidden,
+# logits, tokens, anchors and context K/V over 6 variants x 5 seeds (no budget). The numbers below are its torch
+# model (torch 2.13.0 CPU, transformers 5.15.0, its own environment; target attention eager) in the same module
+# rounds (`-torch` cases), and the loops: the drafter's logits per round along the shared path (vs z-lab MLX our
+# loop prefills in one forward where z-lab splits off the last token: on Gemma-4 the taps then differ in the
+# last bits), and our loop's verify rows vs the target's plain one-token decode (same framework).
+_DFLASH = "SPEC_PARITY_TF515_PYTHON=... spec-parity measure --module dflash --seeds 5: max |Δ| {}"
+_measured("dflash", "taps", 3e-4, _DFLASH.format("8.83e-05 (torch target vs mlx-lm, 6 variants x 5 seeds)"))
+_measured("dflash", "context_kv", 1e-4, _DFLASH.format("3.10e-05 (torch, 6 variants x 5 seeds)"))
+_measured("dflash", "hidden", 8e-5, _DFLASH.format("2.60e-05 (torch, 6 variants x 5 seeds)"))
+_measured("dflash", "logits", 5e-5, _DFLASH.format("1.41e-05 (torch, 6 variants x 5 seeds)"))
+_measured("dflash", "loop_draft_logits", 8e-6, _DFLASH.format("2.38e-06 (z-lab MLX loop, 6 loop cases x 5 seeds)"))
+_measured("dflash", "loop_draft_logits_torch", 6e-5, _DFLASH.format("1.99e-05 (torch loop, 5 loop cases x 5 seeds)"))
+_measured("dflash", "path_logits", 3e-4, _DFLASH.format("8.89e-05 (11 loop cases x 5 seeds)"))
+
 # A greedy-stream divergence is excused as a knife-edge only if the reference's top-1/top-2 margin
 # (and the port token's gap to top-1) is below this many ULPs of the dtype at the top-1 logit's
 # magnitude. fp32: cross-framework logit errors measured above reach ~50 ULPs at |logit| ~20, so

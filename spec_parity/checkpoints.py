@@ -46,7 +46,7 @@ def cache_root() -> Path:
 def _factory_digest() -> str:
     """The factory's own source: a changed kind must not be served from a stale cache entry."""
     here = Path(__file__).parent
-    return hashlib.sha256(b"".join((here / f).read_bytes() for f in ("checkpoints.py", "agreeing.py"))).hexdigest()
+    return hashlib.sha256(b"".join((here / f).read_bytes() for f in ("checkpoints.py", "agreeing.py", "dflash_checkpoints.py"))).hexdigest()
 
 
 def _key(kind_name: str, seed: int, overrides: dict) -> str:
@@ -459,3 +459,4 @@ def dspark_drafter(seed: int, overrides: dict):
 # The agreeing target/drafter kinds (controlled acceptance) live in their own module; importing it
 # registers them.
 from . import agreeing  # noqa: E402,F401
+from .dflash_checkpoints import dflash_drafter  # noqa: E402,F401

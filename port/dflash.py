@@ -1,0 +1,416 @@
+"""z-lab's DFlash drafter (`dflash==0.1.0`, github z-lab/dflash) in MLX, and its serve-loop source.
+
+One draft round, from the target's hidden states:
+
+    x   = concat(hidden_states[l + 1] for l in target_layer_ids)      the verify's taps (new rows only)
+    c   = hidden_norm(fc(x))                                          projected context
+    per draft layer (Qwen3-style: pre-norm attention + SwiGLU MLP, q_norm / k_norm per head):
+        context K/V = RoPE(k_norm(k_proj(c))), v_proj(c) at the rows' absolute positions; these
+        are the ONLY state that persists between rounds (full layers: every row; sliding layers:
+        the newest W-1 rows, in mlx-lm's rotating cache)
+        block: ids [anchor, MASK x (bs-1)] at positions start..start+bs-1, embedded with the
+        TARGET's embedding x (its embed scale x input_embedding_scale); Q and the block's own K/V
+        (k_norm too) from the block rows; keys [context ; block]; scale head_dim^-0.5
+        mask: full layers none (bidirectional), sliding layers causal within the block and the
+        window over the context (config `is_causal` overrides the causal default for every layer)
+    final norm over block rows 1..bs-1 -> the TARGET's lm head x output_multiplier -> softcap
+    -> greedy tokens: row k predicts the token at start + k (the anchor row predicts nothing)
+
+Reference deltas (z-lab's own MLX and torch models disagree), port options:
+  window="positional" (default; z-lab torch's semantics): a sliding layer's context keys are used
+      in time order, so the window drops the OLDEST rows;
+  window="zlab-mlx": z-lab MLX's: it feeds mlx-lm's RotatingKVCache buffer to the attention as
+      returned. After a one-row context update on a full ring that buffer is not in time order (the
+      newest row sits at the write index) while its mask is by buffer index: block rows then lose
+      the newest context rows instead of the oldest. The two agree bit for bit until that happens.
+  (Both keep the block itself unwindowed, as z-lab MLX does; z-lab torch's mask would also window
+  the block rows against each other, which differs only when block_size > sliding_window.)
+  embed="scaled" (default; z-lab MLX): the block embedding is the target's embedding x the
+      target's embed scale (Gemma-4: sqrt(H)) x input_embedding_scale;
+  embed="raw" (z-lab torch): the raw embedding rows x input_embedding_scale (its
+      `_raw_input_embeddings` reads the weight, skipping Gemma's scale). Same on Qwen3 targets.
+
+`bugs` plants the negative controls the tests must catch; it is empty in use.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.qwen3 import MLP
+from mlx_lm.models.rope_utils import initialize_rope
+
+from . import targets
+
+BUGS = {
+    "own_head": "the drafter scores with its own (random) lm head instead of the target's",
+    "ctx_input_layernorm": "the context rows pass through each layer's input_layernorm before K/V",
+    "block_position_shift": "the block's positions shifted by one (start+1..start+bs)",
+    "rejected_rows": "rejected verify rows kept in the context",
+}
+WINDOWS = ("positional", "zlab-mlx")
+EMBEDS = ("scaled", "raw")
+
+
+class DFlashError(ValueError):
+    pass
+
+
+@dataclass
+class ModelArgs:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    block_size: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    mask_token_id: int
+    layer_types: list[str]
+    sliding_window: int | None
+    is_causal: bool | None
+    final_logit_softcapping: float | None
+    input_embedding_scale: float
+    output_multiplier: float
+    bugs: frozenset = field(default_factory=frozenset)
+
+    @classmethod
+    def from_config(cls, c: dict, path: Path) -> ModelArgs:
+        arch = c.get("architectures") or []
+        if "DFlash2DraftModel" in arch:
+            raise DFlashError(f"{path}: DFlash2DraftModel (grouped causal convolutions + candidate selector) "
+                              "is not ported; only DFlashDraftModel is")
+        if "DFlashDraftModel" not in arch:
+            raise DFlashError(f"{path}: architectures {arch} is not a z-lab DFlash drafter (expected DFlashDraftModel)")
+        d = c.get("dflash_config")
+        if not isinstance(d, dict) or "target_layer_ids" not in d or "mask_token_id" not in d:
+            raise DFlashError(f"{path}: config.json needs dflash_config with target_layer_ids and mask_token_id")
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                               "head_dim", "intermediate_size", "vocab_size", "num_target_layers") if k not in c]
+        if missing:
+            raise DFlashError(f"{path}: config.json lacks {missing}")
+        n = c["num_hidden_layers"]
+        layer_types = list(c.get("layer_types") or ["full_attention"] * n)
+        if len(layer_types) != n:
+            raise DFlashError(f"{path}: layer_types has {len(layer_types)} entries for {n} layers")
+        unknown = set(layer_types) - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise DFlashError(f"{path}: unsupported layer_types {sorted(unknown)} (full_attention, sliding_attention)")
+        if "sliding_attention" in layer_types and not c.get("sliding_window"):
+            raise DFlashError(f"{path}: sliding_attention layers need a sliding_window")
+        rope = c.get("rope_parameters") or c.get("rope_scaling")
+
+        def opt(name, default=None):  # z-lab torch: dflash_config first, then the top level
+            return d.get(name, c.get(name, default))
+
+        cap = opt("final_logit_softcapping")
+        return cls(
+            hidden_size=c["hidden_size"], num_hidden_layers=n, num_attention_heads=c["num_attention_heads"],
+            num_key_value_heads=c["num_key_value_heads"], head_dim=c["head_dim"],
+            intermediate_size=c["intermediate_size"], vocab_size=c["vocab_size"],
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=c.get("rope_theta", (rope or {}).get("rope_theta", 10000.0)), rope_scaling=rope,
+            max_position_embeddings=c.get("max_position_embeddings", 4096),
+            block_size=int(opt("block_size", 16)), target_layer_ids=[int(i) for i in d["target_layer_ids"]],
+            num_target_layers=c["num_target_layers"], mask_token_id=int(d["mask_token_id"]),
+            layer_types=layer_types, sliding_window=c.get("sliding_window"), is_causal=c.get("is_causal"),
+            final_logit_softcapping=float(cap) if cap else None,
+            input_embedding_scale=float(opt("input_embedding_scale", 1.0)),
+            output_multiplier=float(opt("output_multiplier", 1.0)),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs, layer: int, window: str):
+        super().__init__()
+        self.a, self.window = a, window
+        H, hd = a.hidden_size, a.head_dim
+        self.n_heads, self.n_kv = a.num_attention_heads, a.num_key_value_heads
+        self.q_proj = nn.Linear(H, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, H, bias=False)
+        self.q_norm = nn.RMSNorm(hd, eps=a.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(hd, eps=a.rms_norm_eps)
+        self.scale = hd ** -0.5
+        self.sliding = a.layer_types[layer] == "sliding_attention"
+        self.causal = self.sliding if a.is_causal is None else bool(a.is_causal)
+
+    def _heads(self, x, n, norm=None):
+        B, T, _ = x.shape
+        x = x.reshape(B, T, n, -1)
+        return (norm(x) if norm is not None else x).transpose(0, 2, 1, 3)
+
+    def __call__(self, x, ctx, cache, rope):
+        """x: the block rows [1, L, H] (after input_layernorm); ctx: the new projected context rows
+        [1, S, H] (they join `cache`); returns the attention output of the block rows."""
+        L, S = x.shape[1], ctx.shape[1]
+        if self.sliding and S > self.a.sliding_window - 1:
+            # Only the newest W-1 context rows can be seen by any block row; the dropped ones still
+            # count for the positions (mlx-lm's cache offset is the number of rows seen).
+            skip = S - (self.a.sliding_window - 1)
+            ctx, S = ctx[:, skip:], S - skip
+            cache.offset += skip
+        start = cache.offset
+        q = self._heads(self.q_proj(x), self.n_heads, self.q_norm)
+        ck = self._heads(self.k_proj(ctx), self.n_kv, self.k_norm)
+        cv = self._heads(self.v_proj(ctx), self.n_kv)
+        bk = self._heads(self.k_proj(x), self.n_kv, self.k_norm)
+        bv = self._heads(self.v_proj(x), self.n_kv)
+        block_at = start + S + (1 if "block_position_shift" in self.a.bugs else 0)
+        q = rope(q, offset=block_at)
+        ck = rope(ck, offset=start)
+        bk = rope(bk, offset=block_at)
+        keys, values = cache.update_and_fetch(ck, cv)
+        if self.sliding and self.window == "positional" and isinstance(cache, RotatingKVCache):
+            keys, values = cache._temporal_order(keys), cache._temporal_order(values)
+        n_ctx = keys.shape[2]
+        keys = mx.concatenate([keys, bk], axis=2)
+        values = mx.concatenate([values, bv], axis=2)
+        mask = None
+        if self.sliding:
+            qpos = n_ctx + mx.arange(L)[:, None]
+            kpos = mx.arange(n_ctx + L)[None]
+            seen_ctx = (kpos < n_ctx) & (qpos - kpos < self.a.sliding_window)
+            seen_block = kpos >= n_ctx
+            if self.causal:
+                seen_block = seen_block & (kpos <= qpos)
+            mask = seen_ctx | seen_block
+        elif self.causal:
+            mask = create_causal_mask(L, offset=n_ctx)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a: ModelArgs, layer: int, window: str):
+        super().__init__()
+        self.a = a
+        self.self_attn = Attention(a, layer, window)
+        self.mlp = MLP(a.hidden_size, a.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
+
+    def __call__(self, x, ctx, cache, rope):
+        if "ctx_input_layernorm" in self.a.bugs:
+            ctx = self.input_layernorm(ctx)
+        h = x + self.self_attn(self.input_layernorm(x), ctx, cache, rope)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class Block:
+    """One draft block: the final-normed hidden, logits and greedy tokens of rows 1..bs-1."""
+
+    hidden: mx.array   # [bs-1, H]
+    logits: mx.array   # [bs-1, V]
+    tokens: list[int]
+
+
+class Model(nn.Module):
+    def __init__(self, a: ModelArgs, window: str = "positional", embed: str = "scaled"):
+        super().__init__()
+        if window not in WINDOWS:
+            raise DFlashError(f"window {window!r}: expected one of {WINDOWS}")
+        if embed not in EMBEDS:
+            raise DFlashError(f"embed {embed!r}: expected one of {EMBEDS}")
+        self.args, self.window, self.embed_mode = a, window, embed
+        H = a.hidden_size
+        self.fc = nn.Linear(len(a.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=a.rms_norm_eps)
+        self.layers = [DecoderLayer(a, i, window) for i in range(a.num_hidden_layers)]
+        self.norm = nn.RMSNorm(H, eps=a.rms_norm_eps)
+        self._rope = initialize_rope(a.head_dim, base=a.rope_theta, traditional=False, scaling_config=a.rope_scaling,
+                                     max_position_embeddings=a.max_position_embeddings)
+        self._own_head = None
+
+    @property
+    def all_sliding(self) -> bool:
+        return all(t == "sliding_attention" for t in self.args.layer_types)
+
+    def make_caches(self) -> list:
+        """Per layer, the context K/V store: full layers keep every row, sliding layers W-1."""
+        return [RotatingKVCache(max_size=self.args.sliding_window - 1, keep=0) if t == "sliding_attention"
+                else KVCache() for t in self.args.layer_types]
+
+    def taps(self, hidden: list) -> mx.array:
+        """Concatenated taps from a target's hidden states (hidden[0] = the embedding output)."""
+        return mx.concatenate([hidden[i + 1] for i in self.args.target_layer_ids], axis=-1)
+
+    def project(self, x):
+        return self.hidden_norm(self.fc(x))
+
+    def embed(self, target: targets.Target, ids: mx.array) -> mx.array:
+        """The target's embedding x (its embed scale x input_embedding_scale), one multiply;
+        embed="raw": without the target's embed scale."""
+        tm = target.model.model
+        scale = getattr(tm, "embed_scale", 1.0) if self.embed_mode == "scaled" else 1.0
+        return tm.embed_tokens(ids) * (scale * self.args.input_embedding_scale)
+
+    def logits(self, target: targets.Target, h: mx.array) -> mx.array:
+        """The target's lm head (tied: its embedding) x output_multiplier, then the softcap."""
+        if "own_head" in self.args.bugs:
+            out = self.own_head()(h)
+        else:
+            m = target.model
+            out = m.lm_head(h) if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear(h)
+        out = out * self.args.output_multiplier
+        cap = self.args.final_logit_softcapping
+        return mx.tanh(out / cap) * cap if cap else out
+
+    def own_head(self) -> nn.Linear:
+        """Control only: a random head of the drafter's own (what a port that forgot to borrow the
+        target's would score with)."""
+        if self._own_head is None:
+            a = self.args
+            head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
+            head.weight = mx.random.normal((a.vocab_size, a.hidden_size), key=mx.random.key(7)) * a.hidden_size ** -0.5
+            self._own_head = head
+        return self._own_head
+
+    def block(self, target: targets.Target, anchor: int, n: int, ctx_rows: mx.array | None, caches: list) -> Block:
+        """Draft n tokens after `anchor`: block [anchor, MASK x n]; `ctx_rows` are the raw taps of the
+        context rows not yet in `caches` (they are projected and appended there)."""
+        a = self.args
+        ids = mx.array([[anchor] + [a.mask_token_id] * n])
+        if ctx_rows is None or ctx_rows.shape[1] == 0:
+            raise DFlashError("a draft needs the new context rows (the prompt's or the last verify's taps): "
+                              "commit the previous verify first")
+        h = self.embed(target, ids)
+        c = self.project(ctx_rows)
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, c, cache, self._rope)
+        hidden = self.norm(h[:, 1:])
+        logits = self.logits(target, hidden)
+        tokens = mx.argmax(logits, axis=-1)
+        return Block(hidden[0], logits[0], tokens[0].tolist())
+
+
+def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "scaled") -> Model:
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise DFlashError(f"{path}: no config.json")
+    a = ModelArgs.from_config(json.loads((path / "config.json").read_text()), path)
+    a.bugs = frozenset(bugs)
+    unknown = a.bugs - set(BUGS)
+    if unknown:
+        raise DFlashError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
+    model = Model(a, window, embed)
+    weights = {}
+    for f in sorted(path.glob("*.safetensors")):
+        weights.update(mx.load(str(f)))
+    from mlx.utils import tree_flatten
+
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    missing = sorted(expected - set(weights))
+    if missing:
+        raise DFlashError(f"{path}: missing tensor(s) {missing[:6]}{' …' if len(missing) > 6 else ''}; "
+                          "is this a complete z-lab DFlash checkpoint?")
+    model.load_weights([(k, v) for k, v in weights.items() if k in expected], strict=True)
+    mx.eval(model.parameters())
+    return model
+
+
+def check_pairing(drafter: Model, target: targets.Target) -> None:
+    """A DFlash drafter reads one target's hidden states and borrows its embedding and head:
+    refuse a target it was not built on."""
+    a, c = drafter.args, target.config
+    name = target.path
+    if a.num_target_layers != c["num_hidden_layers"]:
+        raise DFlashError(f"drafter was built on a {a.num_target_layers}-layer target; {name} has "
+                          f"{c['num_hidden_layers']} layers (tap layers {a.target_layer_ids} would read the wrong depth)")
+    if a.hidden_size != c["hidden_size"]:
+        raise DFlashError(f"drafter hidden size {a.hidden_size} != target's {c['hidden_size']} ({name}): it embeds "
+                          "with the target's embedding and scores with the target's head")
+    if a.vocab_size != c["vocab_size"]:
+        raise DFlashError(f"drafter vocab {a.vocab_size} != target's {c['vocab_size']} ({name})")
+    if not 0 <= a.mask_token_id < c["vocab_size"]:
+        raise DFlashError(f"mask_token_id {a.mask_token_id} is not a row of the target's embedding ({c['vocab_size']})")
+    bad = [i for i in a.target_layer_ids if not 0 <= i < c["num_hidden_layers"] - 1]
+    if bad:
+        raise DFlashError(f"target_layer_ids {a.target_layer_ids}: {bad} outside [0, {c['num_hidden_layers'] - 2}] "
+                          "(the final layer's hidden state is the final-normed one in transformers, not a raw output)")
+
+
+class DflashSource:
+    """DFlash behind the serve-loop seam. It owns the per-layer context K/V; prefill queues the
+    tapped prompt rows, each draft projects the queued rows into the K/V (at their absolute
+    positions) while drafting, and commit queues only the pending + accepted rows of the verify.
+
+    `max_tokens` (optional) reproduces z-lab's last block: with n tokens emitted it drafts at most
+    max_tokens - n (z-lab shrinks the block to what is left; the serve loop would draft a full
+    block and drop the excess)."""
+
+    def __init__(self, drafter: Model, view, max_tokens: int | None = None):
+        check_pairing(drafter, view.target)
+        self.m, self.target, self.max_tokens = drafter, view.target, max_tokens
+        self.tap_layers = list(drafter.args.target_layer_ids)
+        self.caches = drafter.make_caches()
+        self.pending: mx.array | None = None
+        self.emitted = 0
+        self.last_block: Block | None = None
+
+    def _queue(self, rows: mx.array) -> None:
+        self.pending = rows if self.pending is None else mx.concatenate([self.pending, rows], axis=1)
+
+    def prefill(self, prompt_ids, tapped) -> None:
+        x = mx.concatenate(tapped, axis=-1)
+        if self.m.all_sliding and x.shape[1] > self.m.args.sliding_window - 1:
+            # No layer can see more than the newest W-1 prompt rows: project only those.
+            skip = x.shape[1] - (self.m.args.sliding_window - 1)
+            x = x[:, skip:]
+            for c in self.caches:
+                c.offset = skip
+        self._queue(x)
+        self.emitted = 1
+
+    def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
+        n = min(n, self.m.args.block_size - 1)
+        if self.max_tokens is not None:
+            n = min(n, self.max_tokens - self.emitted)
+        if n <= 0:
+            self.last_block = None
+            return []
+        block = self.m.block(self.target, feed[-1], n, self.pending, self.caches)
+        self.pending = None
+        self.last_block = block
+        return block.tokens
+
+    def commit(self, n_drafted: int, accepted: int, tapped) -> None:
+        x = mx.concatenate(tapped, axis=-1)
+        self._queue(x if "rejected_rows" in self.m.args.bugs else x[:, : accepted + 1])
+        self.emitted += accepted + 1
+
+    def dispose(self) -> None:
+        self.caches = None
+        self.pending = None
+
+
+class DflashProvider:
+    def __init__(self, path: str | Path, window: str = "positional", bugs=(), max_tokens: int | None = None,
+                 embed: str = "scaled"):
+        self.path = Path(path)
+        self.id = self.path.name
+        self.drafter = load(self.path, window, bugs, embed)
+        self.weights_bytes = sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
+        self.trained_gamma = self.drafter.args.block_size - 1
+        self.max_tokens = max_tokens
+
+    def open(self, view) -> DflashSource:
+        return DflashSource(self.drafter, view, self.max_tokens)
+
+    def dispose(self) -> None:
+        self.drafter = None

@@ -1,0 +1,271 @@
+"""DFlash drafter: port/dflash.py vs z-lab dflash 0.1.0: `dflash.model_mlx` (module cases L1, loops
+L2) and `dflash.model` (torch, transformers 5.15 in its own environment; `-torch` cases, L2).
+
+Every case runs against its golden and, with the reference installed, live; each planted bug
+must fail. The two reference deltas (z-lab MLX's sliding window after a one-row update on a full
+ring; z-lab torch's raw block embedding) are shown on the goldens of both references, and the
+port's default window is checked against a from-scratch time-ordered recompute."""
+
+import json
+import shutil
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from port import dflash, serve, targets
+from spec_parity import checkpoints, goldens, harness
+from spec_parity.pairs import dflash as pair
+
+CASES = pair.cases()
+
+
+def _check(case, result):
+    if case.control:
+        assert not result.ok, f"negative control was not caught:\n{result.message()}"
+    else:
+        assert result.ok, result.message()
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_dflash_vs_golden(case):
+    _check(case, harness.evaluate(case, "golden"))
+
+
+MLX_CASES = [c for c in CASES if c.oracle == pair.ORACLE]
+TORCH_CASES = [c for c in CASES if c.oracle == pair.TORCH]
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("case", MLX_CASES, ids=[c.name for c in MLX_CASES])
+def test_dflash_vs_live_zlab_mlx(case, live_oracle):
+    live_oracle("dflash", case.oracle)
+    _check(case, harness.evaluate(case, "live"))
+
+
+@pytest.mark.oracle
+@pytest.mark.tf515
+@pytest.mark.parametrize("case", TORCH_CASES, ids=[c.name for c in TORCH_CASES])
+def test_dflash_vs_live_zlab_torch(case, live_oracle):
+    live_oracle("dflash", case.oracle)
+    _check(case, harness.evaluate(case, "live"))
+
+
+def _case(name):
+    return next(c for c in CASES if c.name == name)
+
+
+def _with_window(case, window):
+    from dataclasses import replace
+
+    return replace(case, params={**case.params, "window": window})
+
+
+def _on_golden(case, **params):
+    """`case` run with other port options, compared with the golden of `case` as it is."""
+    from dataclasses import replace
+
+    from spec_parity.compare import Result
+
+    ref, _ = goldens.load(case)
+    variant = replace(case, params={**case.params, **params})
+    result = Result(case.module, case.name, "golden", case.tier)
+    pair.compare(variant, pair.run_port(variant, ref), ref, result)
+    return result
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("name", ["mod-gemma4", "mod-qwen3-swa"])
+def test_window_delta_vs_zlab_mlx(name):
+    """The port's default sliding window ("positional") is z-lab MLX's, bit for bit, until a round
+    whose context update was ONE row on a full ring (here round 2, after the forced empty commit
+    of round 1): from there z-lab MLX masks by ring index a buffer that is not in time order."""
+    case = _case(name)
+    ref, _ = goldens.load(case)
+    port = pair.run_modules(_with_window(case, "positional"))
+    same = [np.array_equal(port[f"logits.{r}"], ref[f"logits.{r}"]) for r in range(len(case.params["accepts"]))]
+    assert case.params["accepts"][:2] == [3, 0] and case.params["prompt_len"] > 9
+    assert same[:2] == [True, True] and not same[2], same
+
+
+@pytest.mark.golden
+@pytest.mark.parametrize("name", ["mod-gemma4-torch", "mod-qwen3-swa-torch"])
+def test_window_conventions_vs_zlab_torch(name):
+    """z-lab torch keeps its sliding context in time order: the port's default window matches it
+    (the case itself), z-lab MLX's convention departs from it on round 2, as from our recompute."""
+    case = _case(name)
+    assert harness.evaluate(case, "golden").ok
+    result = _on_golden(case, window="zlab-mlx")
+    assert not result.ok and result.metrics["rounds"]["first_differing_round"] == 2, result.message()
+
+
+@pytest.mark.golden
+def test_embed_convention_vs_zlab_torch():
+    """z-lab torch embeds the block with the raw embedding rows; with z-lab MLX's sqrt(H)-scaled
+    embedding the very first block already differs on a Gemma-4 target (and not on Qwen3)."""
+    scaled = _on_golden(_case("mod-gemma4-torch"), embed="scaled")
+    assert not scaled.ok and not scaled.metrics["hidden.0"]["ok"], scaled.message()
+    assert _on_golden(_case("mod-qwen3-torch"), embed="scaled").ok
+
+
+def _fresh_logits(m, target, rows, anchor, n):
+    """The block from fresh caches fed every context row at once (time order, positions 0..)."""
+    return m.block(target, anchor, n, rows, m.make_caches()).logits
+
+
+@pytest.mark.parametrize("variant", ["gemma4", "qwen3-swa", "qwen3"])
+def test_positional_window_is_a_time_ordered_recompute(variant):
+    """Each round of the cached source (default window) equals the drafter recomputed from scratch
+    on the whole committed context, so only the window's own semantics decide what a block row sees;
+    z-lab MLX's convention departs from that recompute on the first one-row update of a full ring."""
+    case = _case(f"mod-{variant}")
+    target = targets.load(case.checkpoint_dir())
+    results = {}
+    for window in ("positional", "zlab-mlx"):
+        m = dflash.load(case.drafter_dir(), window)
+        caches = serve.make_prompt_cache(target.model)
+        src = dflash.DflashSource(m, serve.TargetView(target, caches))
+        p = pair.prompt(case)
+        tr = targets.forward(target, mx.array(p), caches=caches)
+        taps = [tr.hidden[i + 1] for i in src.tap_layers]
+        src.prefill(p[0].tolist(), taps)
+        rows = [mx.concatenate(taps, axis=-1)]
+        anchor, bs, gaps = int(mx.argmax(tr.logits[0, -1]).item()), m.args.block_size, []
+        for a in case.params["accepts"]:
+            tokens = src.draft([anchor], bs - 1, None)
+            fresh = _fresh_logits(m, target, mx.concatenate(rows, axis=1), anchor, bs - 1)
+            gaps.append(float(mx.abs(src.last_block.logits - fresh).max().item()))
+            v = targets.forward(target, mx.array([[anchor] + tokens]), caches=caches)
+            a = min(a, bs - 1)
+            anchor = int(mx.argmax(v.logits[0, a]).item())
+            serve.trim_caches(caches, bs - 1 - a)
+            vt = [v.hidden[i + 1] for i in src.tap_layers]
+            src.commit(bs - 1, a, vt)
+            rows.append(mx.concatenate(vt, axis=-1)[:, : a + 1])
+        results[window] = gaps
+    assert max(results["positional"]) < 1e-4, results
+    if variant == "qwen3":
+        assert max(results["zlab-mlx"]) < 1e-4, results  # no sliding layer: the conventions coincide
+    else:
+        assert max(results["zlab-mlx"][:2]) < 1e-4 and results["zlab-mlx"][2] > 1e-2, results
+
+
+@pytest.mark.parametrize("variant", ["gemma4", "qwen3-swa", "qwen3-bs16"])
+@pytest.mark.parametrize("window", dflash.WINDOWS)
+def test_serve_loop_is_lossless(variant, window):
+    """T=0 through the serve loop equals the target's greedy stream, whichever window convention
+    and whether or not the last block is shrunk to the tokens left (z-lab's max_tokens rule)."""
+    case = _case(f"loop-{variant}")
+    target = targets.load(case.checkpoint_dir())
+    p = pair.prompt(case)
+    plain, _ = targets.greedy(target, mx.array(p), 30, set())
+    for max_tokens in (None, 30):
+        prov = dflash.DflashProvider(case.drafter_dir(), window, max_tokens=max_tokens)
+        tokens, stats = serve.generate(target, p[0].tolist(), 30, prov, gamma=prov.trained_gamma, eos=set())
+        assert tokens == plain
+        last = stats.trace[-1][0]
+        left = 30 - sum(e for _, _, e in stats.trace[:-1]) - 1
+        assert last == (min(prov.trained_gamma, left) if max_tokens else prov.trained_gamma)
+
+
+def _drafter(ov=None):
+    return checkpoints.build("dflash-drafter", 0, ov or {})
+
+
+def _qwen3(ov=None):
+    return targets.load(checkpoints.build("qwen3-target", 0, ov or {}))
+
+
+def test_wrong_depth_target_is_refused_by_name():
+    m = dflash.load(_drafter())
+    with pytest.raises(dflash.DFlashError, match="built on a 6-layer target"):
+        dflash.check_pairing(m, _qwen3({"num_hidden_layers": 4}))
+
+
+def test_wrong_width_target_is_refused_by_name():
+    m = dflash.load(_drafter())
+    with pytest.raises(dflash.DFlashError, match="hidden size 64 != target's 32"):
+        dflash.check_pairing(m, _qwen3({"hidden_size": 32}))
+
+
+def test_wrong_vocab_target_is_refused_by_name():
+    m = dflash.load(_drafter())
+    with pytest.raises(dflash.DFlashError, match="vocab 128 != target's 256"):
+        dflash.check_pairing(m, _qwen3({"vocab_size": 256}))
+
+
+def test_final_layer_tap_is_refused(tmp_path):
+    src = _drafter()
+    shutil.copy(src / "model.safetensors", tmp_path / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [1, 2, 5]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(dflash.DFlashError, match=r"\[5\] outside \[0, 4\]"):
+        dflash.check_pairing(dflash.load(tmp_path), _qwen3())
+
+
+def test_missing_tensor_is_named(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    src = _drafter()
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    t = load_file(str(src / "model.safetensors"))
+    del t["layers.1.self_attn.k_norm.weight"]
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(dflash.DFlashError, match=r"missing tensor\(s\) \['layers.1.self_attn.k_norm.weight'\]"):
+        dflash.load(tmp_path)
+
+
+def test_not_a_dflash_checkpoint_is_named():
+    with pytest.raises(dflash.DFlashError, match="not a z-lab DFlash drafter"):
+        dflash.load(checkpoints.build("qwen3-target", 0, {}))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c.pop("dflash_config"), "needs dflash_config"),
+    (lambda c: c.update(architectures=["DFlash2DraftModel"]), "DFlash2DraftModel .* is not ported"),
+    (lambda c: c.update(layer_types=["full_attention"]), "layer_types has 1 entries for 2 layers"),
+    (lambda c: c.update(layer_types=["sliding_attention"] * 2, sliding_window=None), "need a sliding_window"),
+])
+def test_bad_config_is_named(tmp_path, edit, message):
+    src = _drafter()
+    shutil.copy(src / "model.safetensors", tmp_path / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    edit(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(dflash.DFlashError, match=message):
+        dflash.load(tmp_path)
+
+
+def test_unknown_bug_and_window_are_refused():
+    with pytest.raises(dflash.DFlashError, match="unknown planted bug"):
+        dflash.load(_drafter(), bugs=["nope"])
+    with pytest.raises(dflash.DFlashError, match="window 'hf'"):
+        dflash.load(_drafter(), window="hf")
+
+
+def test_factory_writes_zlab_format():
+    cfg = json.loads((_drafter(pair.VARIANTS["gemma4"]) / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["num_target_layers"] == 6
+    assert cfg["dflash_config"] == {"target_layer_ids": [1, 2, 3], "mask_token_id": 127, "block_size": 8,
+                                    "input_embedding_scale": 1.25, "output_multiplier": 0.75,
+                                    "final_logit_softcapping": 30.0}
+    from safetensors.numpy import load_file
+
+    names = set(load_file(str(_drafter() / "model.safetensors")))
+    assert not any(n.startswith(("embed_tokens", "lm_head", "model.")) for n in names)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    with pytest.raises(ValueError, match="strictly increasing"):
+        checkpoints.build("dflash-drafter", 0, {"target_layer_ids": [2, 1]})
+
+
+def test_zero_draft_rounds_keep_the_context():
+    """A round that drafts nothing (gamma 0) still queues its verify row: the next draft sees it."""
+    case = _case("loop-qwen3")
+    target = targets.load(case.checkpoint_dir())
+    prov = dflash.DflashProvider(case.drafter_dir())
+    p = pair.prompt(case)[0].tolist()
+    tokens, stats = serve.generate(target, p, 10, prov, gamma=0, eos=set())
+    plain, _ = targets.greedy(target, mx.array([p]), 10, set())
+    assert tokens == plain and stats.drafted == 0
