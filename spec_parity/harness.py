@@ -69,6 +69,13 @@ def evaluate(case: Case, source: str = "auto") -> Result:
     return result
 
 
+def check(case: Case, result: Result) -> None:
+    """The test-side verdict: a case must pass, a negative control must be caught."""
+    if result.verdict != case.expect:
+        lead = "negative control was not caught" if case.control else "parity failed"
+        raise AssertionError(f"{lead}:\n{result.message()}")
+
+
 def regen(case: Case) -> str:
     """Write the golden of `case` from the live reference (controls share their base's golden)."""
     p = pair(case.module)

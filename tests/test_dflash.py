@@ -20,17 +20,10 @@ from spec_parity.pairs import dflash as pair
 CASES = pair.cases()
 
 
-def _check(case, result):
-    if case.control:
-        assert not result.ok, f"negative control was not caught:\n{result.message()}"
-    else:
-        assert result.ok, result.message()
-
-
 @pytest.mark.golden
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_dflash_vs_golden(case):
-    _check(case, harness.evaluate(case, "golden"))
+    harness.check(case, harness.evaluate(case, "golden"))
 
 
 MLX_CASES = [c for c in CASES if c.oracle == pair.ORACLE]
@@ -41,7 +34,7 @@ TORCH_CASES = [c for c in CASES if c.oracle == pair.TORCH]
 @pytest.mark.parametrize("case", MLX_CASES, ids=[c.name for c in MLX_CASES])
 def test_dflash_vs_live_zlab_mlx(case, live_oracle):
     live_oracle("dflash", case.oracle)
-    _check(case, harness.evaluate(case, "live"))
+    harness.check(case, harness.evaluate(case, "live"))
 
 
 @pytest.mark.oracle
@@ -49,7 +42,7 @@ def test_dflash_vs_live_zlab_mlx(case, live_oracle):
 @pytest.mark.parametrize("case", TORCH_CASES, ids=[c.name for c in TORCH_CASES])
 def test_dflash_vs_live_zlab_torch(case, live_oracle):
     live_oracle("dflash", case.oracle)
-    _check(case, harness.evaluate(case, "live"))
+    harness.check(case, harness.evaluate(case, "live"))
 
 
 def _case(name):

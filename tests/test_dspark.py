@@ -14,24 +14,17 @@ from spec_parity.pairs import dspark as pair
 CASES = pair.cases()
 
 
-def _check(case, result):
-    if case.control:
-        assert not result.ok, f"negative control was not caught:\n{result.message()}"
-    else:
-        assert result.ok, result.message()
-
-
 @pytest.mark.golden
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_dspark_vs_golden(case):
-    _check(case, harness.evaluate(case, "golden"))
+    harness.check(case, harness.evaluate(case, "golden"))
 
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_dspark_vs_live_deepspec(case, live_oracle):
     live_oracle("dspark")
-    _check(case, harness.evaluate(case, "live"))
+    harness.check(case, harness.evaluate(case, "live"))
 
 
 @pytest.mark.oracle
