@@ -114,6 +114,29 @@ class Draw:
         """Norm weights and layer scalars: random so a port that ignores them is caught."""
         self.tensors[name] = self._rng(name).uniform(lo, hi, shape).astype(self.dtype)
 
+    def attention(self, p: str, H: int, heads: int, kv_heads: int, head_dim: int, v: bool = True) -> None:
+        """q/k/(v)/o projections and the q/k norms of one attention block under prefix p."""
+        self.linear(p + "self_attn.q_proj.weight", heads * head_dim, H)
+        self.linear(p + "self_attn.k_proj.weight", kv_heads * head_dim, H)
+        if v:
+            self.linear(p + "self_attn.v_proj.weight", kv_heads * head_dim, H)
+        self.linear(p + "self_attn.o_proj.weight", H, heads * head_dim)
+        self.scale(p + "self_attn.q_norm.weight", (head_dim,))
+        self.scale(p + "self_attn.k_norm.weight", (head_dim,))
+
+    def mlp(self, p: str, H: int, inter: int) -> None:
+        self.linear(p + "mlp.gate_proj.weight", inter, H)
+        self.linear(p + "mlp.up_proj.weight", inter, H)
+        self.linear(p + "mlp.down_proj.weight", H, inter)
+
+    def norms(self, p: str, names: tuple[str, ...], dims: int) -> None:
+        for n in names:
+            self.scale(p + n + ".weight", (dims,))
+
+
+QWEN_NORMS = ("input_layernorm", "post_attention_layernorm")
+GEMMA_NORMS = QWEN_NORMS + ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
 
 def _merge(config: dict, overrides: dict) -> dict:
     config = copy.deepcopy(config)
@@ -196,12 +219,8 @@ def gemma4_target(seed: int, overrides: dict):
             if not k_eq_v:
                 d.linear(p + "self_attn.v_proj.weight", kv_heads * hd, H)
         d.linear(p + "self_attn.o_proj.weight", H, c["num_attention_heads"] * hd)
-        d.linear(p + "mlp.gate_proj.weight", inter, H)
-        d.linear(p + "mlp.up_proj.weight", inter, H)
-        d.linear(p + "mlp.down_proj.weight", H, inter)
-        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm"):
-            d.scale(p + n + ".weight", (H,))
+        d.mlp(p, H, inter)
+        d.norms(p, GEMMA_NORMS, H)
         if ple:
             d.linear(p + "per_layer_input_gate.weight", ple, H)
             d.linear(p + "per_layer_projection.weight", H, ple)
@@ -246,17 +265,9 @@ def qwen3_target(seed: int, overrides: dict):
     d.scale("model.norm.weight", (H,))
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        d.linear(p + "self_attn.q_proj.weight", nh * hd, H)
-        d.linear(p + "self_attn.k_proj.weight", nkv * hd, H)
-        d.linear(p + "self_attn.v_proj.weight", nkv * hd, H)
-        d.linear(p + "self_attn.o_proj.weight", H, nh * hd)
-        d.scale(p + "self_attn.q_norm.weight", (hd,))
-        d.scale(p + "self_attn.k_norm.weight", (hd,))
-        d.linear(p + "mlp.gate_proj.weight", c["intermediate_size"], H)
-        d.linear(p + "mlp.up_proj.weight", c["intermediate_size"], H)
-        d.linear(p + "mlp.down_proj.weight", H, c["intermediate_size"])
-        d.scale(p + "input_layernorm.weight", (H,))
-        d.scale(p + "post_attention_layernorm.weight", (H,))
+        d.attention(p, H, nh, nkv, hd)
+        d.mlp(p, H, c["intermediate_size"])
+        d.norms(p, QWEN_NORMS, H)
     if not c["tie_word_embeddings"]:
         d.linear("lm_head.weight", V, H, gain=4.0)
     return c, d.tensors
@@ -334,12 +345,8 @@ def gemma4_assistant(seed: int, overrides: dict):
         d.linear(p + "self_attn.q_proj.weight", t["num_attention_heads"] * hd, D)
         d.scale(p + "self_attn.q_norm.weight", (hd,))
         d.linear(p + "self_attn.o_proj.weight", D, t["num_attention_heads"] * hd)
-        d.linear(p + "mlp.gate_proj.weight", t["intermediate_size"], D)
-        d.linear(p + "mlp.up_proj.weight", t["intermediate_size"], D)
-        d.linear(p + "mlp.down_proj.weight", D, t["intermediate_size"])
-        for n in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                  "post_feedforward_layernorm"):
-            d.scale(p + n + ".weight", (D,))
+        d.mlp(p, D, t["intermediate_size"])
+        d.norms(p, GEMMA_NORMS, D)
     if c["use_ordered_embeddings"]:
         if V % c["num_centroids"]:
             raise ValueError(f"vocab {V} is not divisible by num_centroids {c['num_centroids']}")
@@ -425,22 +432,11 @@ def dspark_drafter(seed: int, overrides: dict):
     nh = c["num_attention_heads"]
     for i in range(c["num_hidden_layers"]):
         p = f"layers.{i}."
-        d.linear(p + "self_attn.q_proj.weight", nh * hd, H)
-        d.linear(p + "self_attn.k_proj.weight", kv * hd, H)
-        if not (gemma and c["attention_k_eq_v"]):
-            d.linear(p + "self_attn.v_proj.weight", kv * hd, H)
-        d.linear(p + "self_attn.o_proj.weight", H, nh * hd)
-        d.scale(p + "self_attn.q_norm.weight", (hd,))
-        d.scale(p + "self_attn.k_norm.weight", (hd,))
-        d.linear(p + "mlp.gate_proj.weight", c["intermediate_size"], H)
-        d.linear(p + "mlp.up_proj.weight", c["intermediate_size"], H)
-        d.linear(p + "mlp.down_proj.weight", H, c["intermediate_size"])
-        norms = ("input_layernorm", "post_attention_layernorm")
+        d.attention(p, H, nh, kv, hd, v=not (gemma and c["attention_k_eq_v"]))
+        d.mlp(p, H, c["intermediate_size"])
+        d.norms(p, GEMMA_NORMS if gemma else QWEN_NORMS, H)
         if gemma:
-            norms += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
             d.scale(p + "layer_scalar", (1,))
-        for n in norms:
-            d.scale(p + n + ".weight", (H,))
     if r:
         d.normal("markov_head.markov_w1.weight", (V, r), 1.0)
         d.linear("markov_head.markov_w2.weight", V, r, gain=2.0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 
-from .checkpoints import KINDS, Draw, _merge, kind
+from .checkpoints import KINDS, QWEN_NORMS, Draw, _merge, kind
 
 DFLASH = {
     "target_kind": "qwen3-target",
@@ -112,15 +112,7 @@ def dflash_drafter(seed: int, overrides: dict):
     d.scale("norm.weight", (H,))
     for i in range(c["num_hidden_layers"]):
         p = f"layers.{i}."
-        d.linear(p + "self_attn.q_proj.weight", nh * hd, H)
-        d.linear(p + "self_attn.k_proj.weight", nkv * hd, H)
-        d.linear(p + "self_attn.v_proj.weight", nkv * hd, H)
-        d.linear(p + "self_attn.o_proj.weight", H, nh * hd)
-        d.scale(p + "self_attn.q_norm.weight", (hd,))
-        d.scale(p + "self_attn.k_norm.weight", (hd,))
-        d.linear(p + "mlp.gate_proj.weight", inter, H)
-        d.linear(p + "mlp.up_proj.weight", inter, H)
-        d.linear(p + "mlp.down_proj.weight", H, inter)
-        d.scale(p + "input_layernorm.weight", (H,))
-        d.scale(p + "post_attention_layernorm.weight", (H,))
+        d.attention(p, H, nh, nkv, hd)
+        d.mlp(p, H, inter)
+        d.norms(p, QWEN_NORMS, H)
     return c, d.tensors
