@@ -30,12 +30,30 @@ Reference deltas (z-lab's own MLX and torch models disagree), port options:
   embed="raw" (z-lab torch): the raw embedding rows x input_embedding_scale (its
       `_raw_input_embeddings` reads the weight, skipping Gemma's scale). Same on Qwen3 targets.
 
+DSpark-on-DFlash extension (L3, no oracle: mlx-bun 0.0.11 `dflash-source.ts`), opt-in with
+`DflashProvider(path, extras=True, thresholds=None)`. It needs a checkpoint with the DSpark extras
+(DeepSpec names: `markov_head.*`, `confidence_head.proj.*`; config `markov_rank`,
+`markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov`, read from
+dflash_config first, then the top level). Its definition:
+  Markov head: after the softcap, sequentially: row_k = base_k + markov_bias(prev_k, h_k),
+      prev_0 = the anchor, prev_k = the draft token k-1 (port.dspark.MarkovHead); the draft token k
+      is argmax(row_k). The base rows (the L2 logits) are kept on the block as `base_logits`.
+  Confidence: c_k = confidence_head.proj([h_k ; W1[prev_k]] or h_k) (port.dspark.ConfidenceHead);
+      the proposal is cut at the first k with sigmoid(c_k) < tau_k (per step; 0 tokens possible).
+  Thresholds tau, first found wins: the `thresholds` argument (a list; [] = no pruning), the env
+      var SPEC_PARITY_STS_THRESHOLDS (comma-separated floats), the checkpoint's calibration.json
+      (port.calibration.read_calibration), else none (no pruning, fixed-length drafts). One value
+      applies to every position; positions past the list's end are never pruned.
+With extras off (the default) nothing of this is built or read: the source is the L2 one.
+
 `bugs` plants the negative controls the tests must catch; it is empty in use.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +71,11 @@ BUGS = {
     "ctx_input_layernorm": "the context rows pass through each layer's input_layernorm before K/V",
     "block_position_shift": "the block's positions shifted by one (start+1..start+bs)",
     "rejected_rows": "rejected verify rows kept in the context",
+    # extension controls (extras=True only)
+    "markov_before_softcap": "extension: Markov bias added before the softcap",
+    "thresholds_ignored": "extension: the confidence thresholds are not applied (no pruning)",
 }
+EXTRAS_ENV = "SPEC_PARITY_STS_THRESHOLDS"
 WINDOWS = ("positional", "zlab-mlx")
 EMBEDS = ("scaled", "raw")
 
@@ -85,6 +107,10 @@ class ModelArgs:
     final_logit_softcapping: float | None
     input_embedding_scale: float
     output_multiplier: float
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
     bugs: frozenset = field(default_factory=frozenset)
 
     @classmethod
@@ -130,6 +156,9 @@ class ModelArgs:
             final_logit_softcapping=float(cap) if cap else None,
             input_embedding_scale=float(opt("input_embedding_scale", 1.0)),
             output_multiplier=float(opt("output_multiplier", 1.0)),
+            markov_rank=int(opt("markov_rank", 0) or 0), markov_head_type=str(opt("markov_head_type", "vanilla")),
+            enable_confidence_head=bool(opt("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(opt("confidence_head_with_markov", False)),
         )
 
 
@@ -216,12 +245,14 @@ class Block:
     """One draft block: the final-normed hidden, logits and greedy tokens of rows 1..bs-1."""
 
     hidden: mx.array   # [bs-1, H]
-    logits: mx.array   # [bs-1, V]
+    logits: mx.array   # [bs-1, V] (extras: after the Markov head)
     tokens: list[int]
+    base_logits: mx.array | None = None  # extras: the rows before the Markov head
+    confidence: mx.array | None = None   # extras: [n] confidence logits (pre-sigmoid)
 
 
 class Model(nn.Module):
-    def __init__(self, a: ModelArgs, window: str = "positional", embed: str = "scaled"):
+    def __init__(self, a: ModelArgs, window: str = "positional", embed: str = "scaled", extras: bool = False):
         super().__init__()
         if window not in WINDOWS:
             raise DFlashError(f"window {window!r}: expected one of {WINDOWS}")
@@ -236,6 +267,19 @@ class Model(nn.Module):
         self._rope = initialize_rope(a.head_dim, base=a.rope_theta, traditional=False, scaling_config=a.rope_scaling,
                                      max_position_embeddings=a.max_position_embeddings)
         self._own_head = None
+        self.extras = extras
+        if extras:
+            from .dspark import ConfidenceHead, MarkovHead
+
+            if a.markov_rank <= 0 and not a.enable_confidence_head:
+                raise DFlashError("extras=True needs a checkpoint with DSpark extras (markov_rank > 0 and/or "
+                                  "enable_confidence_head in its config); this one has none")
+            if a.confidence_head_with_markov and a.markov_rank <= 0:
+                raise DFlashError("confidence_head_with_markov needs markov_rank > 0")
+            if a.markov_rank > 0:
+                self.markov_head = MarkovHead(a)
+            if a.enable_confidence_head:
+                self.confidence_head = ConfidenceHead(H + (a.markov_rank if a.confidence_head_with_markov else 0))
 
     @property
     def all_sliding(self) -> bool:
@@ -271,6 +315,39 @@ class Model(nn.Module):
         cap = self.args.final_logit_softcapping
         return mx.tanh(out / cap) * cap if cap else out
 
+    def _biased_before_softcap(self, target: targets.Target, h: mx.array, bias: mx.array) -> mx.array:
+        """Control only (markov_before_softcap): the Markov bias joins the head's output before the
+        softcap."""
+        m = target.model
+        out = m.lm_head(h) if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear(h)
+        out = out * self.args.output_multiplier + bias
+        cap = self.args.final_logit_softcapping
+        return mx.tanh(out / cap) * cap if cap else out
+
+    def extend(self, target: targets.Target, anchor: int, hidden: mx.array, base: mx.array) -> Block:
+        """The extension on one block: hidden [n, H] (final-normed rows 1..n), base [n, V] (after
+        the softcap). Markov bias added to row k after the softcap, chained on the greedy tokens;
+        then the confidence logits of every row."""
+        a = self.args
+        tokens, rows, prev, state = [], [], anchor, None
+        for k in range(hidden.shape[0]):
+            if a.markov_rank > 0:
+                bias, state = self.markov_head.step(mx.array([prev]), hidden[k:k + 1], state)
+                row = (self._biased_before_softcap(target, hidden[k:k + 1], bias)[0]
+                       if "markov_before_softcap" in a.bugs else base[k] + bias[0])
+            else:
+                row = base[k]
+            rows.append(row)
+            prev = int(mx.argmax(row).item())
+            tokens.append(prev)
+        conf = None
+        if a.enable_confidence_head:
+            feats = hidden
+            if a.confidence_head_with_markov:
+                feats = mx.concatenate([hidden, self.markov_head.markov_w1(mx.array([anchor] + tokens[:-1]))], axis=-1)
+            conf = self.confidence_head.proj(feats)[:, 0]
+        return Block(hidden, mx.stack(rows), tokens, base_logits=base, confidence=conf)
+
     def own_head(self) -> nn.Linear:
         """Control only: a random head of the drafter's own (what a port that forgot to borrow the
         target's would score with)."""
@@ -295,11 +372,13 @@ class Model(nn.Module):
             h = layer(h, c, cache, self._rope)
         hidden = self.norm(h[:, 1:])
         logits = self.logits(target, hidden)
+        if self.extras:
+            return self.extend(target, anchor, hidden[0], logits[0])
         tokens = mx.argmax(logits, axis=-1)
         return Block(hidden[0], logits[0], tokens[0].tolist())
 
 
-def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "scaled") -> Model:
+def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "scaled", extras: bool = False) -> Model:
     path = Path(path)
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: no config.json")
@@ -308,7 +387,7 @@ def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "sc
     unknown = a.bugs - set(BUGS)
     if unknown:
         raise DFlashError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
-    model = Model(a, window, embed)
+    model = Model(a, window, embed, extras)
     weights = {}
     for f in sorted(path.glob("*.safetensors")):
         weights.update(mx.load(str(f)))
@@ -317,8 +396,10 @@ def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "sc
     expected = {k for k, _ in tree_flatten(model.parameters())}
     missing = sorted(expected - set(weights))
     if missing:
-        raise DFlashError(f"{path}: missing tensor(s) {missing[:6]}{' …' if len(missing) > 6 else ''}; "
-                          "is this a complete z-lab DFlash checkpoint?")
+        what = ("does it carry the DSpark extras its config declares?" if extras and all(
+            k.startswith(("markov_head.", "confidence_head.")) for k in missing)
+            else "is this a complete z-lab DFlash checkpoint?")
+        raise DFlashError(f"{path}: missing tensor(s) {missing[:6]}{' …' if len(missing) > 6 else ''}; {what}")
     model.load_weights([(k, v) for k, v in weights.items() if k in expected], strict=True)
     mx.eval(model.parameters())
     return model
@@ -354,9 +435,12 @@ class DflashSource:
     max_tokens - n (z-lab shrinks the block to what is left; the serve loop would draft a full
     block and drop the excess)."""
 
-    def __init__(self, drafter: Model, view, max_tokens: int | None = None):
+    def __init__(self, drafter: Model, view, max_tokens: int | None = None, thresholds: list[float] | None = None,
+                 samples: list | None = None):
         check_pairing(drafter, view.target)
         self.m, self.target, self.max_tokens = drafter, view.target, max_tokens
+        self.thresholds = list(thresholds) if thresholds else None  # extras only
+        self.samples = samples  # extras: a list to append (pos, sigmoid(conf), accepted) per verified draft
         self.tap_layers = list(drafter.args.target_layer_ids)
         self.caches = drafter.make_caches()
         self.pending: mx.array | None = None
@@ -387,30 +471,84 @@ class DflashSource:
         block = self.m.block(self.target, feed[-1], n, self.pending, self.caches)
         self.pending = None
         self.last_block = block
+        if block.confidence is not None and self.thresholds and "thresholds_ignored" not in self.m.args.bugs:
+            return block.tokens[: prune_length(block.confidence, self.thresholds)]
         return block.tokens
 
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:
         x = mx.concatenate(tapped, axis=-1)
         self._queue(x if "rejected_rows" in self.m.args.bugs else x[:, : accepted + 1])
         self.emitted += accepted + 1
+        block = self.last_block
+        if self.samples is not None and block is not None and block.confidence is not None and n_drafted:
+            from .calibration import ConfSample
+
+            conf = mx.sigmoid(block.confidence[:n_drafted]).tolist()
+            self.samples += [ConfSample(k, float(c), k < accepted) for k, c in enumerate(conf)]
 
     def dispose(self) -> None:
         self.caches = None
         self.pending = None
 
 
+def prune_length(confidence: mx.array, thresholds: list[float]) -> int:
+    """Draft tokens kept: up to the first position k whose sigmoid(confidence_k) < thresholds[k]
+    (one threshold: every position; past the list's end: never pruned)."""
+    p = mx.sigmoid(confidence).tolist()
+    th = thresholds * len(p) if len(thresholds) == 1 else thresholds
+    return next((k for k, (c, t) in enumerate(zip(p, th)) if c < t), len(p))
+
+
+def parse_thresholds(text: str, what: str = EXTRAS_ENV) -> list[float]:
+    try:
+        th = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise DFlashError(f"{what}={text!r}: expected comma-separated floats ({e})") from None
+    if not th or not all(math.isfinite(t) for t in th):
+        raise DFlashError(f"{what}={text!r}: expected one or more finite comma-separated floats")
+    return th
+
+
+def resolve_thresholds(path: str | Path, thresholds=None) -> tuple[list[float] | None, str | None]:
+    """The extension's thresholds and where they came from: the argument, else the env var, else
+    the checkpoint's calibration.json, else (None, None): no pruning. An explicit [] means none."""
+    if thresholds is not None:
+        th = [float(t) for t in thresholds]
+        if not all(math.isfinite(t) for t in th):
+            raise DFlashError(f"thresholds {thresholds!r}: expected finite numbers")
+        return (th or None), "argument"
+    env = os.environ.get(EXTRAS_ENV)
+    if env is not None and env.strip():
+        return parse_thresholds(env), "env"
+    from .calibration import read_calibration
+
+    th = read_calibration(path)
+    return (th, "calibration") if th is not None else (None, None)
+
+
 class DflashProvider:
+    """`extras=True` turns on the DSpark-on-DFlash extension (module docstring); `thresholds`
+    overrides the env var and the checkpoint's calibration; `collect_samples` gathers, over every
+    request, the (position, sigmoid(confidence), accepted) samples of each verified draft in
+    `self.samples` (what port.calibration.fit_sts_thresholds fits)."""
+
     def __init__(self, path: str | Path, window: str = "positional", bugs=(), max_tokens: int | None = None,
-                 embed: str = "scaled"):
+                 embed: str = "scaled", extras: bool = False, thresholds=None, collect_samples: bool = False):
         self.path = Path(path)
         self.id = self.path.name
-        self.drafter = load(self.path, window, bugs, embed)
+        self.drafter = load(self.path, window, bugs, embed, extras)
         self.weights_bytes = sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
         self.trained_gamma = self.drafter.args.block_size - 1
         self.max_tokens = max_tokens
+        self.extras = extras
+        self.thresholds, self.threshold_source = (resolve_thresholds(self.path, thresholds) if extras
+                                                  else (None, None))
+        self.samples: list | None = [] if extras and collect_samples else None
 
     def open(self, view) -> DflashSource:
-        return DflashSource(self.drafter, view, self.max_tokens)
+        if not self.extras:
+            return DflashSource(self.drafter, view, self.max_tokens)
+        return DflashSource(self.drafter, view, self.max_tokens, self.thresholds, self.samples)
 
     def dispose(self) -> None:
         self.drafter = None

@@ -36,6 +36,16 @@ DFLASH = {
     "input_embedding_scale": None,    # None: key absent (z-lab's default 1.0)
     "output_multiplier": None,
     "final_logit_softcapping": "target",  # "target": the target's (Gemma-4: 30), or a number / None
+    "dspark_extras": None,            # None: a plain z-lab drafter; a dict: + DSpark extras (below)
+}
+# The DSpark-on-DFlash extension (port/dflash.py, extras=True): DeepSpec's extras tensors and config
+# fields on a DFlash drafter. Keys of the `dspark_extras` override, with their defaults:
+EXTRAS = {
+    "markov_rank": 8,
+    "markov_head_type": "vanilla",       # vanilla | gated | rnn (port.dspark.MarkovHead)
+    "markov_gain": 1.0,                  # std of the bias is ~ markov_gain (w1 ~ N(0, 1), w2 ~ gain/sqrt(r))
+    "confidence": True,                  # a confidence head
+    "confidence_head_with_markov": True,  # its input [h ; W1[prev]] (False: h)
 }
 
 
@@ -115,4 +125,34 @@ def dflash_drafter(seed: int, overrides: dict):
         d.attention(p, H, nh, nkv, hd)
         d.mlp(p, H, inter)
         d.norms(p, QWEN_NORMS, H)
+    if a["dspark_extras"] is not None:
+        add_extras(c, d, a["dspark_extras"])
     return c, d.tensors
+
+
+def add_extras(c: dict, d: Draw, overrides: dict) -> None:
+    """DSpark extras on a DFlash drafter: config fields at the top level (DeepSpec's spelling) and
+    random `markov_head.*` / `confidence_head.proj.*` tensors (their own random streams, so the
+    base tensors' bytes do not move)."""
+    e = _merge(EXTRAS, overrides)
+    H, V, r = c["hidden_size"], c["vocab_size"], int(e["markov_rank"])
+    if r < 0 or (r == 0 and not e["confidence"]):
+        raise ValueError(f"dspark_extras {overrides}: needs markov_rank > 0 and/or confidence")
+    with_markov = bool(e["confidence"] and e["confidence_head_with_markov"] and r > 0)
+    c.update({"markov_rank": r, "enable_confidence_head": bool(e["confidence"])})
+    if r:
+        c["markov_head_type"] = e["markov_head_type"]
+        d.normal("markov_head.markov_w1.weight", (V, r), 1.0)
+        d.linear("markov_head.markov_w2.weight", V, r, gain=float(e["markov_gain"]))
+        if e["markov_head_type"] == "gated":
+            d.linear("markov_head.gate_proj.weight", r, H + r)
+            d.normal("markov_head.gate_proj.bias", (r,), 0.1)
+        elif e["markov_head_type"] == "rnn":
+            d.linear("markov_head.joint_proj.weight", 3 * r, 2 * r + H)
+            d.normal("markov_head.joint_proj.bias", (3 * r,), 0.1)
+        elif e["markov_head_type"] != "vanilla":
+            raise ValueError(f"markov_head_type {e['markov_head_type']!r}: vanilla, gated or rnn")
+    if e["confidence"]:
+        c["confidence_head_with_markov"] = with_markov
+        d.linear("confidence_head.proj.weight", 1, H + (r if with_markov else 0), gain=4.0)
+        d.normal("confidence_head.proj.bias", (1,), 0.5)
