@@ -50,6 +50,19 @@ ACCEPTS_BS16 = [3, 0, 0, 15, 0, 1, 0, 9]
 LOOPS = [("qwen3", []), ("qwen3", [4]),  # token 4 is 13th in the seed-0 stream: the stop path runs
          ("qwen3-swa", []), ("qwen3-bs16", []), ("gemma4", []), ("gemma4-keqv", [])]
 MAX_TOKENS = 40
+# Agreeing loops (spec_parity.agreeing "dflash-drafter-agreeing" on an agreeing target): drafts
+# follow h along the chain, so long, partial and empty accepts all occur (every length 0..bs-1
+# within max_tokens). (name, target kind, target overrides, drafter overrides, max_tokens); the
+# slot maps are exact for hidden_size >= vocab_size.
+AGREE_128 = {"hidden_size": 128}
+AGREE_256 = {"hidden_size": 256, "vocab_size": 256}
+AGREEING = [
+    ("agree-qwen3", "qwen3-target-agreeing", AGREE_128, {"agree_frac": 0.8}, 80),
+    ("agree-gemma4", "gemma4-target-agreeing", AGREE_128,
+     {"target_kind": "gemma4-target-agreeing", "agree_frac": 0.7}, 80),
+    ("agree-qwen3-bs16", "qwen3-target-agreeing", AGREE_256,
+     {"target_overrides": AGREE_256, "agree_frac": 0.9, "block_size": 16, "num_attention_heads": 16}, 260),
+]
 TORCH_MODULES = list(VARIANTS)
 TORCH_LOOPS = ["qwen3", "qwen3-swa", "qwen3-bs16", "gemma4", "gemma4-keqv"]
 
@@ -84,6 +97,10 @@ def cases() -> list[Case]:
     out = [_case(f"mod-{v}", v, _module_params(v), "L1") for v in VARIANTS]
     out += [_case(f"loop-{v}" + ("-eos" if eos else ""), v,
                   {"loop": True, "prompt_len": 12, "max_tokens": MAX_TOKENS, "eos": eos}, "L2") for v, eos in LOOPS]
+    out += [Case(NAME, f"loop-{name}", "L2", tk, 0, tov,
+                 {"loop": True, "prompt_len": 12, "max_tokens": n, "eos": [], "window": "positional",
+                  "embed": "scaled", "prefill": "split", "drafter": ["dflash-drafter-agreeing", 0, ov]}, oracle=ORACLE)
+            for name, tk, tov, ov, n in AGREEING]
     out += [_case(f"mod-{v}-torch", v, _module_params(v), "L2", TORCH) for v in TORCH_MODULES]
     out += [_case(f"loop-{v}-torch", v, {"loop": True, "prompt_len": 12, "max_tokens": MAX_TOKENS, "eos": []}, "L2",
                   TORCH) for v in TORCH_LOOPS]
