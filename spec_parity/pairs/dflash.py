@@ -101,6 +101,12 @@ def cases() -> list[Case]:
                  {"loop": True, "prompt_len": 12, "max_tokens": n, "eos": [], "window": "positional",
                   "embed": "scaled", "prefill": "split", "drafter": ["dflash-drafter-agreeing", 0, ov]}, oracle=ORACLE)
             for name, tk, tov, ov, n in AGREEING]
+    # The Qwen3 agreeing loops against z-lab's torch loop too (Qwen3 has no embedding scale, so the
+    # torch model's raw block embedding is the same construction).
+    out += [Case(NAME, f"loop-{name}-torch", "L2", tk, 0, tov,
+                 {"loop": True, "prompt_len": 12, "max_tokens": n, "eos": [], "window": "positional",
+                  "embed": "raw", "prefill": "whole", "drafter": ["dflash-drafter-agreeing", 0, ov]}, oracle=TORCH)
+            for name, tk, tov, ov, n in AGREEING if tk.startswith("qwen3")]
     out += [_case(f"mod-{v}-torch", v, _module_params(v), "L2", TORCH) for v in TORCH_MODULES]
     out += [_case(f"loop-{v}-torch", v, {"loop": True, "prompt_len": 12, "max_tokens": MAX_TOKENS, "eos": []}, "L2",
                   TORCH) for v in TORCH_LOOPS]
