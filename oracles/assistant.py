@@ -120,6 +120,43 @@ def optiq_spec_generate(target_dir: Path, drafter_dir: Path, prompt: np.ndarray,
                                      np.int32)}
 
 
+def optiq_generate_step_sampled(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int,
+                                max_tokens: int, temperature: float, seeds: list[int]) -> dict:
+    """optiq's own sampled loop, `assistant_generate_step` (mlx-lm generate_step form): greedy
+    drafts, the target samples every verify row with mlx-lm's `make_sampler(temp)`, drafts
+    accepted while they equal the samples (token match). Once per seed (`mx.random.seed`), models
+    loaded once. Its first pass feeds the last prompt token without drafts; the first drafting
+    round is its second pass. Per run: the tokens, that round's accepted count (read off
+    SpecStats when the third pass yields, or at the end), and the totals."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.utils import load_model
+    from optiq.runtime.spec.drafters.gemma_assistant import GemmaAssistantDrafter
+    from optiq.runtime.spec.runtime import SpecStats, assistant_generate_step
+
+    target, _ = load_model(Path(target_dir))
+    drafter = GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
+    tokens = np.full((len(seeds), max_tokens), -1, np.int32)
+    first, accepted, drafted, calls = [], [], [], []
+    for i, seed in enumerate(seeds):
+        mx.random.seed(int(seed))
+        stats = SpecStats()
+        got, first_round = [], None
+        for tok, _ in assistant_generate_step(mx.array(prompt[0]), target, drafter=drafter, gamma=gamma,
+                                              max_tokens=max_tokens, sampler=make_sampler(temp=temperature),
+                                              stats=stats):
+            got.append(int(tok))
+            if first_round is None and stats.n_target_calls >= 3:
+                first_round = stats.n_accepted
+        tokens[i, : len(got)] = got
+        first.append(stats.n_accepted if first_round is None else first_round)
+        accepted.append(stats.n_accepted)
+        drafted.append(stats.n_drafted)
+        calls.append(stats.n_target_calls)
+    return {"tokens": tokens, "first_accepted": np.array(first, np.int32), "accepted": np.array(accepted, np.int32),
+            "drafted": np.array(drafted, np.int32), "target_calls": np.array(calls, np.int32)}
+
+
 # ---- transformers (torch) ---------------------------------------------------------------------
 
 def hf_draft_steps(drafter_dir: Path, inputs: dict, gamma: int, window_keep: int | None,

@@ -211,3 +211,42 @@ def save_via_deepspec(target_dir: Path, drafter_dir: Path, args: dict, out_dir: 
         raise RuntimeError(f"DeepSpec's model and the checkpoint disagree: missing {missing}, unexpected {unexpected}")
     model.save_pretrained(out_dir)
     return Path(out_dir)
+
+
+def loop_sampled(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_new_tokens: int, threshold: float,
+                 temperature: float, seeds: list[int]) -> dict:
+    """DeepSpec's own decoding loop at temperature > 0 — `generate_decoding_sample` with the DSpark
+    evaluator's `_init_context` / `_propose` / `_update`, so its sampled proposal
+    (`build_dspark_proposal` at the temperature: drafts drawn from softmax(logits / T) through the
+    Markov head, q = those probabilities) and its rejection-sampling `verify_draft_tokens` — once
+    per seed (`torch.manual_seed(seed)`), the models loaded once. Returns, per run, the tokens
+    ([runs, max_new_tokens], -1 past the end), and the per-round accepted lengths and proposal
+    sizes (flat, with `rounds` [runs] saying how many belong to each run)."""
+    import torch
+
+    _import()
+    from deepspec.eval.base_evaluator import generate_decoding_sample
+    from deepspec.eval.dspark.evaluator import Gemma4DSparkEvaluator, Qwen3DSparkEvaluator
+
+    target, m = _models(target_dir, drafter_dir)
+    cls = Gemma4DSparkEvaluator if target.config.model_type == "gemma4_text" else Qwen3DSparkEvaluator
+    ev = object.__new__(cls)
+    ev.draft_model, ev.target_model, ev.confidence_head_recorder = m, target, None
+    ev.args = SimpleNamespace(max_new_tokens=max_new_tokens, temperature=float(temperature),
+                              confidence_threshold=threshold)
+    ids = torch.from_numpy(prompt.astype(np.int64))
+    tokens = np.full((len(seeds), max_new_tokens), -1, np.int32)
+    accepted, proposed, rounds = [], [], []
+    for i, seed in enumerate(seeds):
+        torch.manual_seed(int(seed))
+        res = generate_decoding_sample(target_model=target, input_ids=ids, max_new_tokens=max_new_tokens,
+                                       max_proposal_tokens=ev.max_proposal_tokens, temperature=float(temperature),
+                                       stop_token_ids=None, init_context=ev._init_context, propose=ev._propose,
+                                       update=ev._update)
+        out = res.output_ids[0, res.num_input_tokens:].numpy()
+        tokens[i, : len(out)] = out
+        accepted += list(res.accepted_draft_lengths)
+        proposed += list(res.proposal_lengths)
+        rounds.append(len(res.accepted_draft_lengths))
+    return {"tokens": tokens, "accepted": np.array(accepted, np.int32), "proposed": np.array(proposed, np.int32),
+            "rounds": np.array(rounds, np.int32)}

@@ -208,10 +208,12 @@ class Model(nn.Module):
         full = mx.full((a.vocab_size,), -1e30, dtype=h.dtype)
         return mx.put_along_axis(full, cand.astype(mx.int32), cand_logits.astype(full.dtype), axis=-1), cand
 
-    def step(self, emb, hidden_in, donors, position: int, window: str = "optiq") -> Step:
+    def step(self, emb, hidden_in, donors, position: int, window: str = "optiq", pick=None) -> Step:
+        """One draft step; the token is the argmax, or `pick(logits)` (the serve loop's sampler)."""
         h = self.hidden(emb, hidden_in, donors, position, window)
         logits, cand = self.logits(h)
-        return Step(int(mx.argmax(logits).item()), logits, self.post_projection(h), cand)
+        token = int(mx.argmax(logits).item()) if pick is None else int(pick(logits))
+        return Step(token, logits, self.post_projection(h), cand)
 
 
 def sliding_view(k, v, window: int, convention: str | int = "optiq"):
@@ -268,15 +270,16 @@ def check_pairing(drafter: Model, target) -> None:
 
 
 def draft_chain(drafter: Model, target, donors: dict, token: int, hidden, position: int, n: int,
-                positions: str = "optiq", window: str = "optiq") -> list[Step]:
+                positions: str = "optiq", window: str = "optiq", pick=None) -> list[Step]:
     """n draft steps against a frozen donor snapshot. Step 0 reads the last emitted token and the
     target hidden that predicted it; step k>0 chains the previous draft token and next_hidden.
-    positions: "optiq" = position + k, "hf" = position for every step."""
+    positions: "optiq" = position + k, "hf" = position for every step. `pick` (logits -> token)
+    replaces the argmax, e.g. to sample drafts from q."""
     steps = []
     for k in range(n):
         emb = targets.embed_scaled(target, mx.array([[token]]))
         pos = position + k if positions == "optiq" else position
-        s = drafter.step(emb, hidden, donors, pos, window)
+        s = drafter.step(emb, hidden, donors, pos, window, pick)
         steps.append(s)
         token, hidden = s.token, s.next_hidden
     return steps
@@ -287,6 +290,7 @@ class AssistantSource:
     target's live donor K/V and the anchor hidden, and the loop's cache trim is its rollback."""
 
     tap_layers = None
+    nbytes = 0  # no cache of its own: the request's bytes are the target's caches
 
     def __init__(self, drafter: Model, view, positions: str = "optiq", window: str | int = "optiq"):
         check_pairing(drafter, view.target)
@@ -297,11 +301,16 @@ class AssistantSource:
         pass
 
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
+        return self.draft_sampled(feed, n, anchor_hidden, None)
+
+    def draft_sampled(self, feed: list[int], n: int, anchor_hidden, pick) -> list[int]:
+        """`draft` with each token chosen by `pick(logits)` (None: argmax); the chain feeds the
+        picked token to the next step. q = what pick drew from (the loop records it)."""
         # The pending token feed[-1] is not in the cache yet: it sits at position offset.
         position = self.view.caches[0].offset
         donors = targets.donor_view(self.view.target, self.view.caches)
         steps = draft_chain(self.drafter, self.view.target, donors, feed[-1], anchor_hidden, position, n,
-                            self.positions, self.window)
+                            self.positions, self.window, pick)
         return [s.token for s in steps]
 
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:

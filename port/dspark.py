@@ -282,7 +282,10 @@ class Model(nn.Module):
             out = mx.tanh(out / cap) * cap
         return out if bias is None else out + bias
 
-    def draft_block(self, anchor: int, ctx, start: int) -> Block:
+    def draft_block(self, anchor: int, ctx, start: int, pick=None) -> Block:
+        """One block; each slot's token is the argmax of its Markov-corrected row, or `pick(row)`
+        (the serve loop's sampler: DeepSpec's T > 0 draws it from softmax(row / T)), and the next
+        slot's Markov head reads that token."""
         a = self.args
         full = self.block_hidden(anchor, ctx, start)
         hidden = full[1:] if "anchor_not_predicting" in a.bugs else full
@@ -297,7 +300,7 @@ class Model(nn.Module):
             else:
                 row = base[k]
             rows.append(row)
-            prev = int(mx.argmax(row).item())
+            prev = int(mx.argmax(row).item()) if pick is None else int(pick(row))
             tokens.append(prev)
         conf = None
         if a.enable_confidence_head:
@@ -376,14 +379,25 @@ class DeepspecSource:
     def prefill(self, prompt_ids, tapped) -> None:
         self.pending = mx.concatenate(tapped, axis=-1)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this request's context K/V (all draft layers) and queued tap rows."""
+        kv = sum(k.nbytes + v.nbytes for k, v in self.cache) if self.cache is not None else 0
+        return kv + (self.pending.nbytes if self.pending is not None else 0)
+
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
+        return self.draft_sampled(feed, n, anchor_hidden, None)
+
+    def draft_sampled(self, feed: list[int], n: int, anchor_hidden, pick) -> list[int]:
+        """`draft` with each slot's token chosen by `pick(row)` (None: argmax), chained through
+        the Markov head and the confidence head as DeepSpec's sampled proposal is."""
         rows = self.pending
         kv = self.m.context_kv(self.m.project(rows), self.length)
         self.cache = kv if self.cache is None else [
             (mx.concatenate([k0, k], axis=2), mx.concatenate([v0, v], axis=2)) for (k0, v0), (k, v) in zip(self.cache, kv)]
         self.length += rows.shape[1]
         self.pending = None
-        block = self.m.draft_block(feed[-1], self.cache, self.length)
+        block = self.m.draft_block(feed[-1], self.cache, self.length, pick)
         self.last_block = block
         keep = self.m.prefix_length(block.confidence, self.threshold)
         return block.tokens[: min(keep, n)]

@@ -6,6 +6,15 @@ drafts equal the target's greedy tokens -> the correction (or, on a full accept,
 -> every target cache trimmed back to pending + the accepted drafts -> the source commits.
 At T=0 the emitted stream is the target's own greedy stream whatever the drafter proposes; only
 the acceptance rate moves. EOS ends generation and is not emitted as content.
+
+With a `sampler` (port/sampling.py: temperature, top-k, top-p, seed), logits `processors` and an
+acceptance `mode` the same round samples instead: "match" (drafts greedy, the target samples
+every position, accept while draft == sample) or "rejection" (drafts drawn from the source's q,
+accept with min(1, p/q), resample from norm(max(0, p - q)), bonus from p). The seam's optional
+`draft_sampled(feed, n, anchor_hidden, pick)` lets a source draft through the loop's `pick`
+(logits row -> token), which applies the processors and the draft sampler and records q; a
+source without it drafts deterministically (q = the point mass on its draft). With the default
+arguments (no sampler, no processors, mode "match") the loop is the greedy one, unchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ from typing import Protocol
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
-from . import targets
+from . import sampling, targets
 
 
 @dataclass
@@ -43,6 +52,12 @@ class DraftSource(Protocol):
         rows [pending, d1..dn]: only the first accepted + 1 belong to the committed context."""
 
     def dispose(self) -> None: ...
+
+    # Optional (found with hasattr):
+    #   draft_sampled(feed, n, anchor_hidden, pick) -> list[int]: as `draft`, but every draft
+    #       token is `pick(logits_row)` of the row the source would take the argmax of, chained
+    #       as the source chains its own tokens; the returned tokens are a prefix of the picks.
+    #   nbytes: the bytes the source holds for this request (its context K/V), for admission.
 
 
 class DraftProvider(Protocol):
@@ -70,6 +85,14 @@ class Stats:
     elapsed_s: float = 0.0
     stop: str = ""
     logits: list = field(default_factory=list)  # with record=True: the row each committed token came from
+    weights_bytes: int = 0       # the provider's weights (shared by requests)
+    target_cache_bytes: int = 0  # peak bytes of this request's target K/V caches
+    source_bytes: int = 0        # peak bytes the source holds for this request (its context K/V)
+
+    @property
+    def request_bytes(self) -> int:
+        """What one more request costs on top of the shared weights: target caches + source state."""
+        return self.target_cache_bytes + self.source_bytes
 
     @property
     def acceptance(self) -> float:
@@ -88,7 +111,9 @@ class Stats:
         return {"drafted": self.drafted, "accepted": self.accepted, "target_calls": self.target_calls,
                 "emitted": self.emitted, "acceptance": self.acceptance, "tau": self.tau,
                 "accepted_by_position": self.accepted_by_position, "drafted_by_position": self.drafted_by_position,
-                "tokens_per_s": self.tokens_per_s, "stop": self.stop, "trace": [list(r) for r in self.trace]}
+                "tokens_per_s": self.tokens_per_s, "stop": self.stop, "trace": [list(r) for r in self.trace],
+                "weights_bytes": self.weights_bytes, "target_cache_bytes": self.target_cache_bytes,
+                "source_bytes": self.source_bytes, "request_bytes": self.request_bytes}
 
 
 def trim_caches(caches: list, n: int) -> None:
@@ -119,47 +144,155 @@ def _taps(trace: targets.Trace, layers: list[int] | None, rows: slice) -> list[m
     return [trace.hidden[layer + 1][:, rows, :] for layer in layers]
 
 
+class _Greedy:
+    """The seed's verify: greedy drafts, accept while draft == the target's argmax."""
+
+    def first(self, logits, history: list[int]) -> int:
+        return int(mx.argmax(logits).item())
+
+    def draft(self, source, pending: int, gamma: int, anchor, history: list[int]):
+        return source.draft([pending], gamma, anchor), None
+
+    def verify(self, drafts: list[int], q, logits, history: list[int]) -> tuple[int, int]:
+        greedy = mx.argmax(logits, axis=-1).tolist()
+        k = 0
+        while k < len(drafts) and drafts[k] == greedy[k]:
+            k += 1
+        return k, greedy[k]
+
+
+class _Sampled:
+    """Verify with the request's sampler and processors, in either acceptance mode."""
+
+    def __init__(self, sampler: sampling.Sampler, processors, mode: str, draft_sampler, bugs: frozenset):
+        self.processors, self.mode, self.bugs = list(processors), mode, bugs
+        self.keys = sampling.Keys(sampler.seed)
+        self.sampler = sampler
+        self.target_sampler = sampling.verify_sampler(sampler, bugs)
+        self.draft_sampler = sampling.drafting_sampler(sampler, mode, draft_sampler)
+
+    def _rows(self, logits, history: list[int], drafts: list[int]):
+        """Processed logits of the rows [m, V]; row i follows history + drafts[:i]."""
+        if not self.processors:
+            return logits
+        toks = history + drafts
+        return mx.stack([sampling.process(self.processors, mx.array(toks[: len(history) + i], mx.int32), logits[i])
+                         for i in range(logits.shape[0])])
+
+    def _target_probs(self, rows):
+        p = self.target_sampler.probs(rows)
+        if float(p.sum(axis=-1).min().item()) < 0.5:
+            raise sampling.SamplingError("the logits processors left no token the target may emit")
+        return p
+
+    def first(self, logits, history: list[int]) -> int:
+        p = self.sampler.probs(self._rows(logits[None], history, []))
+        if float(p.sum().item()) < 0.5:
+            raise sampling.SamplingError("the logits processors left no token the target may emit")
+        return int(sampling.sample(p, self.keys.uniform((1,)))[0].item())
+
+    def draft(self, source, pending: int, gamma: int, anchor, history: list[int]):
+        sampled = hasattr(source, "draft_sampled") and (self.mode == "rejection" or self.processors)
+        if not sampled:
+            drafts = source.draft([pending], gamma, anchor)[:gamma]
+            return drafts, None                      # deterministic: q = the point mass on the draft
+        picks, rows = [], []
+        base = history
+
+        def pick(logits) -> int:
+            row = sampling.process(self.processors, mx.array(base + picks, mx.int32), logits) if self.processors else logits
+            q = self.draft_sampler.probs(row.astype(mx.float32))
+            u = None if self.draft_sampler.greedy else self.keys.uniform(())
+            tok = int((mx.argmax(q) if u is None else sampling.sample(q, u)).item())
+            picks.append(tok)
+            rows.append(q)
+            return tok
+
+        drafts = list(source.draft_sampled([pending], gamma, anchor, pick))[:gamma]
+        if drafts != picks[: len(drafts)]:
+            raise sampling.SamplingError(f"{type(source).__name__}.draft_sampled returned {drafts}, not a prefix "
+                                         f"of its picks {picks}: its drafts would not follow q")
+        if not drafts:
+            return drafts, None
+        q = mx.stack(rows[: len(drafts)])
+        mass = q.sum(axis=-1).tolist()
+        n = next((i for i, m in enumerate(mass) if m < 0.5), len(drafts))   # a row with no allowed token
+        return drafts[:n], q[:n]
+
+    def verify(self, drafts: list[int], q, logits, history: list[int]) -> tuple[int, int]:
+        n = len(drafts)
+        p = self._target_probs(self._rows(logits[: n + 1], history, drafts))[None]
+        d = mx.array(drafts, mx.int32).reshape(1, n)
+        if self.mode == "match":
+            k, nxt = sampling.accept_match(d, p, self.keys.uniform((1, n + 1)))
+        else:
+            if q is None:
+                q = (mx.arange(p.shape[-1])[None, :] == d.reshape(n, 1)).astype(mx.float32)
+            k, nxt = sampling.accept_rejection(d, q[None], p, self.keys.uniform((1, n)), self.keys.uniform((1,)),
+                                               self.bugs)
+        return int(k.item()), int(nxt.item())
+
+
+def _request_bytes(caches: list, source) -> tuple[int, int]:
+    own = int(getattr(source, "nbytes", 0) or 0) if source is not None else 0
+    return sum(c.nbytes for c in caches), own
+
+
 def generate(target: targets.Target, prompt: list[int], max_tokens: int, provider: DraftProvider | None = None,
              gamma: int = 4, eos: set[int] | None = None, record: bool = False, trim_bias: int = 0,
-             emit_eos: bool = False, bonus: bool = True) -> tuple[list[int], Stats]:
-    """Greedy speculative decoding. Returns the content tokens and the stats (with the per-round
-    trace). With no source it is plain greedy decoding through the same verify path.
+             emit_eos: bool = False, bonus: bool = True, sampler: sampling.Sampler | None = None,
+             processors=(), mode: str = "match", draft_sampler: sampling.Sampler | None = None,
+             bugs=frozenset()) -> tuple[list[int], Stats]:
+    """Speculative decoding. Returns the content tokens and the stats (with the per-round
+    trace). With no source it is plain decoding through the same verify path.
 
-    `trim_bias`, `emit_eos`, `bonus` exist only to plant the negative controls (trim one too few,
-    EOS emitted as content, bonus token dropped on a full accept): the tests show the suite
-    catches each."""
+    Default: greedy (T=0), token match. `sampler` (port.sampling.Sampler), `processors`
+    (callables (tokens, logits [1, V]) -> logits, mlx-lm's convention, applied to every verify
+    row before acceptance and to the draft rows of a source with `draft_sampled`), `mode`
+    ("match" or "rejection") and `draft_sampler` (rejection: what the drafts are drawn from;
+    default the request's sampler) select the sampling verify, see port/sampling.py.
+
+    `trim_bias`, `emit_eos`, `bonus` and `bugs` (sampling.BUGS) exist only to plant the negative
+    controls (trim one too few, EOS emitted as content, bonus token dropped on a full accept, the
+    sampling bugs): the tests show the suite catches each."""
+    if mode not in sampling.MODES:
+        raise sampling.SamplingError(f"unknown acceptance mode {mode!r}; known: {sampling.MODES}")
+    bugs = sampling.check_bugs(bugs)
+    processors = list(processors)
+    if sampler is None and not processors and mode == "match" and not bugs:
+        verifier = _Greedy()
+    else:
+        verifier = _Sampled(sampler or sampling.Sampler(), processors, mode, draft_sampler, bugs)
     eos = targets.eos_ids(target) if eos is None else eos
     caches = make_prompt_cache(target.model)
     source = provider.open(TargetView(target, caches)) if provider is not None else None
-    stats = Stats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma)
+    stats = Stats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma,
+                  weights_bytes=int(getattr(provider, "weights_bytes", 0) or 0) if provider is not None else 0)
     taps = source.tap_layers if source is not None else None
     t0 = time.perf_counter()
     trace = targets.forward(target, mx.array([prompt]), caches=caches)
     stats.target_calls += 1
     if source is not None:
         source.prefill(prompt, _taps(trace, taps, slice(None)))
-    pending = int(mx.argmax(trace.logits[0, -1]).item())
+    pending = verifier.first(trace.logits[0, -1], prompt)
     anchor = trace.final[:, -1:, :]
     committed = [pending]
     if record:
         stats.logits.append(trace.logits[0, -1])
     while pending not in eos and len(committed) < max_tokens:
-        drafts = source.draft([pending], gamma, anchor) if source is not None else []
+        drafts, q = verifier.draft(source, pending, gamma, anchor, prompt + committed) if source is not None else ([], None)
         drafts = drafts[:gamma]
         stats.proposals.append(list(drafts))
         trace = targets.forward(target, mx.array([[pending] + drafts]), caches=caches)
         stats.target_calls += 1
-        greedy = mx.argmax(trace.logits[0], axis=-1).tolist()
-        k = 0
-        while k < len(drafts) and drafts[k] == greedy[k]:
-            k += 1
+        k, nxt = verifier.verify(drafts, q, trace.logits[0], prompt + committed)
         stats.drafted += len(drafts)
         stats.accepted += k
         for i in range(len(drafts)):
             stats.drafted_by_position[i] += 1
             stats.accepted_by_position[i] += i < k
         dropped = not bonus and drafts and k == len(drafts)
-        new = drafts[:k] if dropped else drafts[:k] + [greedy[k]]
+        new = drafts[:k] if dropped else drafts[:k] + [nxt]
         room = max_tokens - len(committed)
         stop_at = next((i for i, t in enumerate(new) if t in eos), None)
         emitted = new[: min(room, stop_at + 1 if stop_at is not None else len(new))]
@@ -170,11 +303,17 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
         trim_caches(caches, len(drafts) - k - trim_bias + (1 if dropped else 0))
         if source is not None:
             source.commit(len(drafts), k, _taps(trace, taps, slice(None)))
+        cache_bytes, source_bytes = _request_bytes(caches, source)
+        stats.target_cache_bytes = max(stats.target_cache_bytes, cache_bytes)
+        stats.source_bytes = max(stats.source_bytes, source_bytes)
         if len(emitted) < len(new):
             break
         pending = emitted[-1]
         anchor = trace.final[:, k - 1:k, :] if dropped else trace.final[:, k:k + 1, :]
     stats.elapsed_s = time.perf_counter() - t0
+    cache_bytes, source_bytes = _request_bytes(caches, source)
+    stats.target_cache_bytes = max(stats.target_cache_bytes, cache_bytes)
+    stats.source_bytes = max(stats.source_bytes, source_bytes)
     stats.stop = "eos" if committed[-1] in eos else "length"
     content = committed if emit_eos or committed[-1] not in eos else committed[:-1]
     stats.emitted = len(committed)
