@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import targets
+from . import checkpoint, targets
 
 MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 HEADS = ("centroid", "tied")
@@ -230,23 +230,14 @@ def load(path: str | Path, dtype: mx.Dtype | None = None) -> Model:
     cfg = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_config(cfg, path)
     model = Model(args)
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
+    weights = checkpoint.read_tensors(path)
     if not args.tie_word_embeddings and "lm_head.weight" not in weights:
         raise DrafterError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight; "
                            f"unsupported head (supported: {HEADS})")
     if not args.use_ordered_embeddings and "masked_embedding.centroids.weight" in weights:
         raise DrafterError(f"{path}: carries a centroid head but use_ordered_embeddings is false; "
                            "set use_ordered_embeddings in config.json")
-    from mlx.utils import tree_flatten
-
-    expected = {k for k, _ in tree_flatten(model.parameters())}
-    missing = sorted(expected - set(weights))
-    if missing:
-        raise DrafterError(f"{path}: missing tensor(s) {missing[:6]}{' …' if len(missing) > 6 else ''}; "
-                           "is this a complete Gemma-4 assistant checkpoint?")
-    model.load_weights([(k, v) for k, v in weights.items() if k in expected], strict=True)
+    checkpoint.load_into(model, path, weights, DrafterError, "is this a complete Gemma-4 assistant checkpoint?")
     if dtype is not None:
         model.set_dtype(dtype)
     mx.eval(model.parameters())
@@ -329,7 +320,7 @@ class AssistantProvider:
         self.path = Path(path)
         self.id = self.path.name
         self.drafter = load(self.path)
-        self.weights_bytes = sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
+        self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.options = options
 
     def open(self, view) -> AssistantSource:

@@ -64,7 +64,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import targets
+from . import checkpoint, targets
 
 BUGS = {
     "own_head": "the drafter scores with its own (random) lm head instead of the target's",
@@ -388,19 +388,10 @@ def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "sc
     if unknown:
         raise DFlashError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
     model = Model(a, window, embed, extras)
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    from mlx.utils import tree_flatten
-
-    expected = {k for k, _ in tree_flatten(model.parameters())}
-    missing = sorted(expected - set(weights))
-    if missing:
-        what = ("does it carry the DSpark extras its config declares?" if extras and all(
-            k.startswith(("markov_head.", "confidence_head.")) for k in missing)
-            else "is this a complete z-lab DFlash checkpoint?")
-        raise DFlashError(f"{path}: missing tensor(s) {missing[:6]}{' …' if len(missing) > 6 else ''}; {what}")
-    model.load_weights([(k, v) for k, v in weights.items() if k in expected], strict=True)
+    checkpoint.load_into(model, path, checkpoint.read_tensors(path), DFlashError, lambda missing: (
+        "does it carry the DSpark extras its config declares?"
+        if extras and all(k.startswith(("markov_head.", "confidence_head.")) for k in missing)
+        else "is this a complete z-lab DFlash checkpoint?"))
     mx.eval(model.parameters())
     return model
 
@@ -537,7 +528,7 @@ class DflashProvider:
         self.path = Path(path)
         self.id = self.path.name
         self.drafter = load(self.path, window, bugs, embed, extras)
-        self.weights_bytes = sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
+        self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.trained_gamma = self.drafter.args.block_size - 1
         self.max_tokens = max_tokens
         self.extras = extras

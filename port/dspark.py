@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import targets
+from . import checkpoint, targets
 
 BUGS = {
     "markov_before_softcap": "Markov bias added before the softcap",
@@ -330,17 +330,8 @@ def load(path: str | Path, bugs=()) -> Model:
     if unknown:
         raise DSparkError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
     model = Model(a)
-    weights = {}
-    for f in sorted(path.glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
-    from mlx.utils import tree_flatten
-
-    expected = {k for k, _ in tree_flatten(model.parameters())}
-    missing = sorted(expected - set(weights))
-    if missing:
-        raise DSparkError(f"{path}: missing tensor(s) {missing[:6]}{' …' if len(missing) > 6 else ''}; "
-                          "is this a complete DeepSpec DSpark checkpoint?")
-    model.load_weights([(k, v) for k, v in weights.items() if k in expected], strict=True)
+    checkpoint.load_into(model, path, checkpoint.read_tensors(path), DSparkError,
+                         "is this a complete DeepSpec DSpark checkpoint?")
     mx.eval(model.parameters())
     return model
 
@@ -415,7 +406,7 @@ class DeepspecProvider:
         self.path = Path(path)
         self.id = self.path.name
         self.drafter = load(self.path, bugs)
-        self.weights_bytes = sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
+        self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.trained_gamma = self.drafter.args.block_size
         self.threshold = threshold
 
