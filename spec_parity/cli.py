@@ -130,6 +130,49 @@ def cmd_ab(args) -> int:
     return 0 if verdict.passed else 1
 
 
+def _csv(text: str, known, what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in known]
+    if bad or not items:
+        sys.exit(f"--{what} {text!r}: unknown {bad or 'empty list'}; known: {', '.join(known)}")
+    return items
+
+
+def cmd_bench(args) -> int:
+    """Speed of the drafters side by side with the peers, against the bandwidth floor; figures are
+    reported, never asserted. Writes OUT/bench.json, bench.md, bench.png."""
+    import mlx.core as mx
+
+    from . import bench, bench_report, bench_shapes, bench_sides
+
+    real = args.shapes == "real"
+    if args.scale < 1 or (args.scale > 1 and not real):
+        sys.exit("--scale N (N >= 1) shrinks the real shapes (widths, vocabulary, windows, context); "
+                 "it applies to --shapes real only")
+    peers = None if args.peers == "auto" else [] if args.peers == "none" else _csv(args.peers, bench_sides.PEERS, "peers")
+    gpu = mx.default_device().type == mx.DeviceType.gpu
+    opts = bench.Options(
+        shapes=args.shapes, sources=tuple(_csv(args.sources, bench_shapes.SOURCES, "sources")), peers=peers,
+        warmup=args.warmup if args.warmup is not None else (10 if real else 3),
+        iters=args.iters if args.iters is not None else (40 if real else 15),
+        dtype=args.dtype or ("bfloat16" if real else "float32"), ctx=args.ctx, scale=args.scale,
+        target_layers=args.target_layers, gamma=args.gamma,
+        max_tokens=args.max_tokens or (32 if real else 16), serve_runs=args.serve_runs,
+        bw_bytes=(args.bw_mib or (1024 if gpu else 256)) << 20, torch_device=args.torch_device,
+        cases=[c for c in (args.case or "").split(",") if c] or None, seed=args.seed, argv=list(args.argv))
+    if opts.iters < 1 or opts.warmup < 0 or opts.serve_runs < 1:
+        sys.exit("--iters and --serve-runs must be >= 1 and --warmup >= 0")
+    try:
+        doc = bench.run(opts, progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
+    except ValueError as e:
+        sys.exit(f"bench: {e}")
+    chart = {"auto": None, "matplotlib": True, "numpy": False}[args.chart]
+    paths = bench_report.write(doc, Path(args.out), chart)
+    print(bench_report.markdown(doc))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="spec-parity", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -166,7 +209,36 @@ def main(argv=None) -> int:
                      help="largest acceptance drop of B vs A, absolute points, that still passes")
     abp.add_argument("--json", help="also write the report (with per-prompt results) to this JSON file")
     abp.set_defaults(fn=cmd_ab)
+    bp = sub.add_parser("bench", help="speed: our drafters vs the peers vs the bandwidth floor (JSON, Markdown, PNG)")
+    bp.add_argument("--shapes", choices=("tiny", "real"), default="tiny",
+                    help="tiny: the factory's checkpoints; real: REFERENCES.md's shapes, random weights in memory")
+    bp.add_argument("--sources", default=",".join(("assistant", "dspark", "dflash")),
+                    help="comma-separated draft sources (assistant, dspark, dflash)")
+    bp.add_argument("--peers", default="auto", help="auto (every peer of a source), none, or a comma list of: "
+                    "optiq, hf-torch, zlab-mlx, dflash-mlx, zlab-torch, dspark-mlx, deepspec-torch")
+    bp.add_argument("--case", help="only these cases (comma-separated names, see bench.md)")
+    bp.add_argument("--warmup", type=int, help="untimed runs first (default 3 tiny, 10 real)")
+    bp.add_argument("--iters", type=int, help="timed runs (default 15 tiny, 40 real)")
+    bp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                    help="weights and activations (default float32 tiny, bfloat16 real)")
+    bp.add_argument("--ctx", type=int, help="context length: donor K/V / context rows (default 24 tiny, 2048 real)")
+    bp.add_argument("--scale", type=int, default=1,
+                    help="real only: divide widths, vocabulary, windows and context by N (to run the path on a CPU)")
+    bp.add_argument("--target-layers", type=int,
+                    help="depth of the real shapes' stand-in target (default: Qwen3-4B 36, Gemma-4 6)")
+    bp.add_argument("--gamma", type=int, default=4, help="assistant: chained draft steps per call and per round")
+    bp.add_argument("--max-tokens", type=int, help="serve loop: tokens per request (default 16 tiny, 32 real)")
+    bp.add_argument("--serve-runs", type=int, default=3, help="serve loop: timed requests (after one warm-up)")
+    bp.add_argument("--bw-mib", type=int, help="bandwidth buffer in MiB (default 1024 on a GPU, 256 on CPU)")
+    bp.add_argument("--torch-device", choices=("auto", "cuda", "cpu", "none"), default="auto",
+                    help="torch references: auto = on CUDA if torch sees one, else skipped with the reason")
+    bp.add_argument("--chart", choices=("auto", "matplotlib", "numpy"), default="auto")
+    bp.add_argument("--seed", type=int, default=0)
+    bp.add_argument("--out", required=True, help="directory for bench.json, bench.md, bench.png")
+    bp.set_defaults(fn=cmd_bench)
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
+    args.argv = argv
     return args.fn(args)
 
 

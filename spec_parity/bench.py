@@ -1,0 +1,603 @@
+"""`spec-parity bench`: how fast our drafters run, side by side with the peers, against the floor.
+
+For each case (a draft source at a shape, spec_parity/bench_shapes.py) and each side (our port,
+the peers: spec_parity/bench_sides.py), on the same weights and inputs:
+
+  (a) one draft step chain (assistant: `gamma` chained steps) / one draft block: median and
+      p10-p90 wall time over `iters` runs after `warmup`, each run synchronized (`mx.eval` of
+      its outputs; torch: `torch.cuda.synchronize()`); CPU time too (this machine is shared);
+  (c) host synchronizations per step, COUNTED (`HostSyncs`);
+  (e) peak memory over the timed runs (mx.get_peak_memory after mx.reset_peak_memory; torch:
+      max_memory_allocated), and the active memory before them;
+  (f) graph ops per step: the primitives evaluated (`HostSyncs(ops=True)`).
+For our port, through port.serve.generate (the loop itself, wrapped, never forked):
+  (b) one spec round split into draft / verify / accept+trim;
+  (c) host synchronizations and graph ops per round;
+  (d) tokens/s on a fixed prompt.
+The floor of a step = the bytes it must read (bench_shapes.step_bytes) / the bandwidth measured in
+the same run on the same device (a large copy, and a large sum). Figures are reported, never
+asserted: this is a benchmark, not a test.
+
+One code path for CPU and GPU: mx.default_device() decides. The module imports without torch,
+transformers, optiq or dflash present: every peer is imported when its side is built.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from . import bench_shapes, bench_sides
+
+PACKAGES = ("mlx", "mlx-cuda-13", "mlx-cuda", "mlx-metal", "mlx-cpu", "mlx-lm", "numpy", "safetensors", "torch",
+            "transformers", "huggingface_hub", "mlx-optiq", "dflash", "dspark-mlx", "dflash-mlx", "scipy")
+
+
+# ---- counting host synchronizations and graph ops ----------------------------------------------
+
+_OP_NODE = re.compile(r'\{ (\d+) \[label ="([^"]+)", shape=rectangle\]; \}')
+
+
+class HostSyncs:
+    """Counts, while active, every call from Python that makes the host wait for MLX: the array
+    methods `item`, `tolist`, `__int__`, `__float__`, `__bool__`, `__index__`, numpy's
+    `np.array` / `np.asarray` of an mx.array, and `mx.eval`, `mx.synchronize`; `mx.async_eval`
+    is counted apart (it does not wait). They are patched on the class / module for the duration,
+    so a call from any code (ours, a peer's, mlx-lm's) counts, whether or not the array was already
+    evaluated (an upper bound on real device round trips). Not seen: C++-internal waits and
+    conversions through the buffer protocol other than np.array / np.asarray.
+
+    With `ops=True` each such call first counts the primitives it is about to evaluate: the op
+    nodes of the not-yet-evaluated graph behind its arrays (`mx.export_to_dot`), minus those an
+    earlier `async_eval` already scheduled. `finish(outputs)` does the same for outputs the caller
+    evaluates afterwards. A primitive is one graph node: a fused `Compiled` block counts one, and
+    the CPU backend splits some `mx.fast` ops into several (so CPU and GPU counts differ)."""
+
+    METHODS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
+    FUNCS = ("eval", "synchronize")
+
+    def __init__(self, ops: bool = False):
+        self.count_ops = ops
+        self.calls: Counter = Counter()
+        self.ops = 0
+        self.kinds: Counter = Counter()
+        self._scheduled: set[str] = set()
+        self._held: list = []
+        self._saved: list = []
+
+    @property
+    def syncs(self) -> int:
+        return sum(n for k, n in self.calls.items() if k != "async_eval")
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.syncs, self.ops
+
+    def _graph(self, roots: list) -> set[str]:
+        arrays = [a for a in roots if isinstance(a, mx.array)]
+        if not self.count_ops or not arrays:
+            return set()
+        buf = io.StringIO()
+        mx.export_to_dot(buf, *arrays)
+        nodes = {}
+        for node, label in _OP_NODE.findall(buf.getvalue()):
+            nodes[node] = label
+        new = {n: lab for n, lab in nodes.items() if n not in self._scheduled}
+        self.ops += len(new)
+        self.kinds.update(new.values())
+        return set(new)
+
+    def _leaves(self, args) -> list:
+        return [v for _, v in tree_flatten(list(args))]
+
+    def __enter__(self):
+        def method(name, orig):
+            def wrapped(a, *args, **kwargs):
+                self.calls[name] += 1
+                self._graph([a])
+                return orig(a, *args, **kwargs)
+            return wrapped
+
+        def func(name, orig):
+            def wrapped(*args, **kwargs):
+                self.calls[name] += 1
+                if name == "async_eval":
+                    leaves = self._leaves(args)
+                    self._scheduled |= self._graph(leaves)
+                    self._held.append(leaves)
+                elif name == "eval":
+                    self._graph(self._leaves(args))
+                return orig(*args, **kwargs)
+            return wrapped
+
+        def numpy_fn(name, orig):
+            def wrapped(*args, **kwargs):
+                obj = args[0] if args else kwargs.get("object", kwargs.get("a"))
+                if isinstance(obj, mx.array):
+                    self.calls["numpy"] += 1
+                    self._graph([obj])
+                return orig(*args, **kwargs)
+            return wrapped
+
+        for name in self.METHODS:
+            orig = getattr(mx.array, name)
+            self._saved.append((mx.array, name, orig))
+            setattr(mx.array, name, method(name, orig))
+        for name in self.FUNCS + ("async_eval",):
+            orig = getattr(mx, name)
+            self._saved.append((mx, name, orig))
+            setattr(mx, name, func(name, orig))
+        for name in ("array", "asarray"):
+            orig = getattr(np, name)
+            self._saved.append((np, name, orig))
+            setattr(np, name, numpy_fn(name, orig))
+        return self
+
+    def finish(self, outputs) -> None:
+        """The caller is about to evaluate `outputs`: count their pending ops, and one sync if any."""
+        leaves = [a for a in self._leaves([outputs]) if isinstance(a, mx.array)]
+        if self._graph(leaves) or (leaves and not self.count_ops):
+            self.calls["eval"] += 1
+
+    def __exit__(self, *exc):
+        for owner, name, orig in reversed(self._saved):
+            setattr(owner, name, orig)
+        self._saved.clear()
+        self._held.clear()
+        return False
+
+
+# ---- the one timing loop -----------------------------------------------------------------------
+
+def _sync_fn(stepper: bench_sides.Stepper):
+    if stepper.framework == "torch":
+        import torch
+
+        if stepper.device.startswith("cuda"):
+            return lambda out: torch.cuda.synchronize()
+        return lambda out: None
+
+    def sync(out):
+        arrays = [a for _, a in tree_flatten([out]) if isinstance(a, mx.array)]
+        if arrays:
+            mx.eval(*arrays)
+    return sync
+
+
+def _memory(stepper: bench_sides.Stepper):
+    """(reset, active, peak) readers for the stepper's framework; None where there are none."""
+    if stepper.framework == "torch":
+        import torch
+
+        if not stepper.device.startswith("cuda"):
+            return None
+        return torch.cuda.reset_peak_memory_stats, torch.cuda.memory_allocated, torch.cuda.max_memory_allocated
+    return mx.reset_peak_memory, mx.get_active_memory, mx.get_peak_memory
+
+
+def summary(samples: list[float]) -> dict:
+    a = np.asarray(samples, dtype=np.float64)
+    return {"median": float(np.median(a)), "p10": float(np.percentile(a, 10)), "p90": float(np.percentile(a, 90)),
+            "n": int(a.size)}
+
+
+def time_loop(stepper: bench_sides.Stepper, warmup: int, iters: int) -> dict:
+    """One first run (its draft tokens are kept: every side's first step sees the same state), then
+    `warmup` synchronized runs, then `iters` timed ones (wall and CPU seconds each)."""
+    sync = _sync_fn(stepper)
+    first = stepper.step()
+    sync(first)
+    tokens = [int(t) for t in stepper.tokens(first)]
+    for _ in range(warmup):
+        sync(stepper.step())
+    mem = _memory(stepper)
+    if mem:
+        mem[0]()
+        active = int(mem[1]())
+    wall, cpu = [], []
+    for _ in range(iters):
+        t0, c0 = time.perf_counter(), time.process_time()
+        sync(stepper.step())
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    out = {"wall_s": summary(wall), "cpu_s": summary(cpu), "samples_s": wall, "first_tokens": tokens}
+    if mem:
+        out["memory"] = {"active_before_bytes": active, "peak_bytes": int(mem[2]())}
+    return out
+
+
+def count_step(stepper: bench_sides.Stepper, runs: int = 3) -> dict:
+    """Host syncs and graph ops of one step (the median over `runs` steps; MLX sides only)."""
+    per = []
+    for _ in range(runs):
+        with HostSyncs(ops=True) as hs:
+            out = stepper.step()
+            hs.finish(out)
+        mx.eval(*[a for _, a in tree_flatten([out]) if isinstance(a, mx.array)] or [mx.array(0)])
+        per.append((hs.syncs, hs.ops, dict(hs.calls), dict(hs.kinds)))
+    per.sort(key=lambda p: (p[0], p[1]))
+    syncs, ops, calls, kinds = per[len(per) // 2]
+    return {"host_syncs": syncs, "graph_ops": ops, "sync_calls": calls,
+            "op_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
+
+
+# ---- the floor ---------------------------------------------------------------------------------
+
+def bandwidth(nbytes: int, iters: int = 10, warmup: int = 3) -> dict:
+    """Copy (y = x + 1: reads and writes nbytes) and read (x.sum(): reads nbytes) bandwidth, bytes/s
+    (the median run), on the default device, bf16 elements."""
+    n = nbytes // 2
+    x = mx.random.uniform(shape=(n,), dtype=mx.bfloat16)
+    mx.eval(x)
+
+    def rate(fn, moved):
+        for _ in range(warmup):
+            mx.eval(fn())
+        ts = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            mx.eval(fn())
+            ts.append(time.perf_counter() - t0)
+        return moved / float(np.median(ts)), ts
+
+    copy, copy_ts = rate(lambda: x + 1, 2 * n * 2)
+    read, read_ts = rate(lambda: x.sum(), n * 2)
+    return {"bytes": n * 2, "copy_bytes_per_s": copy, "read_bytes_per_s": read, "copy_samples_s": copy_ts,
+            "read_samples_s": read_ts, "copy": "y = x + 1 over the buffer (read + write)", "read": "x.sum()"}
+
+
+# ---- the serve loop, wrapped ---------------------------------------------------------------------
+
+class _Probe:
+    """Wraps the port's source (through the provider the loop opens) to time its calls; `hook`
+    runs on the first draft (the end of the prefill)."""
+
+    def __init__(self, provider, events: list, hook=None):
+        self.inner, self.events, self.hook = provider, events, hook
+        self.id, self.trained_gamma, self.weights_bytes = provider.id, provider.trained_gamma, provider.weights_bytes
+
+    def open(self, view):
+        return _ProbedSource(self.inner.open(view), self)
+
+    def dispose(self):
+        self.inner.dispose()
+
+
+class _ProbedSource:
+    def __init__(self, inner, probe: _Probe):
+        self._inner, self._probe = inner, probe
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def _timed(self, kind, fn, *args):
+        if kind == "draft" and self._probe.hook is not None and not any(e[0] == "draft" for e in self._probe.events):
+            self._probe.hook()
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self._probe.events.append((kind, t0, time.perf_counter()))
+        return out
+
+    def prefill(self, *args):
+        return self._timed("prefill", self._inner.prefill, *args)
+
+    def draft(self, *args):
+        return self._timed("draft", self._inner.draft, *args)
+
+    def commit(self, *args):
+        return self._timed("commit", self._inner.commit, *args)
+
+
+@contextlib.contextmanager
+def _timed_forward(events: list):
+    """Time the loop's target forwards, evaluating what the loop reads of them (so the verify's
+    work is counted in the verify, not in the acceptance that first reads it)."""
+    from port import serve
+
+    orig = serve.targets.forward
+
+    def forward(*args, **kwargs):
+        t0 = time.perf_counter()
+        trace = orig(*args, **kwargs)
+        mx.eval(trace.logits, trace.final, *trace.hidden)
+        events.append(("forward", t0, time.perf_counter()))
+        return trace
+
+    serve.targets.forward = forward
+    try:
+        yield
+    finally:
+        serve.targets.forward = orig
+
+
+def _rounds(events: list, t_end: float) -> list[dict]:
+    """Per round: draft, verify (the target forward), accept+trim (the verify's end to the next
+    draft: acceptance, cache trim, the source's commit), from the timestamps."""
+    drafts = [e for e in events if e[0] == "draft"]
+    forwards = [e for e in events if e[0] == "forward"][1:]  # the first forward is the prefill
+    commits = [e for e in events if e[0] == "commit"]
+    out = []
+    for i, (d, f) in enumerate(zip(drafts, forwards)):
+        end = drafts[i + 1][1] if i + 1 < len(drafts) else t_end
+        c = commits[i] if i < len(commits) else None
+        out.append({"draft_s": d[2] - d[1], "verify_s": f[2] - f[1], "accept_trim_s": end - f[2],
+                    "commit_s": (c[2] - c[1]) if c else 0.0, "round_s": end - d[1]})
+    return out
+
+
+def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: int, runs: int,
+               provider=None) -> dict:
+    """Our port in port.serve.generate on `prompt`: tokens/s (decode only: from the first draft on,
+    and the loop's own figure with the prefill), the round split, host syncs and graph ops per round.
+    `provider` (default: the port's drafter of the case) is what the loop drafts with."""
+    from port import serve
+
+    provider = provider or bench_sides.PortProvider(case)
+    gamma = case.spec.gamma
+
+    def run(events, hook=None):
+        t0 = time.perf_counter()
+        _, stats = serve.generate(target, prompt, max_tokens, _Probe(provider, events, hook), gamma=gamma, eos=set())
+        return stats, t0, time.perf_counter()
+
+    run([])  # warm-up
+    mx.reset_peak_memory()
+    active = mx.get_active_memory()
+    decode, looped, rounds_n = [], [], 0
+    for _ in range(runs):
+        events: list = []
+        stats, _, t_end = run(events)
+        first = next(e[1] for e in events if e[0] == "draft")
+        decode.append((stats.emitted - 1) / (t_end - first))
+        looped.append(stats.tokens_per_s)
+        rounds_n = len(stats.trace)
+    peak = mx.get_peak_memory()
+    events = []
+    with _timed_forward(events):
+        _, _, t_end = run(events)
+    split = _rounds(events, t_end)
+    steady = split[1:] or split
+    mark = {}
+    with HostSyncs(ops=True) as hs:
+        stats, _, _ = run([], hook=lambda: mark.setdefault("at", hs.snapshot()))
+    syncs0, ops0 = mark.get("at", (0, 0))
+    n = max(len(stats.trace), 1)
+    med = {k: float(np.median([r[k] for r in steady])) for k in steady[0]} if steady else {}
+    return {"gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
+            "tau": stats.tau, "acceptance": stats.acceptance,
+            "decode_tokens_per_s": summary(decode), "loop_tokens_per_s": summary(looped),
+            "round_median_s": med, "first_round_s": split[0] if split else {},
+            "host_syncs_per_round": (hs.syncs - syncs0) / n, "graph_ops_per_round": (hs.ops - ops0) / n,
+            "sync_calls": dict(hs.calls), "memory": {"active_before_bytes": int(active), "peak_bytes": int(peak)}}
+
+
+# ---- one case ------------------------------------------------------------------------------------
+
+@dataclass
+class Options:
+    shapes: str = "tiny"
+    sources: tuple[str, ...] = bench_shapes.SOURCES
+    peers: list[str] | None = None      # None: all that serve the source
+    warmup: int = 3
+    iters: int = 15
+    dtype: str = "float32"
+    ctx: int | None = None
+    scale: int = 1
+    target_layers: int | None = None
+    gamma: int = 4
+    max_tokens: int = 16
+    serve_runs: int = 3
+    bw_bytes: int = 256 << 20
+    torch_device: str = "auto"
+    cases: list[str] | None = None      # case names (default: every case of the sources)
+    seed: int = 0
+    argv: list[str] = field(default_factory=list)
+
+
+def _prepare(case: bench_shapes.Case, torch: tuple[str | None, str], seed: int) -> bench_sides.Prep:
+    """Load the target once (port.targets.load, through `serve_weights`) and prefill a random
+    context of ctx tokens: its caches hold the donor K/V, its hidden states give the taps."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from port import targets
+
+    with bench_shapes.serve_weights(case):
+        target = targets.load(case.target_dir)
+    mx.eval(target.model.parameters())
+    s = case.spec
+    prompt = _prompt(case, seed)
+    caches = make_prompt_cache(target.model)
+    trace = targets.forward(target, mx.array([prompt]), caches=caches)
+    cfg = case.drafter_config
+    taps = row = None
+    if s.source != "assistant":
+        ids = cfg.get("target_layer_ids") or cfg["dflash_config"]["target_layer_ids"]
+        taps = mx.concatenate([trace.hidden[i + 1] for i in ids], axis=-1)
+        row = taps[:, -1 - s.gamma:, :] + 0  # a verify's worth of tap rows (own buffer)
+    anchor_hidden = trace.final[:, -1:, :]
+    anchor = int(mx.argmax(targets.head(target, anchor_hidden)[0, 0]).item())
+    mx.eval(anchor_hidden, taps if taps is not None else anchor_hidden, row if row is not None else anchor_hidden,
+            [[c.keys, c.values] for c in caches if getattr(c, "keys", None) is not None])
+    del trace
+    return bench_sides.Prep(case, target, caches, taps, row, anchor, anchor_hidden, torch[0], torch[1])
+
+
+def _prompt(case: bench_shapes.Case, seed: int) -> list[int]:
+    vocab = case.target_config["vocab_size"]
+    rng = np.random.default_rng([seed, case.spec.ctx])
+    return [int(t) for t in rng.integers(3, vocab, size=case.spec.ctx)]
+
+
+def _reason(e: BaseException, hint: str = "") -> str:
+    """One line: the exception and where it was raised (a deliberate Skip: its message only;
+    a missing module: what to install)."""
+    if isinstance(e, bench_sides.Skip):
+        return str(e)
+    if isinstance(e, ImportError) and hint:
+        return f"{type(e).__name__}: {e}; install: {hint}"[:400]
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}{where}"[:400]
+
+
+def run_side(name: str, build, prep: bench_sides.Prep, opts: Options) -> dict:
+    """Build one side and measure it; any failure is the side's reason."""
+    t0 = time.perf_counter()
+    try:
+        stepper = build(prep)
+    except Exception as e:
+        hint = bench_sides.PEERS[name][2] if name in bench_sides.PEERS else ""
+        return {"side": name, "status": "not run", "reason": _reason(e, hint)}
+    out = {"side": name, "status": "ok", "framework": stepper.framework, "notes": stepper.notes,
+           "build_s": time.perf_counter() - t0}
+    try:
+        out.update(time_loop(stepper, opts.warmup, opts.iters))
+        if stepper.framework == "mlx":
+            out.update(count_step(stepper))
+        else:
+            out["count_note"] = "host syncs / graph ops are counted on MLX sides only"
+    except Exception as e:
+        out.update(status="failed", reason=_reason(e))
+    torch_cuda = stepper.framework == "torch" and stepper.device.startswith("cuda")
+    del stepper
+    gc.collect()
+    if torch_cuda:  # hand the torch side's cached blocks back before the next side
+        import torch
+
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_case(spec: bench_shapes.Spec, opts: Options, torch: tuple[str | None, str], bw: dict, root: Path) -> dict:
+    t0 = time.perf_counter()
+    case = bench_shapes.build(spec, opts.shapes, opts.dtype, root)
+    out = {"case": spec.name, "source": spec.source, "shape": spec.shape, "ctx": spec.ctx, "gamma": spec.gamma,
+           "notes": spec.notes, "dtype": opts.dtype, "drafter_config": case.drafter_config}
+    try:
+        prep = _prepare(case, torch, opts.seed)
+    except Exception as e:
+        out.update(status="failed", reason=_reason(e))
+        return out
+    floor = bench_shapes.step_bytes(case)
+    per_call = 1 if spec.source != "assistant" else spec.gamma
+    floor["bytes_per_call"] = floor["total"] * per_call
+    floor["copy_floor_s"] = floor["bytes_per_call"] / bw["copy_bytes_per_s"]
+    floor["read_floor_s"] = floor["bytes_per_call"] / bw["read_bytes_per_s"]
+    out["floor"] = floor
+    out["steps_per_call"] = per_call
+    sides = [run_side("port", bench_sides.port_side, prep, opts)]
+    for name in bench_sides.peers_for(spec.source, opts.peers):
+        sides.append(run_side(name, bench_sides.PEERS[name][1], prep, opts))
+    out["sides"] = sides
+    _ratios(out)
+    try:
+        out["serve"] = serve_loop(case, prep.target, _prompt(case, opts.seed), opts.max_tokens, opts.serve_runs)
+    except Exception as e:
+        out["serve"] = {"status": "failed", "reason": _reason(e)}
+    out["status"] = "ok"
+    out["wall_s"] = time.perf_counter() - t0
+    del prep, case
+    gc.collect()
+    mx.clear_cache()
+    return out
+
+
+def _ratios(case: dict) -> None:
+    """Each side's time / the best peer's and / the floor; whether its first draft equals the port's
+    (same weights, same inputs: a side that disagrees is not computing the same drafter)."""
+    ran = [s for s in case["sides"] if s.get("status") == "ok"]
+    port = next((s for s in ran if s["side"] == "port"), None)
+    for s in ran:
+        if port is not None:
+            a, b = s["first_tokens"], port["first_tokens"]
+            s["agrees_with_port"] = a == b
+            s["agreement"] = f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}"
+    peers = [s for s in ran if s["side"] != "port"]
+    best = min(peers, key=lambda s: s["wall_s"]["median"], default=None)
+    case["best_peer"] = best["side"] if best else None
+    for s in ran:
+        t = s["wall_s"]["median"]
+        s["per_step_s"] = t / case["steps_per_call"]
+        s["x_floor"] = t / case["floor"]["copy_floor_s"]
+        s["x_best_peer"] = t / best["wall_s"]["median"] if best else None
+        if best and "graph_ops" in s and "graph_ops" in best and best["graph_ops"]:
+            s["ops_x_best_peer"] = s["graph_ops"] / best["graph_ops"]
+
+
+# ---- facts about the run -------------------------------------------------------------------------
+
+def machine() -> dict:
+    info = {}
+    with contextlib.suppress(Exception):
+        info = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in mx.device_info().items()}
+    facts = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+             "python": platform.python_version(), "cpu_count": os.cpu_count(), "mlx_default_device": str(mx.default_device()),
+             "mlx_device_info": info}
+    with contextlib.suppress(OSError):
+        facts["loadavg"] = os.getloadavg()
+    return facts
+
+
+def versions() -> dict:
+    out = {}
+    for p in PACKAGES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[p] = metadata.version(p)
+    return out
+
+
+def _git() -> str:
+    here = Path(__file__).resolve().parent.parent
+    with contextlib.suppress(Exception):
+        r = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           timeout=10)
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        if r.returncode == 0:
+            return r.stdout.strip() + ("+dirty" if dirty else "")
+    return "unknown"
+
+
+def run(opts: Options, progress=None) -> dict:
+    """The whole bench; returns the results document (bench.json's content)."""
+    t0 = time.perf_counter()
+    say = progress or (lambda msg: None)
+    torch = bench_sides.torch_device(opts.torch_device)
+    specs = (bench_shapes.tiny_specs(opts.ctx, opts.gamma) if opts.shapes == "tiny"
+             else bench_shapes.real_specs(opts.ctx, opts.scale, opts.target_layers, opts.gamma))
+    specs = [s for s in specs if s.source in opts.sources and (not opts.cases or s.name in opts.cases)]
+    if opts.cases and not specs:
+        raise ValueError(f"no case named {opts.cases} among the {opts.shapes} shapes of {list(opts.sources)}")
+    say(f"bandwidth ({opts.bw_bytes >> 20} MiB)")
+    bw = bandwidth(opts.bw_bytes)
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="spec-parity-bench-") as tmp:
+        for spec in specs:
+            say(f"case {spec.name}")
+            cases.append(run_case(spec, opts, torch, bw, Path(tmp)))
+    cmd = shlex.join([sys.executable, "-m", "spec_parity.cli", *opts.argv])
+    process = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    return {"command": cmd, "process": process, "cwd": os.getcwd(), "argv": opts.argv, "options": {k: v for k, v in vars(opts).items() if k != "argv"},
+            "git": _git(), "machine": machine(), "versions": versions(), "torch_sides": torch[0] or torch[1],
+            "bandwidth": bw, "cases": cases, "wall_s": time.perf_counter() - t0,
+            "what": {"a": "one draft call: assistant = gamma chained steps, blocks = one block after one "
+                          "committed row; per_step_s = a / steps_per_call",
+                     "c": HostSyncs.__doc__.split("\n\n")[0], "f": "primitives evaluated per step (graph nodes)",
+                     "floor": bench_shapes.step_bytes.__doc__.split("\n")[0] + " / copy bandwidth"}}

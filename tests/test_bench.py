@@ -1,0 +1,220 @@
+"""`spec-parity bench`: the command runs and writes its three files; the counters count (a planted
+extra host sync / graph op must show); a peer that cannot be imported is a reason, not a crash.
+Speed figures are reported, never asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from spec_parity import bench, bench_shapes, bench_sides, cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- the counters ---------------------------------------------------------------------------------
+
+def _syncing(extra: bool):
+    def fn(x):
+        y = mx.exp(x)
+        n = int(y.sum().item() > 0)
+        if extra:  # planted: one more host round trip
+            n += int(y.max().item() > 0)
+        return y.tolist(), n
+    return fn
+
+
+def test_host_syncs_counts_every_kind_of_wait_and_a_planted_one():
+    x = mx.ones((4,))
+    mx.eval(x)
+    real = (mx.array.item, mx.eval, np.array)
+    with bench.HostSyncs() as base:
+        _syncing(False)(x)
+    with bench.HostSyncs() as planted:
+        _syncing(True)(x)
+    assert base.syncs == 2 and base.calls == {"item": 1, "tolist": 1}
+    assert planted.syncs == base.syncs + 1
+    with bench.HostSyncs() as h:
+        int(x[0])
+        float(x[1])
+        bool(x[2] > 0)
+        np.array(x + 1)
+        mx.eval(x * 2)
+        mx.async_eval(x * 3)
+    assert h.calls == {"__int__": 1, "__float__": 1, "__bool__": 1, "numpy": 1, "eval": 1, "async_eval": 1}
+    assert h.syncs == 5  # async_eval does not wait
+    assert (mx.array.item, mx.eval, np.array) == real  # restored on exit
+    with bench.HostSyncs() as after:
+        pass
+    x.item() if x.size == 1 else x.tolist()
+    assert after.syncs == 0
+
+
+def test_graph_ops_count_pending_primitives_once_and_a_planted_op():
+    x = mx.ones((4,))
+    mx.eval(x)
+    with bench.HostSyncs(ops=True) as one:
+        mx.eval(mx.exp(x))
+    with bench.HostSyncs(ops=True) as two:
+        mx.eval(mx.exp(mx.exp(x)))  # planted: one more op
+    assert (one.ops, two.ops) == (1, 2) and dict(two.kinds) == {"Exp": 2}
+    with bench.HostSyncs(ops=True) as h:
+        y = mx.exp(x)
+        mx.async_eval(y)         # scheduled here: counted once
+        (mx.log(y)).tolist()     # only the Log is new
+    assert h.ops == 2 and dict(h.kinds) == {"Exp": 1, "Log": 1}
+    with bench.HostSyncs(ops=True) as done:
+        x.tolist()               # already evaluated: nothing to run
+    assert done.ops == 0 and done.syncs == 1
+
+
+def test_count_step_sees_a_planted_op_and_a_planted_sync():
+    x = mx.ones((8,))
+    mx.eval(x)
+    base = bench.count_step(bench_sides.Stepper(lambda: mx.exp(x)))
+    op = bench.count_step(bench_sides.Stepper(lambda: mx.exp(x) * x))
+    sync = bench.count_step(bench_sides.Stepper(lambda: [mx.exp(x), mx.exp(x).sum().item()]))
+    assert base["graph_ops"] == 1 and base["host_syncs"] == 1   # the caller's eval of the output
+    assert op["graph_ops"] == base["graph_ops"] + 1
+    assert sync["host_syncs"] == base["host_syncs"] + 1
+
+
+# ---- the pieces -------------------------------------------------------------------------------------
+
+def test_serve_weights_hands_out_the_same_arrays_and_restores_mx_load(tmp_path):
+    spec = next(s for s in bench_shapes.tiny_specs() if s.name == "dflash-qwen3")
+    case = bench_shapes.build(spec, "tiny", "bfloat16", tmp_path)
+    real_load = mx.load
+    served = case.weights("drafter")
+    with bench_shapes.serve_weights(case):
+        got = mx.load(str(case.drafter_dir / "model.safetensors"))
+    assert mx.load is real_load
+    assert set(got) == set(served) and all(got[k] is served[k] for k in served)
+    assert all(v.dtype == mx.bfloat16 for v in served.values())
+
+
+def test_real_shapes_build_in_memory_at_the_references_floor_bytes(tmp_path):
+    """At full size (nothing evaluated: the draws are lazy) the bytes model gives REFERENCES.md's
+    floors: 12B tied 0.24 ms, E4B centroid 0.0095 ms, DFlash 0.52 ms at 3.6 TB/s."""
+    floors = {}
+    for spec in bench_shapes.real_specs():
+        case = bench_shapes.build(spec, "real", "bfloat16", tmp_path)
+        assert (case.drafter_dir / "model.safetensors").stat().st_size < 1024  # config only on disk
+        floors[spec.name] = bench_shapes.step_bytes(case)["total"] / 3.6e12 * 1e3
+    assert floors["assistant-12b-tied"] == pytest.approx(0.24, rel=0.05)
+    assert floors["assistant-e4b-centroid"] == pytest.approx(0.0095, rel=0.1)
+    assert floors["dflash-qwen3-4b"] == pytest.approx(0.52, rel=0.05)
+
+
+def test_centroid_floor_reads_only_the_selected_rows(tmp_path):
+    specs = {s.name: s for s in bench_shapes.tiny_specs()}
+    for name, full in (("assistant-tied", True), ("assistant-centroid", False)):
+        case = bench_shapes.build(specs[name], "tiny", "float32", tmp_path)
+        all_weights = sum(v.nbytes for v in case.weights("drafter").values())
+        counted = bench_shapes.step_bytes(case)["parts"]["drafter weights"]
+        assert (counted == all_weights) is full
+
+
+def test_a_peer_that_cannot_be_imported_is_a_reason(monkeypatch):
+    for name in [m for m in sys.modules if m == "optiq" or m.startswith("optiq.")] + ["optiq"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    out = bench.run_side("optiq", bench_sides.optiq_side, prep=None, opts=bench.Options())
+    assert out["status"] == "not run" and "optiq" in out["reason"] and "install: pip install" in out["reason"]
+
+
+def test_bench_imports_without_the_peers_or_torch():
+    blocked = ["torch", "transformers", "optiq", "dflash", "dspark_mlx", "dflash_mlx", "scipy", "matplotlib"]
+    code = ("import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in blocked)
+            + "from spec_parity import bench, bench_report, bench_shapes, bench_sides, cli\n"
+            + "print(bench_sides.torch_device('auto')[0])\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "None"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sources", "assistant,nope"], "unknown ['nope']"),
+    (["--peers", "optiq,nobody"], "unknown ['nobody']"),
+    (["--scale", "4"], "--shapes real only"),
+])
+def test_bad_arguments_name_the_problem(argv, message, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--out", str(tmp_path), *argv])
+    assert message in str(e.value)
+
+
+# ---- the command --------------------------------------------------------------------------------
+
+def _run(tmp_path, *argv) -> dict:
+    out = tmp_path / "out"
+    assert cli.main(["bench", "--warmup", "1", "--iters", "2", "--serve-runs", "1", "--max-tokens", "4",
+                     "--bw-mib", "8", "--out", str(out), *argv]) == 0
+    assert {p.name for p in out.iterdir()} >= {"bench.json", "bench.md", "bench.png"}
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "bench.md").read_text()
+    assert "| case | side | ms / call |" in md and "| case | γ | round ms |" in md
+    return json.loads((out / "bench.json").read_text())
+
+
+def test_bench_tiny_writes_every_figure(tmp_path):
+    doc = _run(tmp_path, "--sources", "dflash", "--peers", "zlab-mlx", "--chart", "numpy")
+    assert "bench" in doc["command"] and doc["machine"]["mlx_default_device"] and doc["versions"]["mlx"]
+    assert doc["bandwidth"]["copy_bytes_per_s"] > 0 and doc["bandwidth"]["read_bytes_per_s"] > 0
+    (case,) = doc["cases"]
+    assert case["case"] == "dflash-qwen3" and case["status"] == "ok"
+    assert case["floor"]["total"] > 0 and case["floor"]["copy_floor_s"] > 0
+    sides = {s["side"]: s for s in case["sides"]}
+    port = sides["port"]
+    assert port["status"] == "ok"
+    assert set(port["wall_s"]) >= {"median", "p10", "p90"} and port["wall_s"]["n"] == 2
+    assert port["host_syncs"] >= 1 and port["graph_ops"] > 0 and port["memory"]["peak_bytes"] > 0
+    assert port["x_floor"] > 0 and port["agrees_with_port"]
+    if sides["zlab-mlx"]["status"] == "ok":  # z-lab installed: same weights, same first block
+        assert sides["zlab-mlx"]["agrees_with_port"] and port["x_best_peer"] > 0
+    else:
+        assert sides["zlab-mlx"]["reason"]
+    serve = case["serve"]
+    assert set(serve["round_median_s"]) >= {"draft_s", "verify_s", "accept_trim_s"}
+    assert serve["host_syncs_per_round"] >= 1 and serve["graph_ops_per_round"] > 0
+    assert serve["decode_tokens_per_s"]["median"] > 0
+
+
+def test_serve_loop_counts_a_planted_sync_per_round(tmp_path):
+    """The per-round counter must move when a source makes one more host round trip per draft."""
+    spec = next(s for s in bench_shapes.tiny_specs() if s.name == "dflash-qwen3")
+    case = bench_shapes.build(spec, "tiny", "float32", tmp_path)
+    prep = bench._prepare(case, (None, "off"), 0)
+    prompt = bench._prompt(case, 0)
+
+    class Planted(bench_sides.PortProvider):
+        def open(self, view):
+            src = super().open(view)
+            draft = src.draft
+
+            def extra(*args):
+                out = draft(*args)
+                mx.array(out).sum().item()   # planted
+                return out
+
+            src.draft = extra
+            return src
+
+    base = bench.serve_loop(case, prep.target, prompt, 6, 1)
+    planted = bench.serve_loop(case, prep.target, prompt, 6, 1, provider=Planted(case))
+    assert planted["host_syncs_per_round"] == base["host_syncs_per_round"] + 1
+    assert planted["graph_ops_per_round"] > base["graph_ops_per_round"]
+
+
+def test_bench_real_path_runs_scaled_down(tmp_path):
+    doc = _run(tmp_path, "--shapes", "real", "--scale", "64", "--sources", "dflash", "--peers", "none",
+               "--target-layers", "8")
+    (case,) = doc["cases"]
+    assert case["case"] == "dflash-qwen3-4b" and case["status"] == "ok"
+    assert case["drafter_config"]["num_hidden_layers"] == 5 and case["drafter_config"]["block_size"] == 16
+    assert [s["side"] for s in case["sides"]] == ["port"] and case["sides"][0]["status"] == "ok"
