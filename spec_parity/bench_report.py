@@ -60,12 +60,12 @@ def header(doc: dict) -> str:
 
 
 def step_table(doc: dict) -> list[str]:
-    out = ["| case | side | ms / call | p10–p90 | ms / step | × best peer | × floor | floor ms / step | "
+    out = ["| case | side | ms / call | p10–p90 | CPU ms / call | ms / step | × best peer | × floor | floor ms / step | "
            "host syncs / call | graph ops / call | peak MiB (+ rise) | first draft = port's |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in doc["cases"]:
         if c.get("status") != "ok":
-            out.append(f"| {c['case']} | – | failed: {c.get('reason', '')} |||||||||")
+            out.append(f"| {c['case']} | – | failed: {c.get('reason', '')} ||||||||||")
             continue
         n = c["steps_per_call"]
         floor_step = c["floor"]["copy_floor_s"] / n
@@ -77,7 +77,7 @@ def step_table(doc: dict) -> list[str]:
             if s["side"] == c.get("best_peer"):
                 name += " (best peer)"
             out.append(f"| {c['case']} | {name} | {_ms(w['median'])} | {_ms(w['p10'])}–{_ms(w['p90'])} | "
-                       f"{_ms(s['per_step_s'])} | {_x(s.get('x_best_peer'))} | {_x(s['x_floor'])} | {_ms(floor_step)} | "
+                       f"{_ms(s['cpu_s']['median'])} | {_ms(s['per_step_s'])} | {_x(s.get('x_best_peer'))} | {_x(s['x_floor'])} | {_ms(floor_step)} | "
                        f"{_num(s.get('host_syncs'))} | {_num(s.get('graph_ops'))} | {_mib(s.get('memory'))} | "
                        f"{'yes' if s.get('agrees_with_port') else 'NO ' + s.get('agreement', '')} |")
     return out

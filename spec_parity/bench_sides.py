@@ -219,8 +219,8 @@ def dflash_mlx_side(prep: Prep) -> Stepper:
 
 
 def dspark_mlx_side(prep: Prep) -> Stepper:
-    """dspark-mlx 0.1.0: `load_draft`, then what `generate_eager` does per cycle:
-    `extend_context(committed taps)` + `draft(anchor)`."""
+    """dspark-mlx 0.1.0: `load_draft`, then what `generate_eager` does per cycle at T=0, threshold
+    0: `extend_context(committed taps)` + `draft(anchor)`, of which it reads the ids only."""
     import dspark_mlx
 
     with serve_weights(prep.case):
@@ -232,9 +232,9 @@ def dspark_mlx_side(prep: Prep) -> Stepper:
 
     def step():
         drafter.extend_context(prep.row[:, :1])
-        return drafter.draft(anchor)
+        return drafter.draft(anchor)[0]
 
-    return Stepper(step, keep=drafter, tokens=lambda out: out[0].tolist()[0][1:])
+    return Stepper(step, keep=drafter, tokens=lambda ids: ids.tolist()[0][1:])
 
 
 # ---- torch references --------------------------------------------------------------------------
