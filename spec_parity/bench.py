@@ -25,6 +25,7 @@ transformers, optiq or dflash present: every peer is imported when its side is b
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import io
 import os
@@ -223,7 +224,10 @@ def time_loop(stepper: bench_sides.Stepper, warmup: int, iters: int) -> dict:
     return out
 
 
-def count_step(stepper: bench_sides.Stepper, runs: int = 3) -> dict:
+COUNT_RUNS = 3
+
+
+def count_step(stepper: bench_sides.Stepper, runs: int = COUNT_RUNS) -> dict:
     """Host syncs and graph ops of one step (the median over `runs` steps; MLX sides only)."""
     per = []
     for _ in range(runs):
@@ -343,7 +347,7 @@ def _rounds(events: list, t_end: float) -> list[dict]:
 
 
 def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: int, runs: int,
-               provider=None) -> dict:
+               provider=None, cold: bool = False) -> dict:
     """Our port in port.serve.generate on `prompt`: tokens/s (decode only: from the first draft on,
     and the loop's own figure with the prefill), the round split, host syncs and graph ops per round.
     `provider` (default: the port's drafter of the case) is what the loop drafts with."""
@@ -380,7 +384,21 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
     syncs0, ops0 = mark.get("at", (0, 0))
     n = max(len(stats.trace), 1)
     med = {k: float(np.median([r[k] for r in steady])) for k in steady[0]} if steady else {}
-    return {"gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
+    cold_out = {}
+    if cold:
+        # A prompt of another length: every context length of this request is new to the drafter's
+        # and the target's attention (the warm runs above repeat one request's lengths).
+        events = []
+        short = prompt[: len(prompt) - COLD_SPACING * 8]
+        with _timed_forward(events):
+            _, cstats = serve.generate(target, short, max_tokens, _Probe(provider, events), gamma=gamma, eos=set())
+            t_end = time.perf_counter()
+        csplit = _rounds(events, t_end)[1:]
+        first = next(e[1] for e in events if e[0] == "draft")
+        cold_out = {"cold": {"prompt_len": len(short), "decode_tokens_per_s": (cstats.emitted - 1) / (t_end - first),
+                             "round_median_s": {k: float(np.median([r[k] for r in csplit])) for k in csplit[0]}
+                             if csplit else {}}}
+    return {**cold_out, "gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
             "tau": stats.tau, "acceptance": stats.acceptance,
             "decode_tokens_per_s": summary(decode), "loop_tokens_per_s": summary(looped),
             "round_median_s": med, "first_round_s": split[0] if split else {},
@@ -457,16 +475,64 @@ def _reason(e: BaseException, hint: str = "") -> str:
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}{where}"[:400]
 
 
-def run_side(name: str, build, prep: bench_sides.Prep, opts: Options) -> dict:
-    """Build one side and measure it; any failure is the side's reason."""
+COLD_CALLS = 8          # block sources: calls timed at never-seen context lengths (per side)
+COLD_SPACING = 96       # context rows between two sides' cold ranges (> calls + block)
+
+
+def shape_passes(prep: bench_sides.Prep, opts: Options) -> bool:
+    """Whether a block source's context length matters to the timing: on MLX CUDA an attention
+    with a multi-row query builds its kernel plan once per key length (measured: ~60 ms of host
+    time per new length on the H200, MLX 0.32.4), so the first side to reach a length would pay
+    what every later side gets for free. Real shapes only; the tiny CPU cases have no such cost."""
+    return opts.shapes == "real" and prep.case.spec.source != "assistant" and prep.taps is not None
+
+
+def _cold(name: str, build, prep: bench_sides.Prep, index: int) -> dict:
+    """Per call at context lengths no side has reached (this side's own range below ctx): what a
+    serving loop sees, whose context grows every round."""
+    short = prep.ctx - COLD_SPACING * (index + 1)
+    if short < prep.ctx // 2:
+        return {"cold_note": "context too short for a separate cold range"}
+    stepper = build(dataclasses.replace(prep, taps=prep.taps[:, :short]))
+    sync, wall = _sync_fn(stepper), []
+    for _ in range(COLD_CALLS):
+        t0 = time.perf_counter()
+        sync(stepper.step())
+        wall.append(time.perf_counter() - t0)
+    del stepper
+    gc.collect()
+    return {"cold_wall_s": summary(wall), "cold_context": short}
+
+
+def _pre_pass(stepper: bench_sides.Stepper, opts: Options) -> None:
+    """Every call the timed loop and the counters will make, untimed: each context length the side
+    reaches is then one it has seen (warm shapes for every side alike)."""
+    sync = _sync_fn(stepper)
+    for _ in range(1 + opts.warmup + opts.iters + COUNT_RUNS):
+        sync(stepper.step())
+
+
+def run_side(name: str, build, prep: bench_sides.Prep, opts: Options, index: int = 0) -> dict:
+    """Build one side and measure it; any failure is the side's reason. Block sources at real
+    shapes: first `_cold` (own never-seen lengths), then a pre-pass over the timed lengths on a
+    side built for it, then the timed loop on a freshly built side."""
     t0 = time.perf_counter()
+    cold = {}
     try:
         stepper = build(prep)
+        if shape_passes(prep, opts) and stepper.framework == "mlx":
+            del stepper
+            cold = _cold(name, build, prep, index)
+            stepper = build(prep)
+            _pre_pass(stepper, opts)
+            del stepper
+            gc.collect()
+            stepper = build(prep)
     except Exception as e:
         hint = bench_sides.PEERS[name][2] if name in bench_sides.PEERS else ""
         return {"side": name, "status": "not run", "reason": _reason(e, hint)}
     out = {"side": name, "status": "ok", "framework": stepper.framework, "notes": stepper.notes,
-           "build_s": time.perf_counter() - t0}
+           "build_s": time.perf_counter() - t0, **cold}
     try:
         out.update(time_loop(stepper, opts.warmup, opts.iters))
         if stepper.framework == "mlx":
@@ -503,12 +569,13 @@ def run_case(spec: bench_shapes.Spec, opts: Options, torch: tuple[str | None, st
     out["floor"] = floor
     out["steps_per_call"] = per_call
     sides = [run_side("port", bench_sides.port_side, prep, opts)]
-    for name in bench_sides.peers_for(spec.source, opts.peers):
-        sides.append(run_side(name, bench_sides.PEERS[name][1], prep, opts))
+    for i, name in enumerate(bench_sides.peers_for(spec.source, opts.peers), start=1):
+        sides.append(run_side(name, bench_sides.PEERS[name][1], prep, opts, i))
     out["sides"] = sides
     _ratios(out)
     try:
-        out["serve"] = serve_loop(case, prep.target, _prompt(case, opts.seed), opts.max_tokens, opts.serve_runs)
+        out["serve"] = serve_loop(case, prep.target, _prompt(case, opts.seed), opts.max_tokens, opts.serve_runs,
+                                  cold=opts.shapes == "real" and spec.ctx > COLD_SPACING * 16)
     except Exception as e:
         out["serve"] = {"status": "failed", "reason": _reason(e)}
     out["status"] = "ok"
