@@ -7,6 +7,8 @@ A pair is a module in `spec_parity.pairs` exposing:
   oracle_status(oracle) -> str|None   None if that reference runs here, else what to install/set
   run_oracle(case) -> (arrays, provenance)
   run_port(case, ref) -> arrays        (ref: the reference arrays, for teacher-forced modes)
+                           both functions of their arguments alone: `live` and `port_run` run
+                           each once per process and key (spec_parity.shared)
   compare(case, port, ref, result)     fills the Result
 """
 
