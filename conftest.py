@@ -1,10 +1,18 @@
-"""Suite-wide options: --regen-goldens, and the one-line skip of a test whose oracle is absent."""
+"""Suite-wide options: --regen-goldens, the one-line skip of a test whose oracle is absent, and the
+hypothesis profile."""
 
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 cores under pytest -n auto: no oversubscription
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# Hypothesis's wall-clock checks (the per-example deadline, the too_slow health check) fail on a
+# 2-core machine under `-n auto` or other load: timing, not the properties. Every other setting
+# (the example count among them) is hypothesis's default. `--hypothesis-profile default` restores them.
+settings.register_profile("spec-parity", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("spec-parity")
 
 
 def pytest_addoption(parser):

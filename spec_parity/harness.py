@@ -7,6 +7,8 @@ A pair is a module in `spec_parity.pairs` exposing:
   oracle_status(oracle) -> str|None   None if that reference runs here, else what to install/set
   run_oracle(case) -> (arrays, provenance)
   run_port(case, ref) -> arrays        (ref: the reference arrays, for teacher-forced modes)
+                           both functions of their arguments alone: `live` and `port_run` run
+                           each once per process and key (spec_parity.shared)
   compare(case, port, ref, result)     fills the Result
 """
 
@@ -16,7 +18,7 @@ import importlib
 import os
 from collections.abc import Iterable
 
-from . import goldens
+from . import goldens, shared
 from .case import Case
 from .compare import Result
 
@@ -45,12 +47,29 @@ def reference(case: Case, source: str = "auto"):
     if source == "live" or (source == "auto" and status is None):
         if status is not None:
             raise RuntimeError(f"{name} cannot run here: {status}")
-        arrays, provenance = pair(case.module).run_oracle(case)
+        arrays, provenance = live(case)
         return arrays, f"{name} (live)", provenance["reference"]["versions"]
     if case.path:
         raise RuntimeError(f"{case.id} is on a real checkpoint: it needs the live {name} ({status})")
     arrays, manifest = goldens.load(case)
     return arrays, f"{name} (golden)", manifest.get("reference", {}).get("versions", {})
+
+
+def live(case: Case):
+    """run_oracle(case), once per process for each manifest (spec_parity.shared). A case on a real
+    checkpoint runs every time (its manifest would hash the weights, its arrays are large)."""
+    run = pair(case.module).run_oracle
+    if case.path:
+        return run(case)
+    return shared.once(("oracle", oracle_name(case), shared.manifest_key(case)), lambda: run(case))
+
+
+def port_run(case: Case, ref: dict) -> dict:
+    """run_port(case, ref), once per process for each case and reference bytes (spec_parity.shared)."""
+    run = pair(case.module).run_port
+    if case.path:
+        return run(case, ref)
+    return shared.once(("port", shared.case_key(case), shared.digest(ref)), lambda: run(case, ref))
 
 
 def oracle_name(case: Case) -> str:
@@ -62,7 +81,7 @@ def evaluate(case: Case, source: str = "auto") -> Result:
     ref, label, versions = reference(case, source)
     result = Result(case.module, case.name, label, case.tier)
     result.metrics["reference"] = {"ok": True, "versions": versions}
-    port = p.run_port(case, ref)
+    port = port_run(case, ref)
     p.compare(case, port, ref, result)
     if case.control:
         result.note(f"negative control ({case.control['what']}): expected to fail")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from port import dflash, serve, targets
-from spec_parity import checkpoints, goldens, harness
+from spec_parity import checkpoints, goldens, harness, shared
 from spec_parity.pairs import dflash as pair
 
 CASES = pair.cases()
@@ -152,7 +152,7 @@ def test_serve_loop_is_lossless(variant, window):
     case = _case(f"loop-{variant}")
     target = targets.load(case.checkpoint_dir())
     p = pair.prompt(case)
-    plain, _ = targets.greedy(target, mx.array(p), 30, set())
+    plain, _ = shared.greedy(case.checkpoint_dir(), p, 30, set())
     for max_tokens in (None, 30):
         prov = dflash.DflashProvider(case.drafter_dir(), window, max_tokens=max_tokens)
         tokens, stats = serve.generate(target, p[0].tolist(), 30, prov, gamma=prov.trained_gamma, eos=set())

@@ -11,6 +11,7 @@ Random pairs accept almost nothing, so the calibration is fitted at a low precis
 (CAL_TARGET) for its thresholds to fall between the observed confidences instead of at 1.0.
 """
 
+import functools
 import shutil
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from port import ab, calibration, dflash, serve, targets
-from spec_parity import checkpoints
+from spec_parity import checkpoints, shared
 from spec_parity.compare import kl, l3_metrics
 from spec_parity.pairs import dflash as pair
 
@@ -68,6 +69,12 @@ def _run(target, prompt, provider):
     rec = _Rounds(provider)
     tokens, stats = serve.generate(target, prompt, MAX_TOKENS, rec, gamma=provider.trained_gamma, eos=set())
     return tokens, stats, rec.rounds
+
+
+@functools.cache
+def _unpruned(t_dir, ck, bugs=()):
+    """One request with extras on and pruning off (read by the KL report and the softcap controls)."""
+    return _run(targets.load(t_dir), _prompts(1)[0], dflash.DflashProvider(ck, extras=True, thresholds=[], bugs=bugs))
 
 
 @pytest.fixture(autouse=True)
@@ -162,7 +169,7 @@ def test_extras_on_is_lossless(variant, markov):
     ext = checkpoints.build("dflash-drafter", 0, {**ov, "dspark_extras": {**EXTRAS, "markov_head_type": markov}})
     target = targets.load(t_dir)
     for p in _prompts(2):
-        plain, _ = targets.greedy(target, mx.array([p]), MAX_TOKENS, set())
+        plain, _ = shared.greedy(t_dir, [p], MAX_TOKENS, set())
         prov = dflash.DflashProvider(ext, extras=True, thresholds=[0.6])
         tokens, stats, rounds = _run(target, p, prov)
         assert tokens == plain
@@ -174,8 +181,7 @@ def test_kl_base_vs_extended_draft(variant, record_property):
     """KL(base draft || extended draft) per draft position over the rounds of one request
     (pruning off): reported, and non-zero (the Markov head moves the distribution)."""
     t_dir, _, ext_dir = _dirs(variant)
-    target = targets.load(t_dir)
-    _, _, rounds = _run(target, _prompts(1)[0], dflash.DflashProvider(ext_dir, extras=True, thresholds=[]))
+    _, _, rounds = _unpruned(t_dir, ext_dir)
     base = np.stack([np.array(b.base_logits) for _, b in rounds])   # [rounds, n, V]
     extd = np.stack([np.array(b.logits) for _, b in rounds])
     per_pos = kl(base, extd).mean(axis=0)
@@ -230,7 +236,7 @@ def test_calibrated_pruning_is_applied_and_lossless(calibrated):
     target = targets.load(t_dir)
     pruned = 0
     for p in _prompts(2):
-        plain, _ = targets.greedy(target, mx.array([p]), MAX_TOKENS, set())
+        plain, _ = shared.greedy(t_dir, [p], MAX_TOKENS, set())
         tokens, _, rounds = _run(target, p, dflash.DflashProvider(ck, extras=True))
         assert tokens == plain
         for t, b in rounds:
@@ -280,13 +286,10 @@ def test_control_markov_before_softcap_is_caught():
     the two coincide, which is why the control runs with one."""
     ov = pair.VARIANTS["gemma4"]
     t_dir, _, ext_dir = _dirs("gemma4")
-    target = targets.load(t_dir)
-    p = _prompts(1)[0]
     strong = checkpoints.build("dflash-drafter", 0, {**ov, "final_logit_softcapping": 2.0, "dspark_extras": EXTRAS})
     for ck, drafts_differ in ((ext_dir, False), (strong, True)):
-        _, good_stats, good = _run(target, p, dflash.DflashProvider(ck, extras=True, thresholds=[]))
-        _, bad_stats, bad = _run(target, p, dflash.DflashProvider(ck, extras=True, thresholds=[],
-                                                                  bugs=["markov_before_softcap"]))
+        _, good_stats, good = _unpruned(t_dir, ck)
+        _, bad_stats, bad = _unpruned(t_dir, ck, ("markov_before_softcap",))
         gap = float(mx.abs(good[0][1].logits - bad[0][1].logits).max().item())
         assert gap > 1e-2, gap
         if drafts_differ:
@@ -299,9 +302,6 @@ def test_markov_before_softcap_coincides_without_a_softcap():
     """Why the control needs a softcap: on Qwen3 (no softcap) the control's drafts are the
     extension's."""
     t_dir, _, ext_dir = _dirs("qwen3")
-    target = targets.load(t_dir)
-    p = _prompts(1)[0]
-    _, good, _ = _run(target, p, dflash.DflashProvider(ext_dir, extras=True, thresholds=[]))
-    _, bad, _ = _run(target, p, dflash.DflashProvider(ext_dir, extras=True, thresholds=[],
-                                                      bugs=["markov_before_softcap"]))
+    _, good, _ = _unpruned(t_dir, ext_dir)
+    _, bad, _ = _unpruned(t_dir, ext_dir, ("markov_before_softcap",))
     assert good.proposals == bad.proposals

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import shared
 from ..case import Case
 from ..compare import Result, check_tensor, stream_metrics, trace_metrics
 
@@ -238,7 +239,7 @@ def run_port_loop(case: Case) -> dict:
     eos = {case.params["eos"]}
     tokens, stats = serve.generate(target, p[0].tolist(), n, assistant.AssistantProvider(case.drafter_dir()),
                                    gamma=case.params["gamma"], eos=eos, record=True, **knobs)
-    plain, plain_logits = targets.greedy(target, mx.array(p), n, eos)
+    plain, plain_logits = shared.greedy(case.checkpoint_dir(), p, n, eos)
     return {"stream.tokens": np.array(tokens, np.int32), "stream.trace": np.array(stats.trace, np.int32).reshape(-1, 3),
             "stream.stats": np.array([stats.drafted, stats.accepted, stats.target_calls, stats.emitted], np.int32),
             "stream.logits": np.array(mx.stack(stats.logits)), "greedy.tokens": np.array(plain, np.int32),

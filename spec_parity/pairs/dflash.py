@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import shared
 from ..case import Case
 from ..compare import Result, check_tensor, stream_metrics, trace_metrics
 
@@ -243,7 +244,7 @@ def run_loop(case: Case) -> dict:
     p = prompt(case)
     tokens, stats = serve.generate(target, p[0].tolist(), n, provider, gamma=provider.trained_gamma, eos=eos,
                                    record=True)
-    plain, plain_logits = targets.greedy(target, mx.array(p), n, eos)
+    plain, plain_logits = shared.greedy(case.checkpoint_dir(), p, n, eos)
     V = target.config["vocab_size"]
     return {"stream.tokens": np.array(tokens, np.int32), "stream.stop": np.array([stats.stop == "eos"]),
             "stream.drafted": np.array([d for d, _, _ in stats.trace], np.int32),

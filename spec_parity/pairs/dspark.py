@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import shared
 from ..case import Case
 from ..compare import Result, check_tensor, stream_metrics, trace_metrics
 
@@ -111,7 +112,7 @@ def run_port(case: Case, ref: dict) -> dict:
         # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
         tokens, stats = serve.generate(target, p[0].tolist(), n + 1, provider, gamma=provider.trained_gamma,
                                        eos=set(), record=True)
-        plain, plain_logits = targets.greedy(target, mx.array(p), n + 1, set())
+        plain, plain_logits = shared.greedy(case.checkpoint_dir(), p, n + 1, set())
         return {"stream.tokens": np.array(tokens[:n], np.int32),
                 "stream.accepted": np.array([k for _, k, _ in stats.trace], np.int32),
                 "stream.proposed": np.array([d for d, _, _ in stats.trace], np.int32),

@@ -1,0 +1,70 @@
+"""spec_parity.shared: a computation read by several tests is the port's own, bit for bit, whoever
+asks first, and a changed checkpoint or argument is never served a stale entry."""
+
+import os
+import shutil
+
+import mlx.core as mx
+import numpy as np
+
+from port import targets
+from spec_parity import checkpoints, shared
+
+
+def test_shared_greedy_is_the_ports_greedy(tmp_path):
+    src = checkpoints.build("gemma4-target", 0, {})
+    prompt = list(range(3, 15))
+    direct, direct_logits = targets.greedy(targets.load(src), mx.array([prompt]), 12, set())
+    for eos in (set(), {direct[5]}):
+        tokens, logits = shared.greedy(src, np.array([prompt], np.int32), 12, eos)
+        again, again_logits = shared.greedy(src, prompt, 12, eos)
+        want, want_logits = targets.greedy(targets.load(src), mx.array([prompt]), 12, eos)
+        assert tokens == again == want and again_logits is logits
+        assert np.array_equal(np.array(logits), np.array(want_logits))
+    tokens.append(-1)
+    assert shared.greedy(src, prompt, 12, set())[0] == direct   # callers get their own list
+    # a rewritten checkpoint (same path, other bytes) is a new key
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    assert shared.greedy(ck, prompt, 12, set())[0] == direct
+    other = checkpoints.build("gemma4-target", 1, {})
+    shutil.copy(other / "model.safetensors", ck / "model.safetensors")
+    os.utime(ck / "model.safetensors", ns=(1, 1))
+    fresh, _ = targets.greedy(targets.load(ck), mx.array([prompt]), 12, set())
+    assert fresh != direct and shared.greedy(ck, prompt, 12, set())[0] == fresh
+
+
+def test_a_stored_result_cannot_be_changed_by_a_reader():
+    calls = []
+    key = ("test", "frozen")
+    out = shared.once(key, lambda: calls.append(1) or {"a": np.zeros(3)})
+    out["b"] = np.ones(1)                                      # the reader's own dict
+    try:
+        out["a"][0] = 1.0
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("a stored array was writable")
+    again = shared.once(key, lambda: calls.append(1) or {})
+    assert calls == [1] and set(again) == {"a"} and not again["a"].any()
+
+
+def test_port_runs_are_shared_only_for_the_same_case_and_reference_bytes(monkeypatch):
+    from spec_parity import goldens, harness
+    from spec_parity.pairs import targets as pair
+
+    case = next(c for c in pair.cases() if not c.control)
+    control = next(c for c in pair.cases() if c.control and c.control["base"] == case.name)
+    ref, _ = goldens.load(case)
+    runs = []
+    real = pair.run_port
+    monkeypatch.setattr(pair, "run_port", lambda c, r: runs.append(c.name) or real(c, r))
+    first = harness.port_run(case, ref)
+    again = harness.port_run(case, {k: v.copy() for k, v in ref.items()})    # same bytes: one run
+    assert runs == [case.name] and all(again[k] is v for k, v in first.items())
+    harness.port_run(control, ref)                                          # a control is its own case
+    other = dict(ref, **{"hidden.0": ref["hidden.0"] + np.float32(1e-3)})
+    harness.port_run(case, other)                                           # other bytes: run again
+    assert runs == [case.name, control.name, case.name]
+    assert harness.check(case, harness.evaluate(case, "golden")) is None
+    assert runs == [case.name, control.name, case.name]
