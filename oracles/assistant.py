@@ -127,7 +127,9 @@ def optiq_generate_step_sampled(target_dir: Path, drafter_dir: Path, prompt: np.
     accepted while they equal the samples (token match). Once per seed (`mx.random.seed`), models
     loaded once. Its first pass feeds the last prompt token without drafts; the first drafting
     round is its second pass. Per run: the tokens, that round's accepted count (read off
-    SpecStats when the third pass yields, or at the end), and the totals."""
+    SpecStats when the third pass yields, or at the end), the totals, and `rounds`: per drafting
+    pass (drafted, accepted), read off SpecStats at the first yield of the next pass (which
+    yields the pending token before updating the counts) or at the end."""
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
     from mlx_lm.utils import load_model
@@ -137,24 +139,31 @@ def optiq_generate_step_sampled(target_dir: Path, drafter_dir: Path, prompt: np.
     target, _ = load_model(Path(target_dir))
     drafter = GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
     tokens = np.full((len(seeds), max_tokens), -1, np.int32)
-    first, accepted, drafted, calls = [], [], [], []
+    first, accepted, drafted, calls, rounds = [], [], [], [], []
     for i, seed in enumerate(seeds):
         mx.random.seed(int(seed))
         stats = SpecStats()
         got, first_round = [], None
+        after = {}                                   # pass c -> cumulative (drafted, accepted) after it
         for tok, _ in assistant_generate_step(mx.array(prompt[0]), target, drafter=drafter, gamma=gamma,
                                               max_tokens=max_tokens, sampler=make_sampler(temp=temperature),
                                               stats=stats):
             got.append(int(tok))
+            after.setdefault(stats.n_target_calls - 1, (stats.n_drafted, stats.n_accepted))
             if first_round is None and stats.n_target_calls >= 3:
                 first_round = stats.n_accepted
+        last = stats.n_target_calls
+        if stats.n_accepted > after.get(last - 1, (0, 0))[1]:
+            after[last] = (stats.n_drafted, stats.n_accepted)   # it ended inside its last pass's drafts
+        cum = [after[c] for c in range(1, max(after) + 1)]      # pass 1 feeds the prompt's last token
+        rounds.append([(d1 - d0, a1 - a0) for (d0, a0), (d1, a1) in zip(cum, cum[1:])])
         tokens[i, : len(got)] = got
         first.append(stats.n_accepted if first_round is None else first_round)
         accepted.append(stats.n_accepted)
         drafted.append(stats.n_drafted)
         calls.append(stats.n_target_calls)
     return {"tokens": tokens, "first_accepted": np.array(first, np.int32), "accepted": np.array(accepted, np.int32),
-            "drafted": np.array(drafted, np.int32), "target_calls": np.array(calls, np.int32)}
+            "drafted": np.array(drafted, np.int32), "target_calls": np.array(calls, np.int32), "rounds": rounds}
 
 
 # ---- transformers (torch) ---------------------------------------------------------------------

@@ -324,10 +324,11 @@ class Model(nn.Module):
         cap = self.args.final_logit_softcapping
         return mx.tanh(out / cap) * cap if cap else out
 
-    def extend(self, target: targets.Target, anchor: int, hidden: mx.array, base: mx.array) -> Block:
+    def extend(self, target: targets.Target, anchor: int, hidden: mx.array, base: mx.array, pick=None) -> Block:
         """The extension on one block: hidden [n, H] (final-normed rows 1..n), base [n, V] (after
-        the softcap). Markov bias added to row k after the softcap, chained on the greedy tokens;
-        then the confidence logits of every row."""
+        the softcap). Markov bias added to row k after the softcap, chained on the row's token:
+        its argmax, or `pick(row)` (the serve loop's sampler); then the confidence logits of
+        every row."""
         a = self.args
         tokens, rows, prev, state = [], [], anchor, None
         for k in range(hidden.shape[0]):
@@ -338,7 +339,7 @@ class Model(nn.Module):
             else:
                 row = base[k]
             rows.append(row)
-            prev = int(mx.argmax(row).item())
+            prev = int(mx.argmax(row).item()) if pick is None else int(pick(row))
             tokens.append(prev)
         conf = None
         if a.enable_confidence_head:
@@ -452,7 +453,20 @@ class DflashSource:
         self._queue(x)
         self.emitted = 1
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this request's context K/V (all draft layers) and queued tap rows."""
+        kv = sum(c.nbytes for c in self.caches) if self.caches is not None else 0
+        return kv + (self.pending.nbytes if self.pending is not None else 0)
+
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
+        return self.draft_sampled(feed, n, anchor_hidden, None)
+
+    def draft_sampled(self, feed: list[int], n: int, anchor_hidden, pick) -> list[int]:
+        """`draft` with each row's token chosen by `pick(row)` (None: argmax). The block's rows
+        come from one forward over the mask tokens, so plain DFlash picks every row on its own
+        (row order); with the extension the Markov head chains on the picked token and the
+        confidence head reads it (as DSpark's sampled proposal does)."""
         n = min(n, self.m.args.block_size - 1)
         if self.max_tokens is not None:
             n = min(n, self.max_tokens - self.emitted)
@@ -461,6 +475,9 @@ class DflashSource:
             return []
         block = self.m.block(self.target, feed[-1], n, self.pending, self.caches)
         self.pending = None
+        if pick is not None:
+            block = (self.m.extend(self.target, feed[-1], block.hidden, block.base_logits, pick) if self.m.extras
+                     else Block(block.hidden, block.logits, [int(pick(row)) for row in block.logits]))
         self.last_block = block
         if block.confidence is not None and self.thresholds and "thresholds_ignored" not in self.m.args.bugs:
             return block.tokens[: prune_length(block.confidence, self.thresholds)]
