@@ -164,10 +164,14 @@ class MaskedEmbedding(nn.Module):
 
 @dataclass
 class Step:
-    token: int
+    token_id: mx.array      # [1, 1], on the device: the next step embeds it without a host trip
     logits: mx.array        # [V]; centroid head: -1e30 outside the selected candidates
     next_hidden: mx.array   # [1, 1, B]
     candidates: mx.array | None = None  # centroid head: the scored token ids
+
+    @property
+    def token(self) -> int:
+        return int(self.token_id.item())
 
 
 class Model(nn.Module):
@@ -209,10 +213,11 @@ class Model(nn.Module):
         return mx.put_along_axis(full, cand.astype(mx.int32), cand_logits.astype(full.dtype), axis=-1), cand
 
     def step(self, emb, hidden_in, donors, position: int, window: str = "optiq", pick=None) -> Step:
-        """One draft step; the token is the argmax, or `pick(logits)` (the serve loop's sampler)."""
+        """One draft step; the token is the argmax (left on the device), or `pick(logits)` (the
+        serve loop's sampler, a host int)."""
         h = self.hidden(emb, hidden_in, donors, position, window)
         logits, cand = self.logits(h)
-        token = int(mx.argmax(logits).item()) if pick is None else int(pick(logits))
+        token = mx.argmax(logits).reshape(1, 1) if pick is None else mx.array([[int(pick(logits))]])
         return Step(token, logits, self.post_projection(h), cand)
 
 
@@ -265,14 +270,14 @@ def draft_chain(drafter: Model, target, donors: dict, token: int, hidden, positi
     """n draft steps against a frozen donor snapshot. Step 0 reads the last emitted token and the
     target hidden that predicted it; step k>0 chains the previous draft token and next_hidden.
     positions: "optiq" = position + k, "hf" = position for every step. `pick` (logits -> token)
-    replaces the argmax, e.g. to sample drafts from q."""
-    steps = []
+    replaces the argmax, e.g. to sample drafts from q. Greedy, the chain never leaves the device."""
+    steps, token_id = [], mx.array([[token]])
     for k in range(n):
-        emb = targets.embed_scaled(target, mx.array([[token]]))
+        emb = targets.embed_scaled(target, token_id)
         pos = position + k if positions == "optiq" else position
         s = drafter.step(emb, hidden, donors, pos, window, pick)
         steps.append(s)
-        token, hidden = s.token, s.next_hidden
+        token_id, hidden = s.token_id, s.next_hidden
     return steps
 
 
@@ -292,17 +297,24 @@ class AssistantSource:
         pass
 
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
-        return self.draft_sampled(feed, n, anchor_hidden, None)
+        return self.draft_device(feed, n, anchor_hidden).tolist()
+
+    def draft_device(self, feed: list[int], n: int, anchor_hidden) -> mx.array:
+        """The greedy drafts as a lazy [n] array: no host sync."""
+        steps = self._chain(feed, n, anchor_hidden, None)
+        return mx.concatenate([s.token_id.reshape(-1) for s in steps]) if steps else mx.array([], mx.int32)
 
     def draft_sampled(self, feed: list[int], n: int, anchor_hidden, pick) -> list[int]:
         """`draft` with each token chosen by `pick(logits)` (None: argmax); the chain feeds the
         picked token to the next step. q = what pick drew from (the loop records it)."""
+        return [s.token for s in self._chain(feed, n, anchor_hidden, pick)]
+
+    def _chain(self, feed: list[int], n: int, anchor_hidden, pick) -> list[Step]:
         # The pending token feed[-1] is not in the cache yet: it sits at position offset.
         position = self.view.caches[0].offset
         donors = targets.donor_view(self.view.target, self.view.caches)
-        steps = draft_chain(self.drafter, self.view.target, donors, feed[-1], anchor_hidden, position, n,
-                            self.positions, self.window, pick)
-        return [s.token for s in steps]
+        return draft_chain(self.drafter, self.view.target, donors, feed[-1], anchor_hidden, position, n,
+                           self.positions, self.window, pick)
 
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:
         pass

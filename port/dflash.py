@@ -246,9 +246,13 @@ class Block:
 
     hidden: mx.array   # [bs-1, H]
     logits: mx.array   # [bs-1, V] (extras: after the Markov head)
-    tokens: list[int]
+    token_ids: mx.array  # [bs-1], on the device
     base_logits: mx.array | None = None  # extras: the rows before the Markov head
     confidence: mx.array | None = None   # extras: [n] confidence logits (pre-sigmoid)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.token_ids.tolist()
 
 
 class Model(nn.Module):
@@ -328,25 +332,19 @@ class Model(nn.Module):
         """The extension on one block: hidden [n, H] (final-normed rows 1..n), base [n, V] (after
         the softcap). Markov bias added to row k after the softcap, chained on the greedy tokens;
         then the confidence logits of every row."""
+        from .dspark import markov_chain, previous_tokens
+
         a = self.args
-        tokens, rows, prev, state = [], [], anchor, None
-        for k in range(hidden.shape[0]):
-            if a.markov_rank > 0:
-                bias, state = self.markov_head.step(mx.array([prev]), hidden[k:k + 1], state)
-                row = (self._biased_before_softcap(target, hidden[k:k + 1], bias)[0]
-                       if "markov_before_softcap" in a.bugs else base[k] + bias[0])
-            else:
-                row = base[k]
-            rows.append(row)
-            prev = int(mx.argmax(row).item())
-            tokens.append(prev)
+        rows, tokens = markov_chain(self.markov_head if a.markov_rank > 0 else None, hidden, base, anchor, None,
+                                    (lambda h, bias: self._biased_before_softcap(target, h, bias))
+                                    if "markov_before_softcap" in a.bugs else None)
         conf = None
         if a.enable_confidence_head:
             feats = hidden
             if a.confidence_head_with_markov:
-                feats = mx.concatenate([hidden, self.markov_head.markov_w1(mx.array([anchor] + tokens[:-1]))], axis=-1)
+                feats = mx.concatenate([hidden, self.markov_head.markov_w1(previous_tokens(anchor, tokens))], axis=-1)
             conf = self.confidence_head.proj(feats)[:, 0]
-        return Block(hidden, mx.stack(rows), tokens, base_logits=base, confidence=conf)
+        return Block(hidden, rows, tokens, base_logits=base, confidence=conf)
 
     def own_head(self) -> nn.Linear:
         """Control only: a random head of the drafter's own (what a port that forgot to borrow the
@@ -374,8 +372,7 @@ class Model(nn.Module):
         logits = self.logits(target, hidden)
         if self.extras:
             return self.extend(target, anchor, hidden[0], logits[0])
-        tokens = mx.argmax(logits, axis=-1)
-        return Block(hidden[0], logits[0], tokens[0].tolist())
+        return Block(hidden[0], logits[0], mx.argmax(logits[0], axis=-1))
 
 
 def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "scaled", extras: bool = False) -> Model:
@@ -453,18 +450,22 @@ class DflashSource:
         self.emitted = 1
 
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
+        return self.draft_device(feed, n, anchor_hidden).tolist()
+
+    def draft_device(self, feed: list[int], n: int, anchor_hidden) -> mx.array:
+        """The drafts as a lazy array: no host sync (extras with thresholds: one, for the length)."""
         n = min(n, self.m.args.block_size - 1)
         if self.max_tokens is not None:
             n = min(n, self.max_tokens - self.emitted)
         if n <= 0:
             self.last_block = None
-            return []
+            return mx.array([], mx.uint32)
         block = self.m.block(self.target, feed[-1], n, self.pending, self.caches)
         self.pending = None
         self.last_block = block
         if block.confidence is not None and self.thresholds and "thresholds_ignored" not in self.m.args.bugs:
-            return block.tokens[: prune_length(block.confidence, self.thresholds)]
-        return block.tokens
+            return block.token_ids[: prune_length(block.confidence, self.thresholds)]
+        return block.token_ids
 
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:
         x = mx.concatenate(tapped, axis=-1)

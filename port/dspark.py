@@ -216,6 +216,32 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(dims, 1)
 
 
+def markov_chain(head: MarkovHead | None, hidden, base, anchor: int, pick=None, before_softcap=None):
+    """Rows and tokens of a block through a Markov head: row_k = base_k + bias(prev_k, h_k) (after
+    the softcap), prev_0 = the anchor, prev_k = token k-1. Greedy (pick None) the tokens stay on
+    the device, chained into the next slot's bias; `pick(row)` chooses each on the host instead.
+    `before_softcap(h_k, bias)` (a planted bug) recomputes the row with the bias before the cap.
+    Returns (rows [n, V], tokens [n] as a device array)."""
+    if head is None and pick is None:
+        return base, mx.argmax(base, axis=-1)
+    rows, tokens, prev, state = [], [], mx.array([anchor]), None
+    for k in range(hidden.shape[0]):
+        if head is not None:
+            bias, state = head.step(prev, hidden[k:k + 1], state)
+            row = before_softcap(hidden[k:k + 1], bias)[0] if before_softcap else base[k] + bias[0]
+        else:
+            row = base[k]
+        rows.append(row)
+        prev = mx.argmax(row, keepdims=True) if pick is None else mx.array([int(pick(row))])
+        tokens.append(prev.astype(mx.uint32))
+    return mx.stack(rows), mx.concatenate(tokens)
+
+
+def previous_tokens(anchor: int, tokens: mx.array) -> mx.array:
+    """prev_k of each slot: [anchor, token_0 .. token_{n-2}] (the Markov head's inputs)."""
+    return mx.concatenate([mx.array([anchor], tokens.dtype), tokens[:-1]])
+
+
 @dataclass
 class Block:
     """One draft block: per-slot hidden, base and Markov-corrected logits, tokens, confidence."""
@@ -223,8 +249,12 @@ class Block:
     hidden: mx.array          # [bs, H]
     base_logits: mx.array     # [bs, V]
     logits: mx.array          # [bs, V] after the Markov head
-    tokens: list[int]
+    token_ids: mx.array       # [bs], on the device
     confidence: mx.array | None  # [bs] logits (pre-sigmoid)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.token_ids.tolist()
 
 
 class Model(nn.Module):
@@ -292,23 +322,15 @@ class Model(nn.Module):
         if "anchor_not_predicting" in a.bugs:
             hidden = mx.concatenate([hidden, hidden[-1:]], axis=0)
         base = self.logits(hidden)
-        tokens, rows, prev, state = [], [], anchor, None
-        for k in range(a.block_size):
-            if a.markov_rank > 0:
-                bias, state = self.markov_head.step(mx.array([prev]), hidden[k:k + 1], state)
-                row = self.logits(hidden[k:k + 1], bias)[0] if "markov_before_softcap" in a.bugs else base[k] + bias[0]
-            else:
-                row = base[k]
-            rows.append(row)
-            prev = int(mx.argmax(row).item()) if pick is None else int(pick(row))
-            tokens.append(prev)
+        rows, tokens = markov_chain(self.markov_head if a.markov_rank > 0 else None, hidden, base, anchor, pick,
+                                    self.logits if "markov_before_softcap" in a.bugs else None)
         conf = None
         if a.enable_confidence_head:
             feats = hidden
             if a.confidence_head_with_markov:
-                feats = mx.concatenate([hidden, self.markov_head.markov_w1(mx.array([anchor] + tokens[:-1]))], axis=-1)
+                feats = mx.concatenate([hidden, self.markov_head.markov_w1(previous_tokens(anchor, tokens))], axis=-1)
             conf = self.confidence_head.proj(feats)[:, 0]
-        return Block(hidden, base, mx.stack(rows), tokens, conf)
+        return Block(hidden, base, rows, tokens, conf)
 
     def prefix_length(self, confidence, threshold: float) -> int:
         """Draft tokens kept: up to the first slot whose sigmoid(confidence) < threshold."""
@@ -377,21 +399,29 @@ class DeepspecSource:
         return kv + (self.pending.nbytes if self.pending is not None else 0)
 
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
-        return self.draft_sampled(feed, n, anchor_hidden, None)
+        return self.draft_device(feed, n, anchor_hidden).tolist()
+
+    def draft_device(self, feed: list[int], n: int, anchor_hidden) -> mx.array:
+        """The greedy proposal as a lazy array; it syncs only for a confidence threshold (the
+        proposal's length)."""
+        block = self._block(feed, None)
+        return block.token_ids[: min(self.m.prefix_length(block.confidence, self.threshold), n)]
 
     def draft_sampled(self, feed: list[int], n: int, anchor_hidden, pick) -> list[int]:
         """`draft` with each slot's token chosen by `pick(row)` (None: argmax), chained through
         the Markov head and the confidence head as DeepSpec's sampled proposal is."""
+        block = self._block(feed, pick)
+        return block.tokens[: min(self.m.prefix_length(block.confidence, self.threshold), n)]
+
+    def _block(self, feed: list[int], pick) -> Block:
         rows = self.pending
         kv = self.m.context_kv(self.m.project(rows), self.length)
         self.cache = kv if self.cache is None else [
             (mx.concatenate([k0, k], axis=2), mx.concatenate([v0, v], axis=2)) for (k0, v0), (k, v) in zip(self.cache, kv)]
         self.length += rows.shape[1]
         self.pending = None
-        block = self.m.draft_block(feed[-1], self.cache, self.length, pick)
-        self.last_block = block
-        keep = self.m.prefix_length(block.confidence, self.threshold)
-        return block.tokens[: min(keep, n)]
+        self.last_block = self.m.draft_block(feed[-1], self.cache, self.length, pick)
+        return self.last_block
 
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:
         x = mx.concatenate(tapped, axis=-1)
