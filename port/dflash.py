@@ -204,11 +204,17 @@ class Attention(nn.Module):
         ck = rope(ck, offset=start)
         bk = rope(bk, offset=block_at)
         keys, values = cache.update_and_fetch(ck, cv)
-        if self.sliding and self.window == "positional" and isinstance(cache, RotatingKVCache):
-            keys, values = cache._temporal_order(keys), cache._temporal_order(values)
         n_ctx = keys.shape[2]
-        keys = mx.concatenate([keys, bk], axis=2)
-        values = mx.concatenate([values, bv], axis=2)
+        if isinstance(cache, RotatingKVCache):
+            if self.sliding and self.window == "positional":
+                keys, values = cache._temporal_order(keys), cache._temporal_order(values)
+            keys = mx.concatenate([keys, bk], axis=2)
+            values = mx.concatenate([values, bv], axis=2)
+        else:
+            # The block's rows go after the context in the preallocated buffer and are trimmed off
+            # again: the same keys as the concatenation, without copying the context.
+            keys, values = cache.update_and_fetch(bk, bv)
+            cache.trim(L)
         mask = None
         if self.sliding:
             qpos = n_ctx + mx.arange(L)[:, None]

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from . import checkpoint, targets
@@ -134,12 +135,19 @@ class Attention(nn.Module):
             v = self.rope(v, offset=offset)
         return k, v
 
-    def __call__(self, x, ctx_k, ctx_v, offset: int):
+    def __call__(self, x, ctx, offset: int):
+        """ctx: the context K/V as a (k, v) pair (the block's rows are concatenated to it) or as a
+        cache that holds it (mlx-lm's KVCache: the block's rows are written after the context and
+        trimmed off again, so the context is never copied). Both give the same keys."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=offset)
         k, v = self.kv(x, offset)
-        k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
+        if isinstance(ctx, tuple):
+            k, v = mx.concatenate([ctx[0], k], axis=2), mx.concatenate([ctx[1], v], axis=2)
+        else:
+            k, v = ctx.update_and_fetch(k, v)
+            ctx.trim(T)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
@@ -171,8 +179,8 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = nn.RMSNorm(H, eps=eps)
             self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, x, ctx_k, ctx_v, offset: int):
-        attn = self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, offset)
+    def __call__(self, x, ctx, offset: int):
+        attn = self.self_attn(self.input_layernorm(x), ctx, offset)
         if not self.gemma:
             h = x + attn
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -294,12 +302,13 @@ class Model(nn.Module):
             e = e * mx.array(math.sqrt(self.args.hidden_size), dtype=e.dtype)
         return e
 
-    def block_hidden(self, anchor: int, ctx: list[tuple[mx.array, mx.array]], start: int) -> mx.array:
+    def block_hidden(self, anchor: int, ctx: list, start: int) -> mx.array:
+        """Final-normed block rows; ctx per layer: a (k, v) pair or a cache of it (Attention)."""
         a = self.args
         ids = mx.array([[anchor] + [a.mask_token_id] * (a.block_size - 1)])
         h = self.embed(ids)
-        for layer, (k, v) in zip(self.layers, ctx):
-            h = layer(h, k, v, start)
+        for layer, c in zip(self.layers, ctx):
+            h = layer(h, c, start)
         return self.norm(h)[0]
 
     def logits(self, h, bias=None):
@@ -384,7 +393,7 @@ class DeepspecSource:
         check_pairing(drafter, view.target)
         self.m, self.threshold = drafter, threshold
         self.tap_layers = drafter.tap_layers()
-        self.cache: list[tuple[mx.array, mx.array]] | None = None
+        self.cache: list[KVCache] | None = None  # per draft layer, preallocated (grows in steps)
         self.length = 0
         self.pending = None
         self.last_block: Block | None = None
@@ -395,7 +404,7 @@ class DeepspecSource:
     @property
     def nbytes(self) -> int:
         """Bytes of this request's context K/V (all draft layers) and queued tap rows."""
-        kv = sum(k.nbytes + v.nbytes for k, v in self.cache) if self.cache is not None else 0
+        kv = sum(c.nbytes for c in self.cache) if self.cache is not None else 0
         return kv + (self.pending.nbytes if self.pending is not None else 0)
 
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
@@ -416,8 +425,10 @@ class DeepspecSource:
     def _block(self, feed: list[int], pick) -> Block:
         rows = self.pending
         kv = self.m.context_kv(self.m.project(rows), self.length)
-        self.cache = kv if self.cache is None else [
-            (mx.concatenate([k0, k], axis=2), mx.concatenate([v0, v], axis=2)) for (k0, v0), (k, v) in zip(self.cache, kv)]
+        if self.cache is None:
+            self.cache = [KVCache() for _ in kv]
+        for c, (k, v) in zip(self.cache, kv):
+            c.update_and_fetch(k, v)
         self.length += rows.shape[1]
         self.pending = None
         self.last_block = self.m.draft_block(feed[-1], self.cache, self.length, pick)

@@ -11,7 +11,7 @@ import contextlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from port import assistant, dflash, dspark, serve, targets
 from spec_parity import checkpoints
@@ -173,3 +173,84 @@ def test_device_drafts_equal_host_chained_drafts(name):
     if not (name == "dflash"):   # plain DFlash has no chain to feed
         wrong_tokens, wrong_logits = run(lambda row: (_host_argmax(row) + 1) % row.shape[-1])
         assert wrong_tokens != tokens or not _bits_equal(wrong_logits, logits)
+
+
+class _RecordRounds:
+    """Provider wrapper: per round, the source's inputs (anchor, new context rows, their offset)
+    and its block. Observes only."""
+
+    def __init__(self, inner):
+        self.inner, self.rounds = inner, []
+        self.id, self.weights_bytes, self.trained_gamma = inner.id, inner.weights_bytes, inner.trained_gamma
+
+    def open(self, view):
+        src = self.inner.open(view)
+        device = src.draft_device
+
+        def recorded(feed, n, anchor_hidden):
+            rows, start = src.pending, src.length
+            tokens = device(feed, n, anchor_hidden)
+            self.rounds.append((feed[-1], rows, start, src.last_block))
+            return tokens
+
+        src.draft_device = recorded
+        return src
+
+    def dispose(self):
+        self.inner.dispose()
+
+
+def _dspark_rounds(max_tokens: int):
+    target = targets.load(checkpoints.build("gemma4-target-agreeing", 0, {}))
+    rec = _RecordRounds(dspark.DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
+        "target_kind": "gemma4-target-agreeing", "agree_frac": 0.8})))
+    serve.generate(target, PROMPT, max_tokens, rec, gamma=7, eos=set())
+    return rec.inner.drafter, rec.rounds
+
+
+def _replay_matches(m, rounds) -> list[bool]:
+    """Each round's block against the block drafted from the context K/V concatenated afresh."""
+    ctx, same = None, []
+    for anchor, rows, start, block in rounds:
+        kv = m.context_kv(m.project(rows), start)
+        ctx = kv if ctx is None else [(mx.concatenate([k0, k], axis=2), mx.concatenate([v0, v], axis=2))
+                                      for (k0, v0), (k, v) in zip(ctx, kv)]
+        ref = m.draft_block(anchor, [tuple(c) for c in ctx], start + rows.shape[1])
+        same.append(all(_bits_equal(a, b) for a, b in ((block.hidden, ref.hidden), (block.logits, ref.logits),
+                                                       (block.token_ids, ref.token_ids))))
+    return same
+
+
+def test_dspark_preallocated_context_equals_concatenation(monkeypatch):
+    """DeepspecSource keeps the context K/V in preallocated buffers (mlx-lm KVCache, grown in
+    steps of 256 rows; the block's rows written after the context and trimmed off). Every round's
+    block equals, bit for bit, the block drafted from the context concatenated afresh, past two
+    buffer growths; with the block rows left in the buffer (the control) it does not."""
+    m, rounds = _dspark_rounds(560)
+    assert rounds[-1][2] > 2 * KVCache.step and len(rounds) > 60
+    assert all(_replay_matches(m, rounds))
+
+    class NoTrim(KVCache):
+        def trim(self, n):
+            return 0
+
+    monkeypatch.setattr(dspark, "KVCache", NoTrim)
+    m, rounds = _dspark_rounds(40)
+    same = _replay_matches(m, rounds)
+    assert same[0] and not all(same[1:])
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("name", ["mod-qwen3", "mod-gemma4"])
+def test_dflash_buffer_growth_bit_exact_vs_zlab_mlx(name, live_oracle):
+    """DFlash's full layers write the block's K/V into the preallocated context buffer instead of
+    concatenating (z-lab MLX concatenates): still L1 with z-lab MLX when the context crosses the
+    buffer's 256-row steps (a 300-token prompt, eight forced rounds)."""
+    from dataclasses import replace
+
+    from spec_parity import harness
+    from spec_parity.pairs import dflash as pair
+
+    live_oracle("dflash", pair.ORACLE)
+    case = next(c for c in pair.cases() if c.name == name)
+    harness.check(case, harness.evaluate(replace(case, params={**case.params, "prompt_len": 300}), "live"))
