@@ -104,14 +104,12 @@ class Attention(nn.Module):
         self.rope = initialize_rope(self.head_dim, traditional=False, base=rope.get("rope_theta", 10000.0),
                                     scaling_config=rope if rope.get("rope_type") != "default" else None)
 
-    def __call__(self, x, keys, values, position: int, mask=None):
+    def __call__(self, x, keys, values, position: int):
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
         q = self.rope(q, offset=position)
-        rep = self.n_heads // keys.shape[1]
-        if rep > 1:
-            keys, values = mx.repeat(keys, rep, axis=1), mx.repeat(values, rep, axis=1)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        # GQA: the attention kernel maps query heads onto the shared K/V heads itself (no repeat).
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -139,8 +137,8 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps)
         self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, x, keys, values, position: int, mask=None):
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), keys, values, position, mask))
+    def __call__(self, x, keys, values, position: int):
+        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), keys, values, position))
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         return h * self.layer_scalar
 
@@ -191,12 +189,10 @@ class Model(nn.Module):
     def hidden(self, emb, hidden_in, donors, position: int, window: str = "optiq"):
         """The final-normed drafter hidden [1, 1, D] of one draft step."""
         h = self.pre_projection(mx.concatenate([emb, hidden_in], axis=-1))
+        views = dict(donors)
+        views["sliding_attention"] = sliding_view(*donors["sliding_attention"], self.args.sliding_window, window)
         for layer in self.model.layers:
-            k, v = donors[layer.layer_type]
-            mask = None
-            if layer.layer_type == "sliding_attention":
-                k, v = sliding_view(k, v, self.args.sliding_window, window)
-            h = layer(h, k, v, position, mask)
+            h = layer(h, *views[layer.layer_type], position)
         return self.model.norm(h)
 
     def logits(self, h) -> tuple[mx.array, mx.array | None]:
