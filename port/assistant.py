@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -104,13 +105,19 @@ class Attention(nn.Module):
         self.rope = initialize_rope(self.head_dim, traditional=False, base=rope.get("rope_theta", 10000.0),
                                     scaling_config=rope if rope.get("rope_type") != "default" else None)
 
-    def __call__(self, x, keys, values, position: int):
+    def query(self, x, position):
+        """Q of the (input-normed) rows x [1, L, D] at `position` (an int or a scalar array)."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=position)
+        return self.rope(q, offset=position)
+
+    def attend(self, q, keys, values):
         # GQA: the attention kernel maps query heads onto the shared K/V heads itself (no repeat).
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+
+    def output(self, o):
+        B, _, L, _ = o.shape
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class MLP(nn.Module):
@@ -137,8 +144,12 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps)
         self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, x, keys, values, position: int):
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), keys, values, position))
+    def query(self, x, position):
+        return self.self_attn.query(self.input_layernorm(x), position)
+
+    def finish(self, x, o):
+        """The layer's output from its input x and the attention heads o: x + attention, then the MLP."""
+        h = x + self.post_attention_layernorm(self.self_attn.output(o))
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         return h * self.layer_scalar
 
@@ -172,8 +183,18 @@ class Step:
         return int(self.token_id.item())
 
 
+class _Compiled:
+    """Holds a model's compiled step pieces (a plain object, so not part of the module's state)."""
+
+    pieces = None
+
+
 class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """`compiled` (default on): the step's shape-stable pieces run through mx.compile, the
+    attention over the donor K/V (whose length changes every round) outside it; bit-identical to
+    the plain path (tests/test_speed.py), which `compiled=False` selects."""
+
+    def __init__(self, args: ModelArgs, compiled: bool = True):
         super().__init__()
         self.args = args
         self.model = Inner(args)
@@ -181,19 +202,12 @@ class Model(nn.Module):
         self.post_projection = nn.Linear(args.hidden_size, args.backbone_hidden_size, bias=False)
         if args.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedding(args)
+        self.compiled = compiled
+        self._compiled = _Compiled()
 
     @property
     def head(self) -> str:
         return "centroid" if self.args.use_ordered_embeddings else "tied"
-
-    def hidden(self, emb, hidden_in, donors, position: int, window: str = "optiq"):
-        """The final-normed drafter hidden [1, 1, D] of one draft step."""
-        h = self.pre_projection(mx.concatenate([emb, hidden_in], axis=-1))
-        views = dict(donors)
-        views["sliding_attention"] = sliding_view(*donors["sliding_attention"], self.args.sliding_window, window)
-        for layer in self.model.layers:
-            h = layer(h, *views[layer.layer_type], position)
-        return self.model.norm(h)
 
     def logits(self, h) -> tuple[mx.array, mx.array | None]:
         a = self.args
@@ -208,13 +222,51 @@ class Model(nn.Module):
         full = mx.full((a.vocab_size,), -1e30, dtype=h.dtype)
         return mx.put_along_axis(full, cand.astype(mx.int32), cand_logits.astype(full.dtype), axis=-1), cand
 
+    def _enter(self, emb, hidden_in, position):
+        """pre_projection and layer 0's Q."""
+        h = self.pre_projection(mx.concatenate([emb, hidden_in], axis=-1))
+        return h, self.model.layers[0].query(h, position)
+
+    def _between(self, i: int, h, o, position):
+        """Layer i's output and layer i+1's Q."""
+        h = self.model.layers[i].finish(h, o)
+        return h, self.model.layers[i + 1].query(h, position)
+
+    def _exit(self, h, o):
+        """The last layer's output -> final norm -> logits, next hidden, argmax (+ candidates)."""
+        h = self.model.norm(self.model.layers[-1].finish(h, o))
+        logits, cand = self.logits(h)
+        out = (logits, self.post_projection(h), mx.argmax(logits).reshape(1, 1))
+        return out if cand is None else out + (cand,)
+
+    def pieces(self) -> tuple:
+        """(enter, [between_i], exit): the methods, or their compiled forms (built once; the
+        parameters are inputs, so a replaced weight is seen)."""
+        n = len(self.model.layers)
+        plain = (self._enter, [partial(self._between, i) for i in range(n - 1)], self._exit)
+        if not self.compiled:
+            return plain
+        if self._compiled.pieces is None:
+            c = partial(mx.compile, inputs=[self.state])
+            self._compiled.pieces = (c(plain[0]), [c(f) for f in plain[1]], c(plain[2]))
+        return self._compiled.pieces
+
     def step(self, emb, hidden_in, donors, position: int, window: str = "optiq", pick=None) -> Step:
         """One draft step; the token is the argmax (left on the device), or `pick(logits)` (the
         serve loop's sampler, a host int)."""
-        h = self.hidden(emb, hidden_in, donors, position, window)
-        logits, cand = self.logits(h)
-        token = mx.argmax(logits).reshape(1, 1) if pick is None else mx.array([[int(pick(logits))]])
-        return Step(token, logits, self.post_projection(h), cand)
+        views = dict(donors)
+        views["sliding_attention"] = sliding_view(*donors["sliding_attention"], self.args.sliding_window, window)
+        enter, between, leave = self.pieces()
+        pos = mx.array(position, mx.int32) if self.compiled else position
+        h, q = enter(emb, hidden_in, pos)
+        for i, layer in enumerate(self.model.layers):
+            o = layer.self_attn.attend(q, *views[layer.layer_type])
+            if i < len(between):
+                h, q = between[i](h, o, pos)
+        logits, next_hidden, token, *cand = leave(h, o)
+        if pick is not None:
+            token = mx.array([[int(pick(logits))]])
+        return Step(token, logits, next_hidden, cand[0] if cand else None)
 
 
 def sliding_view(k, v, window: int, convention: str | int = "optiq"):
@@ -226,11 +278,11 @@ def sliding_view(k, v, window: int, convention: str | int = "optiq"):
     return k[..., -keep:, :], v[..., -keep:, :]
 
 
-def load(path: str | Path, dtype: mx.Dtype | None = None) -> Model:
+def load(path: str | Path, dtype: mx.Dtype | None = None, compiled: bool = True) -> Model:
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_config(cfg, path)
-    model = Model(args)
+    model = Model(args, compiled)
     weights = checkpoint.read_tensors(path)
     if not args.tie_word_embeddings and "lm_head.weight" not in weights:
         raise DrafterError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight; "

@@ -130,9 +130,17 @@ def test_planted_extra_sync_is_counted(name, how, monkeypatch):
     assert planted == [n + 1 for n in clean] and max(planted) > bound
 
 
-def _bits_equal(a, b) -> bool:
-    a, b = np.array(a), np.array(b)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+BITS = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
+
+
+def _bits_equal(a: mx.array, b: mx.array) -> bool:
+    """Same dtype, shape and bytes (floats compared as their bit patterns: NaN == NaN only if
+    identical, -0.0 != 0.0)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if mx.issubdtype(a.dtype, mx.floating):
+        a, b = a.view(BITS[a.dtype.size]), b.view(BITS[b.dtype.size])
+    return np.array(a).tobytes() == np.array(b).tobytes()
 
 
 def _host_argmax(row) -> int:
@@ -254,3 +262,60 @@ def test_dflash_buffer_growth_bit_exact_vs_zlab_mlx(name, live_oracle):
     live_oracle("dflash", pair.ORACLE)
     case = next(c for c in pair.cases() if c.name == name)
     harness.check(case, harness.evaluate(replace(case, params={**case.params, "prompt_len": 300}), "live"))
+
+
+def _assistant_chain(drafter, target, donors, hidden, n=4):
+    steps = assistant.draft_chain(drafter, target, donors, 5, hidden, len(LONG_PROMPT), n)
+    return [x for s in steps for x in (s.token_id, s.logits, s.next_hidden) + ((s.candidates,) if
+                                                                               s.candidates is not None else ())]
+
+
+LONG_PROMPT = list(range(3, 25))   # past the tiny target's sliding window (8)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head", ["centroid", "tied"])
+def test_assistant_compiled_step_equals_plain(head, dtype):
+    """The compiled step pieces give the plain step's tokens, logits, next hidden and candidates
+    bit for bit (a 4-step chain, donors past the sliding window). A weight replaced after the
+    pieces were compiled is seen (the parameters are compile inputs); pieces compiled with the
+    weights captured as constants (the control) are caught by the same comparison."""
+    dt = getattr(mx, dtype)
+    target = targets.load(checkpoints.build("gemma4-target", 0, {}), dt)
+    drafter = assistant.load(checkpoints.build("gemma4-assistant", 0, {"use_ordered_embeddings": head == "centroid"}),
+                             dt)
+    caches = make_prompt_cache(target.model)
+    trace = targets.forward(target, mx.array([LONG_PROMPT]), caches=caches)
+    donors, hidden = targets.donor_view(target, caches), trace.final[:, -1:, :]
+
+    def both():
+        drafter.compiled = True
+        fast = _assistant_chain(drafter, target, donors, hidden)
+        drafter.compiled = False
+        return fast, _assistant_chain(drafter, target, donors, hidden)
+
+    fast, plain = both()
+    assert len(fast) == len(plain) and all(_bits_equal(a, b) for a, b in zip(fast, plain))
+    stale = (mx.compile(drafter._enter), [mx.compile(f) for f in drafter.pieces()[1]], mx.compile(drafter._exit))
+    drafter.compiled = True
+    _assistant_chain(drafter, target, donors, hidden)
+    drafter.pieces = lambda: stale
+    _assistant_chain(drafter, target, donors, hidden)   # traced with the old weights
+    del drafter.pieces
+    layer = drafter.model.layers[1]
+    layer.pre_feedforward_layernorm.weight = layer.pre_feedforward_layernorm.weight * 1.5
+    fast, plain = both()
+    assert all(_bits_equal(a, b) for a, b in zip(fast, plain))
+    drafter.compiled, drafter.pieces = True, lambda: stale
+    stale_out = _assistant_chain(drafter, target, donors, hidden)
+    assert not all(_bits_equal(a, b) for a, b in zip(stale_out, plain))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_bit_comparison_catches_one_ulp(dtype):
+    """The comparison behind every bit-for-bit test: equal to itself, not after one ULP."""
+    a = mx.random.normal((64,), key=mx.random.key(0)).astype(getattr(mx, dtype))
+    bits = a.view(BITS[a.dtype.size])
+    nudged = mx.where(mx.arange(64) == 17, bits + 1, bits).view(a.dtype)
+    assert _bits_equal(a, mx.array(a)) and not _bits_equal(a, nudged)
+    assert not _bits_equal(a, a.astype(mx.float16)) and not _bits_equal(a[:63], a[1:])
