@@ -27,6 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from . import checkpoint, targets
+from . import compiled as compiled_pieces
 
 MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 HEADS = ("centroid", "tied")
@@ -183,12 +184,6 @@ class Step:
         return int(self.token_id.item())
 
 
-class _Compiled:
-    """Holds a model's compiled step pieces (a plain object, so not part of the module's state)."""
-
-    pieces = None
-
-
 class Model(nn.Module):
     """`compiled` (default on): the step's shape-stable pieces run through mx.compile, the
     attention over the donor K/V (whose length changes every round) outside it; bit-identical to
@@ -203,7 +198,7 @@ class Model(nn.Module):
         if args.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedding(args)
         self.compiled = compiled
-        self._compiled = _Compiled()
+        self._pieces = compiled_pieces.Pieces()
 
     @property
     def head(self) -> str:
@@ -240,16 +235,9 @@ class Model(nn.Module):
         return out if cand is None else out + (cand,)
 
     def pieces(self) -> tuple:
-        """(enter, [between_i], exit): the methods, or their compiled forms (built once; the
-        parameters are inputs, so a replaced weight is seen)."""
+        """(enter, [between_i], exit), plain or compiled (port/compiled.py)."""
         n = len(self.model.layers)
-        plain = (self._enter, [partial(self._between, i) for i in range(n - 1)], self._exit)
-        if not self.compiled:
-            return plain
-        if self._compiled.pieces is None:
-            c = partial(mx.compile, inputs=[self.state])
-            self._compiled.pieces = (c(plain[0]), [c(f) for f in plain[1]], c(plain[2]))
-        return self._compiled.pieces
+        return self._pieces.get(self, (self._enter, [partial(self._between, i) for i in range(n - 1)], self._exit))
 
     def step(self, emb, hidden_in, donors, position: int, window: str = "optiq", pick=None) -> Step:
         """One draft step; the token is the argmax (left on the device), or `pick(logits)` (the
@@ -257,7 +245,7 @@ class Model(nn.Module):
         views = dict(donors)
         views["sliding_attention"] = sliding_view(*donors["sliding_attention"], self.args.sliding_window, window)
         enter, between, leave = self.pieces()
-        pos = mx.array(position, mx.int32) if self.compiled else position
+        pos = compiled_pieces.position(self, position)
         h, q = enter(emb, hidden_in, pos)
         for i, layer in enumerate(self.model.layers):
             o = layer.self_attn.attend(q, *views[layer.layer_type])

@@ -11,6 +11,7 @@ import contextlib
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from port import assistant, dflash, dspark, serve, targets
@@ -172,7 +173,8 @@ def test_device_drafts_equal_host_chained_drafts(name):
         block = src.m.block(target, anchor, gamma, src.pending, src.caches)
         if pick is None or block.base_logits is None:
             return block.tokens, block.logits
-        rows, tokens = dspark.markov_chain(src.m.markov_head, block.hidden, block.base_logits, anchor, pick)
+        rows, tokens = dspark.markov_chain(src.m.markov_head, block.hidden, block.base_logits,
+                                           mx.array([anchor], mx.uint32), pick)
         return tokens.tolist(), rows
 
     tokens, logits = run(None)
@@ -264,22 +266,46 @@ def test_dflash_buffer_growth_bit_exact_vs_zlab_mlx(name, live_oracle):
     harness.check(case, harness.evaluate(replace(case, params={**case.params, "prompt_len": 300}), "live"))
 
 
-def _assistant_chain(drafter, target, donors, hidden, n=4):
-    steps = assistant.draft_chain(drafter, target, donors, 5, hidden, len(LONG_PROMPT), n)
-    return [x for s in steps for x in (s.token_id, s.logits, s.next_hidden) + ((s.candidates,) if
-                                                                               s.candidates is not None else ())]
+def _compiled_matches_plain(model, run, mutate) -> None:
+    """`run()` (a list of arrays) with the model's compiled pieces equals it with the plain ones,
+    bit for bit; after `mutate()` replaces a weight, still (the parameters are compile inputs),
+    while pieces compiled with the weights captured as constants (the control) are caught."""
+    def both():
+        model.compiled = True
+        fast = run()
+        model.compiled = False
+        plain = run()
+        model.compiled = True
+        assert len(fast) == len(plain) > 0
+        return fast, plain
+
+    fast, plain = both()
+    assert all(_bits_equal(a, b) for a, b in zip(fast, plain))
+    model.compiled = False
+    stale = tree_map(mx.compile, model.pieces())
+    model.compiled, model.pieces = True, lambda: stale
+    run()                      # traced with the weights as they are now
+    del model.pieces
+    mutate()
+    fast, plain = both()
+    assert all(_bits_equal(a, b) for a, b in zip(fast, plain))
+    model.pieces = lambda: stale
+    stale_out = run()
+    del model.pieces
+    assert not all(_bits_equal(a, b) for a, b in zip(stale_out, plain))
 
 
-LONG_PROMPT = list(range(3, 25))   # past the tiny target's sliding window (8)
+def _scale(module, name: str, factor: float = 1.5):
+    return lambda: setattr(module, name, getattr(module, name) * factor)
+
+
+LONG_PROMPT = list(range(3, 25))   # past the tiny targets' sliding window (8)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("head", ["centroid", "tied"])
 def test_assistant_compiled_step_equals_plain(head, dtype):
-    """The compiled step pieces give the plain step's tokens, logits, next hidden and candidates
-    bit for bit (a 4-step chain, donors past the sliding window). A weight replaced after the
-    pieces were compiled is seen (the parameters are compile inputs); pieces compiled with the
-    weights captured as constants (the control) are caught by the same comparison."""
+    """A 4-step chain (donors past the sliding window): tokens, logits, next hidden, candidates."""
     dt = getattr(mx, dtype)
     target = targets.load(checkpoints.build("gemma4-target", 0, {}), dt)
     drafter = assistant.load(checkpoints.build("gemma4-assistant", 0, {"use_ordered_embeddings": head == "centroid"}),
@@ -288,27 +314,70 @@ def test_assistant_compiled_step_equals_plain(head, dtype):
     trace = targets.forward(target, mx.array([LONG_PROMPT]), caches=caches)
     donors, hidden = targets.donor_view(target, caches), trace.final[:, -1:, :]
 
-    def both():
-        drafter.compiled = True
-        fast = _assistant_chain(drafter, target, donors, hidden)
-        drafter.compiled = False
-        return fast, _assistant_chain(drafter, target, donors, hidden)
+    def run():
+        steps = assistant.draft_chain(drafter, target, donors, 5, hidden, len(LONG_PROMPT), 4)
+        return [x for s in steps for x in (s.token_id, s.logits, s.next_hidden) + (
+            (s.candidates,) if s.candidates is not None else ())]
 
-    fast, plain = both()
-    assert len(fast) == len(plain) and all(_bits_equal(a, b) for a, b in zip(fast, plain))
-    stale = (mx.compile(drafter._enter), [mx.compile(f) for f in drafter.pieces()[1]], mx.compile(drafter._exit))
-    drafter.compiled = True
-    _assistant_chain(drafter, target, donors, hidden)
-    drafter.pieces = lambda: stale
-    _assistant_chain(drafter, target, donors, hidden)   # traced with the old weights
-    del drafter.pieces
-    layer = drafter.model.layers[1]
-    layer.pre_feedforward_layernorm.weight = layer.pre_feedforward_layernorm.weight * 1.5
-    fast, plain = both()
-    assert all(_bits_equal(a, b) for a, b in zip(fast, plain))
-    drafter.compiled, drafter.pieces = True, lambda: stale
-    stale_out = _assistant_chain(drafter, target, donors, hidden)
-    assert not all(_bits_equal(a, b) for a, b in zip(stale_out, plain))
+    _compiled_matches_plain(drafter, run, _scale(drafter.model.layers[1].pre_feedforward_layernorm, "weight"))
+
+
+DSPARK_VARIANTS = {
+    "gemma4": {}, "gemma4-keqv": {"target_overrides": {"attention_k_eq_v": True, "num_global_key_value_heads": 1}},
+    "qwen3": {"target_kind": "qwen3-target"}, "gemma4-gated": {"markov_head_type": "gated"},
+    "gemma4-rnn": {"markov_head_type": "rnn"}, "qwen3-dflash": {"target_kind": "qwen3-target", "markov_rank": 0,
+                                                                 "confidence_head_alpha": 0.0},
+}
+
+
+@pytest.mark.parametrize("variant", list(DSPARK_VARIANTS))
+def test_dspark_compiled_block_equals_plain(variant):
+    """Three source rounds (context past the window of the target, growing per round): block
+    hidden, base and Markov rows, tokens, confidence; the compiled greedy tail included."""
+    ov = DSPARK_VARIANTS[variant]
+    target = targets.load(checkpoints.build(ov.get("target_kind", "gemma4-target"), 0, ov.get("target_overrides", {})))
+    m = dspark.load(checkpoints.build("dspark-drafter", 0, ov))
+    trace = targets.forward(target, mx.array([LONG_PROMPT]))
+    rows = m.taps(trace.hidden)
+
+    def run():
+        src = dspark.DeepspecSource(m, serve.TargetView(target, make_prompt_cache(target.model)))
+        out = []
+        for r in range(3):
+            src.pending = rows[:, : len(LONG_PROMPT) - 4] if r == 0 else rows[:, -2:]
+            b = src._block([7 + r], None)
+            out += [b.hidden, b.base_logits, b.logits, b.token_ids] + ([b.confidence] if b.confidence is not None else [])
+        return out
+
+    _compiled_matches_plain(m, run, _scale(m.layers[0].mlp.up_proj, "weight"))
+
+
+DFLASH_VARIANTS = {
+    "qwen3": {}, "qwen3-causal": {"is_causal": True},
+    "qwen3-swa": {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 10},
+    "gemma4": {"target_kind": "gemma4-target", "target_layer_ids": [1, 2, 4]},
+    "qwen3-extras": EXTRAS,
+}
+
+
+@pytest.mark.parametrize("variant", list(DFLASH_VARIANTS))
+def test_dflash_compiled_block_equals_plain(variant):
+    """Three source rounds past the sliding window: block hidden, logits (extras: base rows and
+    confidence too), tokens."""
+    ov = DFLASH_VARIANTS[variant]
+    target = targets.load(checkpoints.build(ov.get("target_kind", "qwen3-target"), 0, {}))
+    m = dflash.load(checkpoints.build("dflash-drafter", 0, ov), extras="dspark_extras" in ov)
+    rows = m.taps(targets.forward(target, mx.array([LONG_PROMPT])).hidden)
+
+    def run():
+        caches, out = m.make_caches(), []
+        for r in range(3):
+            ctx = rows[:, : len(LONG_PROMPT) - 4] if r == 0 else rows[:, -2:]
+            b = m.block(target, 7 + r, m.args.block_size - 1, ctx, caches)
+            out += [b.hidden, b.logits, b.token_ids] + [x for x in (b.base_logits, b.confidence) if x is not None]
+        return out
+
+    _compiled_matches_plain(m, run, _scale(m.layers[-1].mlp.down_proj, "weight"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
