@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,6 +27,7 @@ import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
 from . import checkpoint, targets
+from . import compiled as compiled_pieces
 
 MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 HEADS = ("centroid", "tied")
@@ -104,15 +106,19 @@ class Attention(nn.Module):
         self.rope = initialize_rope(self.head_dim, traditional=False, base=rope.get("rope_theta", 10000.0),
                                     scaling_config=rope if rope.get("rope_type") != "default" else None)
 
-    def __call__(self, x, keys, values, position: int, mask=None):
+    def query(self, x, position):
+        """Q of the (input-normed) rows x [1, L, D] at `position` (an int or a scalar array)."""
         B, L, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=position)
-        rep = self.n_heads // keys.shape[1]
-        if rep > 1:
-            keys, values = mx.repeat(keys, rep, axis=1), mx.repeat(values, rep, axis=1)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.rope(q, offset=position)
+
+    def attend(self, q, keys, values):
+        # GQA: the attention kernel maps query heads onto the shared K/V heads itself (no repeat).
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+
+    def output(self, o):
+        B, _, L, _ = o.shape
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
 class MLP(nn.Module):
@@ -139,8 +145,12 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(args.hidden_size, eps)
         self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, x, keys, values, position: int, mask=None):
-        h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), keys, values, position, mask))
+    def query(self, x, position):
+        return self.self_attn.query(self.input_layernorm(x), position)
+
+    def finish(self, x, o):
+        """The layer's output from its input x and the attention heads o: x + attention, then the MLP."""
+        h = x + self.post_attention_layernorm(self.self_attn.output(o))
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         return h * self.layer_scalar
 
@@ -164,14 +174,22 @@ class MaskedEmbedding(nn.Module):
 
 @dataclass
 class Step:
-    token: int
+    token_id: mx.array      # [1, 1], on the device: the next step embeds it without a host trip
     logits: mx.array        # [V]; centroid head: -1e30 outside the selected candidates
     next_hidden: mx.array   # [1, 1, B]
     candidates: mx.array | None = None  # centroid head: the scored token ids
 
+    @property
+    def token(self) -> int:
+        return int(self.token_id.item())
+
 
 class Model(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """`compiled` (default on): the step's shape-stable pieces run through mx.compile, the
+    attention over the donor K/V (whose length changes every round) outside it; bit-identical to
+    the plain path (tests/test_speed.py), which `compiled=False` selects."""
+
+    def __init__(self, args: ModelArgs, compiled: bool = True):
         super().__init__()
         self.args = args
         self.model = Inner(args)
@@ -179,21 +197,12 @@ class Model(nn.Module):
         self.post_projection = nn.Linear(args.hidden_size, args.backbone_hidden_size, bias=False)
         if args.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedding(args)
+        self.compiled = compiled
+        self._pieces = compiled_pieces.Pieces()
 
     @property
     def head(self) -> str:
         return "centroid" if self.args.use_ordered_embeddings else "tied"
-
-    def hidden(self, emb, hidden_in, donors, position: int, window: str = "optiq"):
-        """The final-normed drafter hidden [1, 1, D] of one draft step."""
-        h = self.pre_projection(mx.concatenate([emb, hidden_in], axis=-1))
-        for layer in self.model.layers:
-            k, v = donors[layer.layer_type]
-            mask = None
-            if layer.layer_type == "sliding_attention":
-                k, v = sliding_view(k, v, self.args.sliding_window, window)
-            h = layer(h, k, v, position, mask)
-        return self.model.norm(h)
 
     def logits(self, h) -> tuple[mx.array, mx.array | None]:
         a = self.args
@@ -208,12 +217,44 @@ class Model(nn.Module):
         full = mx.full((a.vocab_size,), -1e30, dtype=h.dtype)
         return mx.put_along_axis(full, cand.astype(mx.int32), cand_logits.astype(full.dtype), axis=-1), cand
 
-    def step(self, emb, hidden_in, donors, position: int, window: str = "optiq", pick=None) -> Step:
-        """One draft step; the token is the argmax, or `pick(logits)` (the serve loop's sampler)."""
-        h = self.hidden(emb, hidden_in, donors, position, window)
+    def _enter(self, emb, hidden_in, position):
+        """pre_projection and layer 0's Q."""
+        h = self.pre_projection(mx.concatenate([emb, hidden_in], axis=-1))
+        return h, self.model.layers[0].query(h, position)
+
+    def _between(self, i: int, h, o, position):
+        """Layer i's output and layer i+1's Q."""
+        h = self.model.layers[i].finish(h, o)
+        return h, self.model.layers[i + 1].query(h, position)
+
+    def _exit(self, h, o):
+        """The last layer's output -> final norm -> logits, next hidden, argmax (+ candidates)."""
+        h = self.model.norm(self.model.layers[-1].finish(h, o))
         logits, cand = self.logits(h)
-        token = int(mx.argmax(logits).item()) if pick is None else int(pick(logits))
-        return Step(token, logits, self.post_projection(h), cand)
+        out = (logits, self.post_projection(h), mx.argmax(logits).reshape(1, 1))
+        return out if cand is None else out + (cand,)
+
+    def pieces(self) -> tuple:
+        """(enter, [between_i], exit), plain or compiled (port/compiled.py)."""
+        n = len(self.model.layers)
+        return self._pieces.get(self, (self._enter, [partial(self._between, i) for i in range(n - 1)], self._exit))
+
+    def step(self, emb, hidden_in, donors, position: int, window: str = "optiq", pick=None) -> Step:
+        """One draft step; the token is the argmax (left on the device), or `pick(logits)` (the
+        serve loop's sampler, a host int)."""
+        views = dict(donors)
+        views["sliding_attention"] = sliding_view(*donors["sliding_attention"], self.args.sliding_window, window)
+        enter, between, leave = self.pieces()
+        pos = compiled_pieces.position(self, position)
+        h, q = enter(emb, hidden_in, pos)
+        for i, layer in enumerate(self.model.layers):
+            o = layer.self_attn.attend(q, *views[layer.layer_type])
+            if i < len(between):
+                h, q = between[i](h, o, pos)
+        logits, next_hidden, token, *cand = leave(h, o)
+        if pick is not None:
+            token = mx.array([[int(pick(logits))]])
+        return Step(token, logits, next_hidden, cand[0] if cand else None)
 
 
 def sliding_view(k, v, window: int, convention: str | int = "optiq"):
@@ -225,11 +266,11 @@ def sliding_view(k, v, window: int, convention: str | int = "optiq"):
     return k[..., -keep:, :], v[..., -keep:, :]
 
 
-def load(path: str | Path, dtype: mx.Dtype | None = None) -> Model:
+def load(path: str | Path, dtype: mx.Dtype | None = None, compiled: bool = True) -> Model:
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_config(cfg, path)
-    model = Model(args)
+    model = Model(args, compiled)
     weights = checkpoint.read_tensors(path)
     if not args.tie_word_embeddings and "lm_head.weight" not in weights:
         raise DrafterError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight; "
@@ -265,14 +306,14 @@ def draft_chain(drafter: Model, target, donors: dict, token: int, hidden, positi
     """n draft steps against a frozen donor snapshot. Step 0 reads the last emitted token and the
     target hidden that predicted it; step k>0 chains the previous draft token and next_hidden.
     positions: "optiq" = position + k, "hf" = position for every step. `pick` (logits -> token)
-    replaces the argmax, e.g. to sample drafts from q."""
-    steps = []
+    replaces the argmax, e.g. to sample drafts from q. Greedy, the chain never leaves the device."""
+    steps, token_id = [], mx.array([[token]])
     for k in range(n):
-        emb = targets.embed_scaled(target, mx.array([[token]]))
+        emb = targets.embed_scaled(target, token_id)
         pos = position + k if positions == "optiq" else position
         s = drafter.step(emb, hidden, donors, pos, window, pick)
         steps.append(s)
-        token, hidden = s.token, s.next_hidden
+        token_id, hidden = s.token_id, s.next_hidden
     return steps
 
 
@@ -292,17 +333,24 @@ class AssistantSource:
         pass
 
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
-        return self.draft_sampled(feed, n, anchor_hidden, None)
+        return self.draft_device(feed, n, anchor_hidden).tolist()
+
+    def draft_device(self, feed: list[int], n: int, anchor_hidden) -> mx.array:
+        """The greedy drafts as a lazy [n] array: no host sync."""
+        steps = self._chain(feed, n, anchor_hidden, None)
+        return mx.concatenate([s.token_id.reshape(-1) for s in steps]) if steps else mx.array([], mx.int32)
 
     def draft_sampled(self, feed: list[int], n: int, anchor_hidden, pick) -> list[int]:
         """`draft` with each token chosen by `pick(logits)` (None: argmax); the chain feeds the
         picked token to the next step. q = what pick drew from (the loop records it)."""
+        return [s.token for s in self._chain(feed, n, anchor_hidden, pick)]
+
+    def _chain(self, feed: list[int], n: int, anchor_hidden, pick) -> list[Step]:
         # The pending token feed[-1] is not in the cache yet: it sits at position offset.
         position = self.view.caches[0].offset
         donors = targets.donor_view(self.view.target, self.view.caches)
-        steps = draft_chain(self.drafter, self.view.target, donors, feed[-1], anchor_hidden, position, n,
-                            self.positions, self.window, pick)
-        return [s.token for s in steps]
+        return draft_chain(self.drafter, self.view.target, donors, feed[-1], anchor_hidden, position, n,
+                           self.positions, self.window, pick)
 
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:
         pass

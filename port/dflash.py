@@ -55,6 +55,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -65,6 +66,7 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 from . import checkpoint, targets
+from . import compiled as compiled_pieces
 
 BUGS = {
     "own_head": "the drafter scores with its own (random) lm head instead of the target's",
@@ -183,32 +185,37 @@ class Attention(nn.Module):
         x = x.reshape(B, T, n, -1)
         return (norm(x) if norm is not None else x).transpose(0, 2, 1, 3)
 
-    def __call__(self, x, ctx, cache, rope):
-        """x: the block rows [1, L, H] (after input_layernorm); ctx: the new projected context rows
-        [1, S, H] (they join `cache`); returns the attention output of the block rows."""
-        L, S = x.shape[1], ctx.shape[1]
+    def block_qkv(self, x, block_at, rope):
+        """Q, K (k_norm too) and V of the block rows x [1, L, H] (after input_layernorm), at
+        positions block_at.. (an int or a scalar array)."""
+        q = rope(self._heads(self.q_proj(x), self.n_heads, self.q_norm), offset=block_at)
+        bk = rope(self._heads(self.k_proj(x), self.n_kv, self.k_norm), offset=block_at)
+        return q, bk, self._heads(self.v_proj(x), self.n_kv)
+
+    def attend(self, q, bk, bv, ctx, cache, rope):
+        """The block rows' attention heads over [context ; block]. ctx: the new projected context
+        rows [1, S, H]; they join `cache` first, at their absolute positions."""
+        L, S = q.shape[2], ctx.shape[1]
         if self.sliding and S > self.a.sliding_window - 1:
             # Only the newest W-1 context rows can be seen by any block row; the dropped ones still
             # count for the positions (mlx-lm's cache offset is the number of rows seen).
             skip = S - (self.a.sliding_window - 1)
             ctx, S = ctx[:, skip:], S - skip
             cache.offset += skip
-        start = cache.offset
-        q = self._heads(self.q_proj(x), self.n_heads, self.q_norm)
-        ck = self._heads(self.k_proj(ctx), self.n_kv, self.k_norm)
+        ck = rope(self._heads(self.k_proj(ctx), self.n_kv, self.k_norm), offset=cache.offset)
         cv = self._heads(self.v_proj(ctx), self.n_kv)
-        bk = self._heads(self.k_proj(x), self.n_kv, self.k_norm)
-        bv = self._heads(self.v_proj(x), self.n_kv)
-        block_at = start + S + (1 if "block_position_shift" in self.a.bugs else 0)
-        q = rope(q, offset=block_at)
-        ck = rope(ck, offset=start)
-        bk = rope(bk, offset=block_at)
         keys, values = cache.update_and_fetch(ck, cv)
-        if self.sliding and self.window == "positional" and isinstance(cache, RotatingKVCache):
-            keys, values = cache._temporal_order(keys), cache._temporal_order(values)
         n_ctx = keys.shape[2]
-        keys = mx.concatenate([keys, bk], axis=2)
-        values = mx.concatenate([values, bv], axis=2)
+        if isinstance(cache, RotatingKVCache):
+            if self.sliding and self.window == "positional":
+                keys, values = cache._temporal_order(keys), cache._temporal_order(values)
+            keys = mx.concatenate([keys, bk], axis=2)
+            values = mx.concatenate([values, bv], axis=2)
+        else:
+            # The block's rows go after the context in the preallocated buffer and are trimmed off
+            # again: the same keys as the concatenation, without copying the context.
+            keys, values = cache.update_and_fetch(bk, bv)
+            cache.trim(L)
         mask = None
         if self.sliding:
             qpos = n_ctx + mx.arange(L)[:, None]
@@ -220,8 +227,10 @@ class Attention(nn.Module):
             mask = seen_ctx | seen_block
         elif self.causal:
             mask = create_causal_mask(L, offset=n_ctx)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(1, L, -1))
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+
+    def output(self, o):
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, o.shape[2], -1))
 
 
 class DecoderLayer(nn.Module):
@@ -233,10 +242,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
 
-    def __call__(self, x, ctx, cache, rope):
+    def qkv(self, x, block_at, rope):
+        return self.self_attn.block_qkv(self.input_layernorm(x), block_at, rope)
+
+    def attend(self, q, bk, bv, ctx, cache, rope):
         if "ctx_input_layernorm" in self.a.bugs:
             ctx = self.input_layernorm(ctx)
-        h = x + self.self_attn(self.input_layernorm(x), ctx, cache, rope)
+        return self.self_attn.attend(q, bk, bv, ctx, cache, rope)
+
+    def finish(self, x, o):
+        """The layer's output from its input x and the attention heads o."""
+        h = x + self.self_attn.output(o)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -246,14 +262,21 @@ class Block:
 
     hidden: mx.array   # [bs-1, H]
     logits: mx.array   # [bs-1, V] (extras: after the Markov head)
-    tokens: list[int]
+    token_ids: mx.array  # [bs-1], on the device
     base_logits: mx.array | None = None  # extras: the rows before the Markov head
     confidence: mx.array | None = None   # extras: [n] confidence logits (pre-sigmoid)
 
+    @property
+    def tokens(self) -> list[int]:
+        return self.token_ids.tolist()
+
 
 class Model(nn.Module):
-    def __init__(self, a: ModelArgs, window: str = "positional", embed: str = "scaled", extras: bool = False):
+    def __init__(self, a: ModelArgs, window: str = "positional", embed: str = "scaled", extras: bool = False,
+                 compiled: bool = True):
         super().__init__()
+        self.compiled = compiled  # the block's shape-stable pieces through mx.compile (port/compiled.py)
+        self._pieces = compiled_pieces.Pieces()
         if window not in WINDOWS:
             raise DFlashError(f"window {window!r}: expected one of {WINDOWS}")
         if embed not in EMBEDS:
@@ -280,6 +303,24 @@ class Model(nn.Module):
                 self.markov_head = MarkovHead(a)
             if a.enable_confidence_head:
                 self.confidence_head = ConfidenceHead(H + (a.markov_rank if a.confidence_head_with_markov else 0))
+
+    def _enter(self, h, block_at):
+        """Layer 0's block Q, K, V."""
+        return self.layers[0].qkv(h, block_at, self._rope)
+
+    def _between(self, i: int, h, o, block_at):
+        """Layer i's output and layer i+1's block Q, K, V."""
+        h = self.layers[i].finish(h, o)
+        return (h,) + self.layers[i + 1].qkv(h, block_at, self._rope)
+
+    def _exit(self, h, o):
+        """The last layer's output -> final norm over block rows 1..n."""
+        return self.norm(self.layers[-1].finish(h, o)[:, 1:])
+
+    def pieces(self) -> tuple:
+        """(enter, [between_i], exit), plain or compiled (port/compiled.py)."""
+        n = len(self.layers)
+        return self._pieces.get(self, (self._enter, [partial(self._between, i) for i in range(n - 1)], self._exit))
 
     @property
     def all_sliding(self) -> bool:
@@ -327,27 +368,22 @@ class Model(nn.Module):
     def extend(self, target: targets.Target, anchor: int, hidden: mx.array, base: mx.array, pick=None) -> Block:
         """The extension on one block: hidden [n, H] (final-normed rows 1..n), base [n, V] (after
         the softcap). Markov bias added to row k after the softcap, chained on the row's token:
-        its argmax, or `pick(row)` (the serve loop's sampler); then the confidence logits of
-        every row."""
+        its argmax (on the device), or `pick(row)` (the serve loop's sampler); then the confidence
+        logits of every row."""
+        from .dspark import markov_chain, previous_tokens
+
         a = self.args
-        tokens, rows, prev, state = [], [], anchor, None
-        for k in range(hidden.shape[0]):
-            if a.markov_rank > 0:
-                bias, state = self.markov_head.step(mx.array([prev]), hidden[k:k + 1], state)
-                row = (self._biased_before_softcap(target, hidden[k:k + 1], bias)[0]
-                       if "markov_before_softcap" in a.bugs else base[k] + bias[0])
-            else:
-                row = base[k]
-            rows.append(row)
-            prev = int(mx.argmax(row).item()) if pick is None else int(pick(row))
-            tokens.append(prev)
+        anchor = mx.array([anchor], mx.uint32)
+        rows, tokens = markov_chain(self.markov_head if a.markov_rank > 0 else None, hidden, base, anchor, pick,
+                                    (lambda h, bias: self._biased_before_softcap(target, h, bias))
+                                    if "markov_before_softcap" in a.bugs else None)
         conf = None
         if a.enable_confidence_head:
             feats = hidden
             if a.confidence_head_with_markov:
-                feats = mx.concatenate([hidden, self.markov_head.markov_w1(mx.array([anchor] + tokens[:-1]))], axis=-1)
+                feats = mx.concatenate([hidden, self.markov_head.markov_w1(previous_tokens(anchor, tokens))], axis=-1)
             conf = self.confidence_head.proj(feats)[:, 0]
-        return Block(hidden, mx.stack(rows), tokens, base_logits=base, confidence=conf)
+        return Block(hidden, rows, tokens, base_logits=base, confidence=conf)
 
     def own_head(self) -> nn.Linear:
         """Control only: a random head of the drafter's own (what a port that forgot to borrow the
@@ -369,17 +405,24 @@ class Model(nn.Module):
                               "commit the previous verify first")
         h = self.embed(target, ids)
         c = self.project(ctx_rows)
-        for layer, cache in zip(self.layers, caches):
-            h = layer(h, c, cache, self._rope)
-        hidden = self.norm(h[:, 1:])
+        enter, between, leave = self.pieces()
+        shift = 1 if "block_position_shift" in a.bugs else 0
+        # the block sits after every context row seen (sliding layers count the skipped ones too)
+        at = [compiled_pieces.position(self, cache.offset + c.shape[1] + shift) for cache in caches]
+        q, bk, bv = enter(h, at[0])
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            o = layer.attend(q, bk, bv, c, cache, self._rope)
+            if i < len(between):
+                h, q, bk, bv = between[i](h, o, at[i + 1])
+        hidden = leave(h, o)
         logits = self.logits(target, hidden)
         if self.extras:
             return self.extend(target, anchor, hidden[0], logits[0])
-        tokens = mx.argmax(logits, axis=-1)
-        return Block(hidden[0], logits[0], tokens[0].tolist())
+        return Block(hidden[0], logits[0], mx.argmax(logits[0], axis=-1))
 
 
-def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "scaled", extras: bool = False) -> Model:
+def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "scaled", extras: bool = False,
+         compiled: bool = True) -> Model:
     path = Path(path)
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: no config.json")
@@ -388,7 +431,7 @@ def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "sc
     unknown = a.bugs - set(BUGS)
     if unknown:
         raise DFlashError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
-    model = Model(a, window, embed, extras)
+    model = Model(a, window, embed, extras, compiled)
     checkpoint.load_into(model, path, checkpoint.read_tensors(path), DFlashError, lambda missing: (
         "does it carry the DSpark extras its config declares?"
         if extras and all(k.startswith(("markov_head.", "confidence_head.")) for k in missing)
@@ -460,28 +503,35 @@ class DflashSource:
         return kv + (self.pending.nbytes if self.pending is not None else 0)
 
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
-        return self.draft_sampled(feed, n, anchor_hidden, None)
+        return self.draft_device(feed, n, anchor_hidden).tolist()
+
+    def draft_device(self, feed: list[int], n: int, anchor_hidden) -> mx.array:
+        """The drafts as a lazy array: no host sync (extras with thresholds: one, for the length)."""
+        return self._draft(feed, n, None)
 
     def draft_sampled(self, feed: list[int], n: int, anchor_hidden, pick) -> list[int]:
-        """`draft` with each row's token chosen by `pick(row)` (None: argmax). The block's rows
-        come from one forward over the mask tokens, so plain DFlash picks every row on its own
-        (row order); with the extension the Markov head chains on the picked token and the
-        confidence head reads it (as DSpark's sampled proposal does)."""
+        """`draft` with each row's token chosen by `pick(row)`. The block's rows come from one
+        forward over the mask tokens, so plain DFlash picks every row on its own (row order); with
+        the extension the Markov head chains on the picked token and the confidence head reads it
+        (as DSpark's sampled proposal does)."""
+        return self._draft(feed, n, pick).tolist()
+
+    def _draft(self, feed: list[int], n: int, pick) -> mx.array:
         n = min(n, self.m.args.block_size - 1)
         if self.max_tokens is not None:
             n = min(n, self.max_tokens - self.emitted)
         if n <= 0:
             self.last_block = None
-            return []
+            return mx.array([], mx.uint32)
         block = self.m.block(self.target, feed[-1], n, self.pending, self.caches)
         self.pending = None
         if pick is not None:
             block = (self.m.extend(self.target, feed[-1], block.hidden, block.base_logits, pick) if self.m.extras
-                     else Block(block.hidden, block.logits, [int(pick(row)) for row in block.logits]))
+                     else Block(block.hidden, block.logits, mx.array([int(pick(row)) for row in block.logits], mx.uint32)))
         self.last_block = block
         if block.confidence is not None and self.thresholds and "thresholds_ignored" not in self.m.args.bugs:
-            return block.tokens[: prune_length(block.confidence, self.thresholds)]
-        return block.tokens
+            return block.token_ids[: prune_length(block.confidence, self.thresholds)]
+        return block.token_ids
 
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:
         x = mx.concatenate(tapped, axis=-1)

@@ -21,13 +21,16 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from . import checkpoint, targets
+from . import compiled as compiled_pieces
 
 BUGS = {
     "markov_before_softcap": "Markov bias added before the softcap",
@@ -134,14 +137,29 @@ class Attention(nn.Module):
             v = self.rope(v, offset=offset)
         return k, v
 
-    def __call__(self, x, ctx_k, ctx_v, offset: int):
+    def block_qkv(self, x, offset):
+        """Q, K, V of the block rows x [1, T, H] at offset.. (an int or a scalar array)."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        q = self.rope(q, offset=offset)
-        k, v = self.kv(x, offset)
-        k, v = mx.concatenate([ctx_k, k], axis=2), mx.concatenate([ctx_v, v], axis=2)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+        return (self.rope(q, offset=offset),) + self.kv(x, offset)
+
+    @staticmethod
+    def join(ctx, k, v):
+        """Keys [context | block]. ctx: the context K/V as a (k, v) pair (the block's rows are
+        concatenated to it) or a cache that holds it (mlx-lm's KVCache: the block's rows are
+        written after the context and trimmed off again, so the context is never copied)."""
+        if isinstance(ctx, tuple):
+            return mx.concatenate([ctx[0], k], axis=2), mx.concatenate([ctx[1], v], axis=2)
+        keys, values = ctx.update_and_fetch(k, v)
+        ctx.trim(k.shape[2])
+        return keys, values
+
+    def attend(self, q, keys, values):
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+
+    def output(self, o):
+        B, _, T, _ = o.shape
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
@@ -171,8 +189,12 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = nn.RMSNorm(H, eps=eps)
             self.layer_scalar = mx.ones((1,))
 
-    def __call__(self, x, ctx_k, ctx_v, offset: int):
-        attn = self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, offset)
+    def qkv(self, x, offset):
+        return self.self_attn.block_qkv(self.input_layernorm(x), offset)
+
+    def finish(self, x, o):
+        """The layer's output from its input x and the attention heads o."""
+        attn = self.self_attn.output(o)
         if not self.gemma:
             h = x + attn
             return h + self.mlp(self.post_attention_layernorm(h))
@@ -216,6 +238,32 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(dims, 1)
 
 
+def markov_chain(head: MarkovHead | None, hidden, base, anchor: mx.array, pick=None, before_softcap=None):
+    """Rows and tokens of a block through a Markov head: row_k = base_k + bias(prev_k, h_k) (after
+    the softcap), prev_0 = the anchor ([1] uint32), prev_k = token k-1. Greedy (pick None) the
+    tokens stay on the device, chained into the next slot's bias; `pick(row)` chooses each on the
+    host instead. `before_softcap(h_k, bias)` (a planted bug) recomputes the row with the bias
+    before the cap. Returns (rows [n, V], tokens [n] uint32, on the device)."""
+    if head is None and pick is None:
+        return base, mx.argmax(base, axis=-1)
+    rows, tokens, prev, state = [], [], anchor, None
+    for k in range(hidden.shape[0]):
+        if head is not None:
+            bias, state = head.step(prev, hidden[k:k + 1], state)
+            row = before_softcap(hidden[k:k + 1], bias)[0] if before_softcap else base[k] + bias[0]
+        else:
+            row = base[k]
+        rows.append(row)
+        prev = mx.argmax(row, keepdims=True) if pick is None else mx.array([int(pick(row))])
+        tokens.append(prev.astype(mx.uint32))
+    return mx.stack(rows), mx.concatenate(tokens)
+
+
+def previous_tokens(anchor: mx.array, tokens: mx.array) -> mx.array:
+    """prev_k of each slot: [anchor, token_0 .. token_{n-2}] (the Markov head's inputs)."""
+    return mx.concatenate([anchor, tokens[:-1]])
+
+
 @dataclass
 class Block:
     """One draft block: per-slot hidden, base and Markov-corrected logits, tokens, confidence."""
@@ -223,14 +271,24 @@ class Block:
     hidden: mx.array          # [bs, H]
     base_logits: mx.array     # [bs, V]
     logits: mx.array          # [bs, V] after the Markov head
-    tokens: list[int]
+    token_ids: mx.array       # [bs], on the device
     confidence: mx.array | None  # [bs] logits (pre-sigmoid)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.token_ids.tolist()
 
 
 class Model(nn.Module):
-    def __init__(self, a: ModelArgs):
+    """`compiled` (default on): the block's shape-stable pieces run through mx.compile, the
+    attention over the growing context outside it (port/compiled.py); `compiled=False` is the
+    plain path, held to it bit for bit."""
+
+    def __init__(self, a: ModelArgs, compiled: bool = True):
         super().__init__()
         self.args = a
+        self.compiled = compiled
+        self._pieces = compiled_pieces.Pieces()
         H = a.hidden_size
         self.embed_tokens = nn.Embedding(a.vocab_size, H)
         self.layers = [DecoderLayer(a) for _ in range(a.num_hidden_layers)]
@@ -264,14 +322,6 @@ class Model(nn.Module):
             e = e * mx.array(math.sqrt(self.args.hidden_size), dtype=e.dtype)
         return e
 
-    def block_hidden(self, anchor: int, ctx: list[tuple[mx.array, mx.array]], start: int) -> mx.array:
-        a = self.args
-        ids = mx.array([[anchor] + [a.mask_token_id] * (a.block_size - 1)])
-        h = self.embed(ids)
-        for layer, (k, v) in zip(self.layers, ctx):
-            h = layer(h, k, v, start)
-        return self.norm(h)[0]
-
     def logits(self, h, bias=None):
         out = self.lm_head(h)
         if bias is not None and "markov_before_softcap" in self.args.bugs:
@@ -282,33 +332,62 @@ class Model(nn.Module):
             out = mx.tanh(out / cap) * cap
         return out if bias is None else out + bias
 
-    def draft_block(self, anchor: int, ctx, start: int, pick=None) -> Block:
-        """One block; each slot's token is the argmax of its Markov-corrected row, or `pick(row)`
-        (the serve loop's sampler: DeepSpec's T > 0 draws it from softmax(row / T)), and the next
-        slot's Markov head reads that token."""
+    def _enter(self, ids, start):
+        """The block's embedding and layer 0's Q, K, V."""
+        h = self.embed(ids)
+        return (h,) + self.layers[0].qkv(h, start)
+
+    def _between(self, i: int, h, o, start):
+        """Layer i's output and layer i+1's Q, K, V."""
+        h = self.layers[i].finish(h, o)
+        return (h,) + self.layers[i + 1].qkv(h, start)
+
+    def _exit(self, h, o):
+        """The last layer's output -> final norm -> per-slot hidden and base logits."""
         a = self.args
-        full = self.block_hidden(anchor, ctx, start)
+        full = self.norm(self.layers[-1].finish(h, o))[0]
         hidden = full[1:] if "anchor_not_predicting" in a.bugs else full
         if "anchor_not_predicting" in a.bugs:
             hidden = mx.concatenate([hidden, hidden[-1:]], axis=0)
-        base = self.logits(hidden)
-        tokens, rows, prev, state = [], [], anchor, None
-        for k in range(a.block_size):
-            if a.markov_rank > 0:
-                bias, state = self.markov_head.step(mx.array([prev]), hidden[k:k + 1], state)
-                row = self.logits(hidden[k:k + 1], bias)[0] if "markov_before_softcap" in a.bugs else base[k] + bias[0]
-            else:
-                row = base[k]
-            rows.append(row)
-            prev = int(mx.argmax(row).item()) if pick is None else int(pick(row))
-            tokens.append(prev)
-        conf = None
-        if a.enable_confidence_head:
-            feats = hidden
-            if a.confidence_head_with_markov:
-                feats = mx.concatenate([hidden, self.markov_head.markov_w1(mx.array([anchor] + tokens[:-1]))], axis=-1)
-            conf = self.confidence_head.proj(feats)[:, 0]
-        return Block(hidden, base, mx.stack(rows), tokens, conf)
+        return hidden, self.logits(hidden)
+
+    def _tail(self, hidden, base, anchor, pick=None):
+        """Markov chain (rows, tokens) and the confidence logits of every slot."""
+        a = self.args
+        rows, tokens = markov_chain(self.markov_head if a.markov_rank > 0 else None, hidden, base, anchor, pick,
+                                    self.logits if "markov_before_softcap" in a.bugs else None)
+        if not a.enable_confidence_head:
+            return rows, tokens
+        feats = hidden
+        if a.confidence_head_with_markov:
+            feats = mx.concatenate([hidden, self.markov_head.markov_w1(previous_tokens(anchor, tokens))], axis=-1)
+        return rows, tokens, self.confidence_head.proj(feats)[:, 0]
+
+    def pieces(self) -> tuple:
+        """(enter, [between_i], exit, greedy tail), plain or compiled (port/compiled.py)."""
+        n = len(self.layers)
+        return self._pieces.get(self, (self._enter, [partial(self._between, i) for i in range(n - 1)], self._exit,
+                                       self._tail))
+
+    def draft_block(self, anchor: int, ctx, start: int, pick=None) -> Block:
+        """One block at positions start..; ctx per layer: a (k, v) pair or a cache of it
+        (Attention.join). Each slot's token is the argmax of its Markov-corrected row, or
+        `pick(row)` (the serve loop's sampler: DeepSpec's T > 0 draws it from softmax(row / T)),
+        and the next slot's Markov head reads that token."""
+        a = self.args
+        enter, between, leave, tail = self.pieces()
+        ids = mx.array([[anchor] + [a.mask_token_id] * (a.block_size - 1)])
+        pos = compiled_pieces.position(self, start)
+        h, q, k, v = enter(ids, pos)
+        for i, (layer, c) in enumerate(zip(self.layers, ctx)):
+            o = layer.self_attn.attend(q, *layer.self_attn.join(c, k, v))
+            if i < len(between):
+                h, q, k, v = between[i](h, o, pos)
+        hidden, base = leave(h, o)
+        anchor_id = mx.array([anchor], mx.uint32)
+        rows, tokens, *conf = tail(hidden, base, anchor_id) if pick is None else self._tail(hidden, base, anchor_id,
+                                                                                              pick)
+        return Block(hidden, base, rows, tokens, conf[0] if conf else None)
 
     def prefix_length(self, confidence, threshold: float) -> int:
         """Draft tokens kept: up to the first slot whose sigmoid(confidence) < threshold."""
@@ -321,7 +400,7 @@ class Model(nn.Module):
         return below.index(True) if True in below else self.args.block_size
 
 
-def load(path: str | Path, bugs=()) -> Model:
+def load(path: str | Path, bugs=(), compiled: bool = True) -> Model:
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     a = ModelArgs.from_config(cfg, path)
@@ -329,7 +408,7 @@ def load(path: str | Path, bugs=()) -> Model:
     unknown = a.bugs - set(BUGS)
     if unknown:
         raise DSparkError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
-    model = Model(a)
+    model = Model(a, compiled)
     checkpoint.load_into(model, path, checkpoint.read_tensors(path), DSparkError,
                          "is this a complete DeepSpec DSpark checkpoint?")
     mx.eval(model.parameters())
@@ -362,7 +441,7 @@ class DeepspecSource:
         check_pairing(drafter, view.target)
         self.m, self.threshold = drafter, threshold
         self.tap_layers = drafter.tap_layers()
-        self.cache: list[tuple[mx.array, mx.array]] | None = None
+        self.cache: list[KVCache] | None = None  # per draft layer, preallocated (grows in steps)
         self.length = 0
         self.pending = None
         self.last_block: Block | None = None
@@ -373,25 +452,35 @@ class DeepspecSource:
     @property
     def nbytes(self) -> int:
         """Bytes of this request's context K/V (all draft layers) and queued tap rows."""
-        kv = sum(k.nbytes + v.nbytes for k, v in self.cache) if self.cache is not None else 0
+        kv = sum(c.nbytes for c in self.cache) if self.cache is not None else 0
         return kv + (self.pending.nbytes if self.pending is not None else 0)
 
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
-        return self.draft_sampled(feed, n, anchor_hidden, None)
+        return self.draft_device(feed, n, anchor_hidden).tolist()
+
+    def draft_device(self, feed: list[int], n: int, anchor_hidden) -> mx.array:
+        """The greedy proposal as a lazy array; it syncs only for a confidence threshold (the
+        proposal's length)."""
+        block = self._block(feed, None)
+        return block.token_ids[: min(self.m.prefix_length(block.confidence, self.threshold), n)]
 
     def draft_sampled(self, feed: list[int], n: int, anchor_hidden, pick) -> list[int]:
         """`draft` with each slot's token chosen by `pick(row)` (None: argmax), chained through
         the Markov head and the confidence head as DeepSpec's sampled proposal is."""
+        block = self._block(feed, pick)
+        return block.tokens[: min(self.m.prefix_length(block.confidence, self.threshold), n)]
+
+    def _block(self, feed: list[int], pick) -> Block:
         rows = self.pending
         kv = self.m.context_kv(self.m.project(rows), self.length)
-        self.cache = kv if self.cache is None else [
-            (mx.concatenate([k0, k], axis=2), mx.concatenate([v0, v], axis=2)) for (k0, v0), (k, v) in zip(self.cache, kv)]
+        if self.cache is None:
+            self.cache = [KVCache() for _ in kv]
+        for c, (k, v) in zip(self.cache, kv):
+            c.update_and_fetch(k, v)
         self.length += rows.shape[1]
         self.pending = None
-        block = self.m.draft_block(feed[-1], self.cache, self.length, pick)
-        self.last_block = block
-        keep = self.m.prefix_length(block.confidence, self.threshold)
-        return block.tokens[: min(keep, n)]
+        self.last_block = self.m.draft_block(feed[-1], self.cache, self.length, pick)
+        return self.last_block
 
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:
         x = mx.concatenate(tapped, axis=-1)

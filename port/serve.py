@@ -15,6 +15,12 @@ accept with min(1, p/q), resample from norm(max(0, p - q)), bonus from p). The s
 (logits row -> token), which applies the processors and the draft sampler and records q; a
 source without it drafts deterministically (q = the point mass on its draft). With the default
 arguments (no sampler, no processors, mode "match") the loop is the greedy one, unchanged.
+
+Host synchronizations at T=0: a source with the optional `draft_device` keeps its drafts on the
+device (argmax chained into the next step's embedding without leaving it), the verify input is
+built on the device, and the round syncs once: the drafts and the target's greedy tokens come to
+the host together. (DSpark / the DFlash extension with confidence thresholds sync once more, for
+the proposal length the verify's shape needs.)
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class DraftSource(Protocol):
     #   draft_sampled(feed, n, anchor_hidden, pick) -> list[int]: as `draft`, but every draft
     #       token is `pick(logits_row)` of the row the source would take the argmax of, chained
     #       as the source chains its own tokens; the returned tokens are a prefix of the picks.
+    #   draft_device(feed, n, anchor_hidden) -> mx.array: as `draft`, the tokens as a lazy int32 array
+    #       [m] (m known on the host); the T=0 loop uses it unless `draft` was replaced on the
+    #       instance (an observer wrapping `draft` still sees every draft).
     #   nbytes: the bytes the source holds for this request (its context K/V), for admission.
 
 
@@ -144,21 +153,42 @@ def _taps(trace: targets.Trace, layers: list[int] | None, rows: slice) -> list[m
     return [trace.hidden[layer + 1][:, rows, :] for layer in layers]
 
 
+def _device_drafter(source):
+    """The source's `draft_device`, unless `draft` was replaced on the instance (a wrapper that
+    observes drafts must keep seeing them)."""
+    own = getattr(type(source), "draft", None)
+    if not hasattr(source, "draft_device") or getattr(source.draft, "__func__", None) is not own:
+        return None
+    return source.draft_device
+
+
 class _Greedy:
-    """The seed's verify: greedy drafts, accept while draft == the target's argmax."""
+    """The seed's verify: greedy drafts, accept while draft == the target's argmax. Drafts may be a
+    device array (draft_device): they reach the host with the greedy tokens, in one sync."""
 
     def first(self, logits, history: list[int]) -> int:
         return int(mx.argmax(logits).item())
 
     def draft(self, source, pending: int, gamma: int, anchor, history: list[int]):
-        return source.draft([pending], gamma, anchor), None
+        device = _device_drafter(source)
+        if device is None:
+            return source.draft([pending], gamma, anchor), None
+        drafts = device([pending], gamma, anchor)[:gamma].astype(mx.int32)
+        mx.async_eval(drafts)  # the drafts run while the host builds the verify graph
+        return drafts, None
 
-    def verify(self, drafts: list[int], q, logits, history: list[int]) -> tuple[int, int]:
-        greedy = mx.argmax(logits, axis=-1).tolist()
+    def verify(self, drafts, q, logits, history: list[int]) -> tuple[int, int, list[int]]:
+        greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
+        n = len(drafts)
+        if isinstance(drafts, mx.array):
+            both = mx.concatenate([drafts, greedy]).tolist()
+            drafts, greedy = both[:n], both[n:]
+        else:
+            greedy = greedy.tolist()
         k = 0
-        while k < len(drafts) and drafts[k] == greedy[k]:
+        while k < n and drafts[k] == greedy[k]:
             k += 1
-        return k, greedy[k]
+        return k, greedy[k], drafts
 
 
 class _Sampled:
@@ -219,7 +249,7 @@ class _Sampled:
         n = next((i for i, m in enumerate(mass) if m < 0.5), len(drafts))   # a row with no allowed token
         return drafts[:n], q[:n]
 
-    def verify(self, drafts: list[int], q, logits, history: list[int]) -> tuple[int, int]:
+    def verify(self, drafts: list[int], q, logits, history: list[int]) -> tuple[int, int, list[int]]:
         n = len(drafts)
         p = self._target_probs(self._rows(logits[: n + 1], history, drafts))[None]
         d = mx.array(drafts, mx.int32).reshape(1, n)
@@ -230,7 +260,14 @@ class _Sampled:
                 q = (mx.arange(p.shape[-1])[None, :] == d.reshape(n, 1)).astype(mx.float32)
             k, nxt = sampling.accept_rejection(d, q[None], p, self.keys.uniform((1, n)), self.keys.uniform((1,)),
                                                self.bugs)
-        return int(k.item()), int(nxt.item())
+        return int(k.item()), int(nxt.item()), drafts
+
+
+def _verify_ids(pending: int, drafts) -> mx.array:
+    """[[pending, d1..dn]] for the verify forward; device drafts stay on the device."""
+    if isinstance(drafts, mx.array):
+        return mx.concatenate([mx.array([pending], mx.int32), drafts])[None]
+    return mx.array([[pending] + drafts])
 
 
 def _request_bytes(caches: list, source) -> tuple[int, int]:
@@ -282,10 +319,10 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     while pending not in eos and len(committed) < max_tokens:
         drafts, q = verifier.draft(source, pending, gamma, anchor, prompt + committed) if source is not None else ([], None)
         drafts = drafts[:gamma]
-        stats.proposals.append(list(drafts))
-        trace = targets.forward(target, mx.array([[pending] + drafts]), caches=caches)
+        trace = targets.forward(target, _verify_ids(pending, drafts), caches=caches)
         stats.target_calls += 1
-        k, nxt = verifier.verify(drafts, q, trace.logits[0], prompt + committed)
+        k, nxt, drafts = verifier.verify(drafts, q, trace.logits[0], prompt + committed)
+        stats.proposals.append(list(drafts))
         stats.drafted += len(drafts)
         stats.accepted += k
         for i in range(len(drafts)):
