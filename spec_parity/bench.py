@@ -273,8 +273,8 @@ class _Probe:
     """Wraps the port's source (through the provider the loop opens) to time its calls; `hook`
     runs on the first draft (the end of the prefill)."""
 
-    def __init__(self, provider, events: list, hook=None):
-        self.inner, self.events, self.hook = provider, events, hook
+    def __init__(self, provider, events: list, hook=None, split: bool = False):
+        self.inner, self.events, self.hook, self.split = provider, events, hook, split
         self.id, self.trained_gamma, self.weights_bytes = provider.id, provider.trained_gamma, provider.weights_bytes
 
     def open(self, view):
@@ -289,7 +289,23 @@ class _ProbedSource:
         self._inner, self._probe = inner, probe
 
     def __getattr__(self, name):
+        if name == "draft_device":
+            from port import serve
+
+            if serve._device_drafter(self._inner) is not None:   # the loop would draft on the device
+                return self._draft_device
+            raise AttributeError(name)
         return getattr(self._inner, name)
+
+    def _draft_device(self, *args):
+        """The loop's on-device drafts (it overlaps them with the verify): timed as the draft phase;
+        in the split run evaluated here, so their work is counted in the draft, not the verify."""
+        def run(*a):
+            out = self._inner.draft_device(*a)
+            if self._probe.split:
+                mx.eval(out)
+            return out
+        return self._timed("draft", run, *args)
 
     def _timed(self, kind, fn, *args):
         if kind == "draft" and self._probe.hook is not None and not any(e[0] == "draft" for e in self._probe.events):
@@ -356,9 +372,10 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
     provider = provider or bench_sides.PortProvider(case)
     gamma = case.spec.gamma
 
-    def run(events, hook=None):
+    def run(events, hook=None, split=False):
         t0 = time.perf_counter()
-        _, stats = serve.generate(target, prompt, max_tokens, _Probe(provider, events, hook), gamma=gamma, eos=set())
+        _, stats = serve.generate(target, prompt, max_tokens, _Probe(provider, events, hook, split), gamma=gamma,
+                                  eos=set())
         return stats, t0, time.perf_counter()
 
     run([])  # warm-up
@@ -375,7 +392,7 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
     peak = mx.get_peak_memory()
     events = []
     with _timed_forward(events):
-        _, _, t_end = run(events)
+        _, _, t_end = run(events, split=True)
     split = _rounds(events, t_end)
     steady = split[1:] or split
     mark = {}
@@ -391,7 +408,8 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
         events = []
         short = prompt[: len(prompt) - COLD_SPACING * 8]
         with _timed_forward(events):
-            _, cstats = serve.generate(target, short, max_tokens, _Probe(provider, events), gamma=gamma, eos=set())
+            _, cstats = serve.generate(target, short, max_tokens, _Probe(provider, events, split=True), gamma=gamma,
+                                       eos=set())
             t_end = time.perf_counter()
         csplit = _rounds(events, t_end)[1:]
         first = next(e[1] for e in events if e[0] == "draft")

@@ -195,14 +195,14 @@ def test_serve_loop_counts_a_planted_sync_per_round(tmp_path):
     class Planted(bench_sides.PortProvider):
         def open(self, view):
             src = super().open(view)
-            draft = src.draft
+            draft = src.draft_device   # the loop's T=0 path: drafts stay on the device
 
             def extra(*args):
                 out = draft(*args)
-                mx.array(out).sum().item()   # planted
+                out.sum().item()   # planted
                 return out
 
-            src.draft = extra
+            src.draft_device = extra
             return src
 
     base = bench.serve_loop(case, prep.target, prompt, 6, 1)
