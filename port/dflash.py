@@ -37,7 +37,8 @@ DSpark-on-DFlash extension (L3, no oracle: mlx-bun 0.0.11 `dflash-source.ts`), o
 dflash_config first, then the top level). Its definition:
   Markov head: after the softcap, sequentially: row_k = base_k + markov_bias(prev_k, h_k),
       prev_0 = the anchor, prev_k = the draft token k-1 (port.dspark.MarkovHead); the draft token k
-      is argmax(row_k). The base rows (the L2 logits) are kept on the block as `base_logits`.
+      is argmax(row_k) (sampling: the serve loop's pick(row_k), `DflashSource.draft_sampled`). The
+      base rows (the L2 logits) are kept on the block as `base_logits`.
   Confidence: c_k = confidence_head.proj([h_k ; W1[prev_k]] or h_k) (port.dspark.ConfidenceHead);
       the proposal is cut at the first k with sigmoid(c_k) < tau_k (per step; 0 tokens possible).
   Thresholds tau, first found wins: the `thresholds` argument (a list; [] = no pruning), the env

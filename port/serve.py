@@ -63,7 +63,7 @@ class DraftSource(Protocol):
     #   draft_sampled(feed, n, anchor_hidden, pick) -> list[int]: as `draft`, but every draft
     #       token is `pick(logits_row)` of the row the source would take the argmax of, chained
     #       as the source chains its own tokens; the returned tokens are a prefix of the picks.
-    #   draft_device(feed, n, anchor_hidden) -> mx.array: as `draft`, the tokens as a lazy int32 array
+    #   draft_device(feed, n, anchor_hidden) -> mx.array: as `draft`, the tokens as a lazy integer array
     #       [m] (m known on the host); the T=0 loop uses it unless `draft` was replaced on the
     #       instance (an observer wrapping `draft` still sees every draft).
     #   nbytes: the bytes the source holds for this request (its context K/V), for admission.

@@ -330,13 +330,15 @@ DSPARK_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(DSPARK_VARIANTS))
-def test_dspark_compiled_block_equals_plain(variant):
+@pytest.mark.parametrize("variant,dtype", [(v, "float32") for v in DSPARK_VARIANTS] + [("gemma4", "bfloat16")])
+def test_dspark_compiled_block_equals_plain(variant, dtype):
     """Three source rounds (context past the window of the target, growing per round): block
     hidden, base and Markov rows, tokens, confidence; the compiled greedy tail included."""
     ov = DSPARK_VARIANTS[variant]
-    target = targets.load(checkpoints.build(ov.get("target_kind", "gemma4-target"), 0, ov.get("target_overrides", {})))
+    target = targets.load(checkpoints.build(ov.get("target_kind", "gemma4-target"), 0, ov.get("target_overrides", {})),
+                          getattr(mx, dtype))
     m = dspark.load(checkpoints.build("dspark-drafter", 0, ov))
+    m.set_dtype(getattr(mx, dtype))
     trace = targets.forward(target, mx.array([LONG_PROMPT]))
     rows = m.taps(trace.hidden)
 
@@ -360,13 +362,14 @@ DFLASH_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("variant", list(DFLASH_VARIANTS))
-def test_dflash_compiled_block_equals_plain(variant):
+@pytest.mark.parametrize("variant,dtype", [(v, "float32") for v in DFLASH_VARIANTS] + [("qwen3-swa", "bfloat16")])
+def test_dflash_compiled_block_equals_plain(variant, dtype):
     """Three source rounds past the sliding window: block hidden, logits (extras: base rows and
     confidence too), tokens."""
     ov = DFLASH_VARIANTS[variant]
-    target = targets.load(checkpoints.build(ov.get("target_kind", "qwen3-target"), 0, {}))
+    target = targets.load(checkpoints.build(ov.get("target_kind", "qwen3-target"), 0, {}), getattr(mx, dtype))
     m = dflash.load(checkpoints.build("dflash-drafter", 0, ov), extras="dspark_extras" in ov)
+    m.set_dtype(getattr(mx, dtype))
     rows = m.taps(targets.forward(target, mx.array([LONG_PROMPT])).hidden)
 
     def run():
