@@ -8,6 +8,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 cores under pytest -n auto: n
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
+import spec_parity  # noqa: E402,F401  (full-fp32 MLX matmuls before any test imports mlx)
+
 # Hypothesis's wall-clock checks (the per-example deadline, the too_slow health check) fail on a
 # 2-core machine under `-n auto` or other load: timing, not the properties. Every other setting
 # (the example count among them) is hypothesis's default. `--hypothesis-profile default` restores them.

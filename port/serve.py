@@ -155,11 +155,46 @@ def _taps(trace: targets.Trace, layers: list[int] | None, rows: slice) -> list[m
 
 def _device_drafter(source):
     """The source's `draft_device`, unless `draft` was replaced on the instance (a wrapper that
-    observes drafts must keep seeing them)."""
+    observes drafts must keep seeing them; `Observed` is the one that needs no replacing)."""
+    if isinstance(source, _ObservedSource):
+        return getattr(source, "draft_device", None)
     own = getattr(type(source), "draft", None)
     if not hasattr(source, "draft_device") or getattr(source.draft, "__func__", None) is not own:
         return None
     return source.draft_device
+
+
+SEAM = ("prefill", "draft", "draft_device", "draft_sampled", "commit")
+
+
+class Observed:
+    """A provider whose sources report every seam call to `around(name, source, args, call)`,
+    which returns `call()`'s value. Tests and the bench read drafts, context updates and times
+    through it, instead of replacing a method on the source (which would turn the loop's
+    device drafts off); the loop drafts on the device exactly when it would unobserved."""
+
+    def __init__(self, provider, around):
+        self.inner, self.around = provider, around
+        self.id, self.weights_bytes, self.trained_gamma = provider.id, provider.weights_bytes, provider.trained_gamma
+
+    def open(self, view):
+        return _ObservedSource(self.inner.open(view), self.around)
+
+    def dispose(self) -> None:
+        self.inner.dispose()
+
+
+class _ObservedSource:
+    def __init__(self, inner, around):
+        self.inner, self._around = inner, around
+
+    def __getattr__(self, name):
+        if name not in SEAM:
+            return getattr(self.inner, name)
+        if name == "draft_device" and _device_drafter(self.inner) is None:
+            raise AttributeError(name)
+        method = getattr(self.inner, name)
+        return lambda *args: self._around(name, self.inner, args, lambda: method(*args))
 
 
 class _Greedy:

@@ -269,60 +269,24 @@ def bandwidth(nbytes: int, iters: int = 10, warmup: int = 3) -> dict:
 
 # ---- the serve loop, wrapped ---------------------------------------------------------------------
 
-class _Probe:
-    """Wraps the port's source (through the provider the loop opens) to time its calls; `hook`
-    runs on the first draft (the end of the prefill)."""
+def _probe(provider, events: list, hook=None, split: bool = False):
+    """`provider`, observed: each prefill / draft / commit of its sources timed into `events`;
+    `hook` runs on the first draft (the end of the prefill). The loop's on-device drafts (it
+    overlaps them with the verify) are the draft phase; in the split run they are evaluated
+    inside it, so their work is counted in the draft, not the verify."""
+    from port import serve
 
-    def __init__(self, provider, events: list, hook=None, split: bool = False):
-        self.inner, self.events, self.hook, self.split = provider, events, hook, split
-        self.id, self.trained_gamma, self.weights_bytes = provider.id, provider.trained_gamma, provider.weights_bytes
-
-    def open(self, view):
-        return _ProbedSource(self.inner.open(view), self)
-
-    def dispose(self):
-        self.inner.dispose()
-
-
-class _ProbedSource:
-    def __init__(self, inner, probe: _Probe):
-        self._inner, self._probe = inner, probe
-
-    def __getattr__(self, name):
-        if name == "draft_device":
-            from port import serve
-
-            if serve._device_drafter(self._inner) is not None:   # the loop would draft on the device
-                return self._draft_device
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
-    def _draft_device(self, *args):
-        """The loop's on-device drafts (it overlaps them with the verify): timed as the draft phase;
-        in the split run evaluated here, so their work is counted in the draft, not the verify."""
-        def run(*a):
-            out = self._inner.draft_device(*a)
-            if self._probe.split:
-                mx.eval(out)
-            return out
-        return self._timed("draft", run, *args)
-
-    def _timed(self, kind, fn, *args):
-        if kind == "draft" and self._probe.hook is not None and not any(e[0] == "draft" for e in self._probe.events):
-            self._probe.hook()
+    def around(name, src, args, call):
+        kind = "draft" if name.startswith("draft") else name
+        if kind == "draft" and hook is not None and not any(e[0] == "draft" for e in events):
+            hook()
         t0 = time.perf_counter()
-        out = fn(*args)
-        self._probe.events.append((kind, t0, time.perf_counter()))
+        out = call()
+        if name == "draft_device" and split:
+            mx.eval(out)
+        events.append((kind, t0, time.perf_counter()))
         return out
-
-    def prefill(self, *args):
-        return self._timed("prefill", self._inner.prefill, *args)
-
-    def draft(self, *args):
-        return self._timed("draft", self._inner.draft, *args)
-
-    def commit(self, *args):
-        return self._timed("commit", self._inner.commit, *args)
+    return serve.Observed(provider, around)
 
 
 @contextlib.contextmanager
@@ -374,7 +338,7 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
 
     def run(events, hook=None, split=False):
         t0 = time.perf_counter()
-        _, stats = serve.generate(target, prompt, max_tokens, _Probe(provider, events, hook, split), gamma=gamma,
+        _, stats = serve.generate(target, prompt, max_tokens, _probe(provider, events, hook, split), gamma=gamma,
                                   eos=set())
         return stats, t0, time.perf_counter()
 
@@ -408,7 +372,7 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
         events = []
         short = prompt[: len(prompt) - COLD_SPACING * 8]
         with _timed_forward(events):
-            _, cstats = serve.generate(target, short, max_tokens, _Probe(provider, events, split=True), gamma=gamma,
+            _, cstats = serve.generate(target, short, max_tokens, _probe(provider, events, split=True), gamma=gamma,
                                        eos=set())
             t_end = time.perf_counter()
         csplit = _rounds(events, t_end)[1:]
@@ -537,15 +501,16 @@ def run_side(name: str, build, prep: bench_sides.Prep, opts: Options, index: int
     t0 = time.perf_counter()
     cold = {}
     try:
-        stepper = build(prep)
-        if shape_passes(prep, opts) and stepper.framework == "mlx":
-            del stepper
+        if shape_passes(prep, opts) and bench_sides.framework(name) == "mlx":
             cold = _cold(name, build, prep, index)
             stepper = build(prep)
             _pre_pass(stepper, opts)
             del stepper
             gc.collect()
-            stepper = build(prep)
+        stepper = build(prep)
+        if stepper.framework != bench_sides.framework(name):
+            raise RuntimeError(f"side {name!r} runs on {stepper.framework}, its name says "
+                               f"{bench_sides.framework(name)}: name torch sides '<peer>-torch'")
     except Exception as e:
         hint = bench_sides.PEERS[name][2] if name in bench_sides.PEERS else ""
         return {"side": name, "status": "not run", "reason": _reason(e, hint)}

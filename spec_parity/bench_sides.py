@@ -424,6 +424,12 @@ PEERS: dict[str, tuple[tuple[str, ...], Callable[[Prep], Stepper], str]] = {
 }
 
 
+def framework(side: str) -> str:
+    """A side's framework from its name (torch sides are named '<peer>-torch'): known before the
+    side is built, so a real-shape MLX side is built only for the passes that use it."""
+    return "torch" if side.endswith("-torch") else "mlx"
+
+
 def peers_for(source: str, wanted: list[str] | None) -> list[str]:
     """The peers of a source: all of them (wanted None), or those of `wanted` that serve it."""
     names = [n for n, (srcs, _, _) in PEERS.items() if source in srcs]

@@ -42,33 +42,21 @@ def _prompts(n: int, seed: int = 11) -> list[list[int]]:
     return [rng.integers(3, 120, 12).tolist() for _ in range(n)]
 
 
-class _Rounds:
-    """Provider wrapper: per round, the proposal and the source's block (observes, changes nothing)."""
-
-    def __init__(self, inner):
-        self.inner, self.rounds = inner, []
-        self.id, self.weights_bytes, self.trained_gamma = inner.id, inner.weights_bytes, inner.trained_gamma
-
-    def open(self, view):
-        src = self.inner.open(view)
-        draft = src.draft
-
-        def recorded(feed, n, anchor_hidden):
-            tokens = draft(feed, n, anchor_hidden)
-            self.rounds.append((list(tokens), src.last_block))
-            return tokens
-
-        src.draft = recorded
-        return src
-
-    def dispose(self):
-        self.inner.dispose()
+def _rounds(provider, rounds: list):
+    """`provider`, observed: per round, the proposal and the source's block."""
+    def around(name, src, args, call):
+        tokens = call()
+        if name.startswith("draft"):
+            rounds.append((tokens.tolist() if isinstance(tokens, mx.array) else list(tokens), src.last_block))
+        return tokens
+    return serve.Observed(provider, around)
 
 
 def _run(target, prompt, provider):
-    rec = _Rounds(provider)
-    tokens, stats = serve.generate(target, prompt, MAX_TOKENS, rec, gamma=provider.trained_gamma, eos=set())
-    return tokens, stats, rec.rounds
+    rounds: list = []
+    tokens, stats = serve.generate(target, prompt, MAX_TOKENS, _rounds(provider, rounds), gamma=provider.trained_gamma,
+                                   eos=set())
+    return tokens, stats, rounds
 
 
 @functools.cache

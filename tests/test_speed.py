@@ -185,37 +185,25 @@ def test_device_drafts_equal_host_chained_drafts(name):
         assert wrong_tokens != tokens or not _bits_equal(wrong_logits, logits)
 
 
-class _RecordRounds:
-    """Provider wrapper: per round, the source's inputs (anchor, new context rows, their offset)
-    and its block. Observes only."""
-
-    def __init__(self, inner):
-        self.inner, self.rounds = inner, []
-        self.id, self.weights_bytes, self.trained_gamma = inner.id, inner.weights_bytes, inner.trained_gamma
-
-    def open(self, view):
-        src = self.inner.open(view)
-        device = src.draft_device
-
-        def recorded(feed, n, anchor_hidden):
-            rows, start = src.pending, src.length
-            tokens = device(feed, n, anchor_hidden)
-            self.rounds.append((feed[-1], rows, start, src.last_block))
-            return tokens
-
-        src.draft_device = recorded
-        return src
-
-    def dispose(self):
-        self.inner.dispose()
+def _record_rounds(provider, rounds: list):
+    """`provider`, observed: per round, the source's inputs (anchor, new context rows, their
+    offset) and its block."""
+    def around(name, src, args, call):
+        if not name.startswith("draft"):
+            return call()
+        rows, start = src.pending, src.length
+        tokens = call()
+        rounds.append((args[0][-1], rows, start, src.last_block))
+        return tokens
+    return serve.Observed(provider, around)
 
 
 def _dspark_rounds(max_tokens: int):
     target = targets.load(checkpoints.build("gemma4-target-agreeing", 0, {}))
-    rec = _RecordRounds(dspark.DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
-        "target_kind": "gemma4-target-agreeing", "agree_frac": 0.8})))
-    serve.generate(target, PROMPT, max_tokens, rec, gamma=7, eos=set())
-    return rec.inner.drafter, rec.rounds
+    provider, rounds = dspark.DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
+        "target_kind": "gemma4-target-agreeing", "agree_frac": 0.8})), []
+    serve.generate(target, PROMPT, max_tokens, _record_rounds(provider, rounds), gamma=7, eos=set())
+    return provider.drafter, rounds
 
 
 def _replay_matches(m, rounds) -> list[bool]:
@@ -391,3 +379,31 @@ def test_bit_comparison_catches_one_ulp(dtype):
     nudged = mx.where(mx.arange(64) == 17, bits + 1, bits).view(a.dtype)
     assert _bits_equal(a, mx.array(a)) and not _bits_equal(a, nudged)
     assert not _bits_equal(a, a.astype(mx.float16)) and not _bits_equal(a[:63], a[1:])
+
+
+def test_observed_provider_keeps_the_loops_device_drafts():
+    """serve.Observed sees every seam call and changes nothing: same stream, and the loop still
+    drafts on the device; a source whose `draft` was replaced on the instance (the control)
+    drafts on the host, observed or not."""
+    target = targets.load(checkpoints.build("gemma4-target", 0, {}))
+    provider = assistant.AssistantProvider(checkpoints.build("gemma4-assistant", 0, {}))
+
+    def run(p):
+        calls = []
+        tokens, _ = serve.generate(target, PROMPT, 8, serve.Observed(p, lambda n, s, a, call: (calls.append(n),
+                                                                                              call())[1]),
+                                   gamma=3, eos=set())
+        return tokens, calls
+
+    plain, _ = serve.generate(target, PROMPT, 8, provider, gamma=3, eos=set())
+    tokens, calls = run(provider)
+    assert tokens == plain and "draft_device" in calls and "draft" not in calls and "commit" in calls
+
+    class Replaced(assistant.AssistantProvider):
+        def open(self, view):
+            src = super().open(view)
+            src.draft = lambda *args: type(src).draft(src, *args)
+            return src
+
+    tokens, calls = run(Replaced(provider.path))
+    assert tokens == plain and "draft" in calls and "draft_device" not in calls

@@ -208,28 +208,16 @@ def run_modules(case: Case) -> dict:
     return {k: np.array(v) for k, v in out.items()}
 
 
-class _Recording:
-    """A provider wrapper that keeps each round's draft logits (observes, changes nothing)."""
+def _recording(provider, rows: list):
+    """`provider`, observed: each round's draft logits appended to `rows` (changes nothing)."""
+    from port import serve
 
-    def __init__(self, inner):
-        self.inner, self.rows = inner, []
-        self.id, self.weights_bytes, self.trained_gamma = inner.id, inner.weights_bytes, inner.trained_gamma
-
-    def open(self, view):
-        src = self.inner.open(view)
-        draft = src.draft
-
-        def recorded(feed, n, anchor_hidden):
-            tokens = draft(feed, n, anchor_hidden)
-            if src.last_block is not None and tokens:
-                self.rows.append(src.last_block.logits)
-            return tokens
-
-        src.draft = recorded
-        return src
-
-    def dispose(self):
-        self.inner.dispose()
+    def around(name, src, args, call):
+        tokens = call()
+        if name.startswith("draft") and src.last_block is not None and len(tokens):
+            rows.append(src.last_block.logits)
+        return tokens
+    return serve.Observed(provider, around)
 
 
 def run_loop(case: Case) -> dict:
@@ -239,8 +227,9 @@ def run_loop(case: Case) -> dict:
 
     target = targets.load(case.checkpoint_dir())
     n, eos = case.params["max_tokens"], set(case.params["eos"])
-    provider = _Recording(dflash.DflashProvider(case.drafter_dir(), case.params["window"], _bugs(case), max_tokens=n,
-                                                embed=case.params["embed"]))
+    rows: list = []
+    provider = _recording(dflash.DflashProvider(case.drafter_dir(), case.params["window"], _bugs(case), max_tokens=n,
+                                                embed=case.params["embed"]), rows)
     p = prompt(case)
     tokens, stats = serve.generate(target, p[0].tolist(), n, provider, gamma=provider.trained_gamma, eos=eos,
                                    record=True)
@@ -251,7 +240,7 @@ def run_loop(case: Case) -> dict:
             "stream.accepted": np.array([k for _, k, _ in stats.trace], np.int32),
             "stream.emitted": np.array([e for _, _, e in stats.trace], np.int32),
             "stream.proposals": np.array([t for q in stats.proposals for t in q], np.int32),
-            "stream.draft_logits": np.array(mx.concatenate(provider.rows, axis=0)) if provider.rows
+            "stream.draft_logits": np.array(mx.concatenate(rows, axis=0)) if rows
             else np.zeros((0, V), np.float32),
             "stream.logits": np.array(mx.stack(stats.logits)), "greedy.tokens": np.array(plain, np.int32),
             "greedy.logits": np.array(plain_logits), "tau": np.array([stats.tau])}
