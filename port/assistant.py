@@ -112,8 +112,15 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
         return self.rope(q, offset=position)
 
+    repeat_kv = True
+
     def attend(self, q, keys, values):
-        # GQA: the attention kernel maps query heads onto the shared K/V heads itself (no repeat).
+        # GQA: K/V heads repeated onto the query heads, as optiq does. The kernel's own GQA mapping
+        # (repeat_kv False) is the same bits on the CPU but not on MLX CUDA (1 ulp on an H200,
+        # docs/benchmarks.md), which would break L1 with optiq there.
+        if self.repeat_kv and keys.shape[1] != q.shape[1]:
+            n = q.shape[1] // keys.shape[1]
+            keys, values = mx.repeat(keys, n, axis=1), mx.repeat(values, n, axis=1)
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
 
     def output(self, o):
@@ -187,12 +194,15 @@ class Step:
 class Model(nn.Module):
     """`compiled` (default on): the step's shape-stable pieces run through mx.compile, the
     attention over the donor K/V (whose length changes every round) outside it; bit-identical to
-    the plain path (tests/test_speed.py), which `compiled=False` selects."""
+    the plain path (tests/test_speed.py), which `compiled=False` selects. `repeat_kv=False` lets
+    the attention kernel map the query heads onto the donor K/V heads (no copy; see attend)."""
 
-    def __init__(self, args: ModelArgs, compiled: bool = True):
+    def __init__(self, args: ModelArgs, compiled: bool = True, repeat_kv: bool = True):
         super().__init__()
         self.args = args
         self.model = Inner(args)
+        for layer in self.model.layers:
+            layer.self_attn.repeat_kv = repeat_kv
         self.pre_projection = nn.Linear(2 * args.backbone_hidden_size, args.hidden_size, bias=False)
         self.post_projection = nn.Linear(args.hidden_size, args.backbone_hidden_size, bias=False)
         if args.use_ordered_embeddings:
@@ -266,11 +276,11 @@ def sliding_view(k, v, window: int, convention: str | int = "optiq"):
     return k[..., -keep:, :], v[..., -keep:, :]
 
 
-def load(path: str | Path, dtype: mx.Dtype | None = None, compiled: bool = True) -> Model:
+def load(path: str | Path, dtype: mx.Dtype | None = None, compiled: bool = True, repeat_kv: bool = True) -> Model:
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_config(cfg, path)
-    model = Model(args, compiled)
+    model = Model(args, compiled, repeat_kv)
     weights = checkpoint.read_tensors(path)
     if not args.tie_word_embeddings and "lm_head.weight" not in weights:
         raise DrafterError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight; "

@@ -407,3 +407,25 @@ def test_observed_provider_keeps_the_loops_device_drafts():
 
     tokens, calls = run(Replaced(provider.path))
     assert tokens == plain and "draft" in calls and "draft_device" not in calls
+
+
+def test_assistant_native_gqa_equals_repeated_kv_on_the_cpu():
+    """The default repeats the donor K/V heads as optiq does (on MLX CUDA the kernel's own GQA
+    mapping is 1 ulp off it); on the CPU the no-copy option computes the same bits. Control: a
+    query head mapped onto the wrong K/V head is caught."""
+    if mx.default_device() != mx.cpu:
+        pytest.skip("held on the CPU only: on MLX CUDA the two differ by design (docs/benchmarks.md)")
+    path = checkpoints.build("gemma4-assistant", 0, {})
+    target = targets.load(checkpoints.build("gemma4-target", 0, {}))
+    caches = make_prompt_cache(target.model)
+    h = target.model.model(mx.array([PROMPT]), cache=caches)[:, -1:, :]
+    donors = targets.donor_view(target, caches)
+    assert any(k.shape[1] > 1 for k, _ in donors.values())
+
+    def chain(m, d=donors):
+        return [a for s in assistant.draft_chain(m, target, d, 5, h, caches[0].offset, 3) for a in (s.logits, s.next_hidden)]
+
+    repeated, native = chain(assistant.load(path)), chain(assistant.load(path, repeat_kv=False))
+    assert all(_bits_equal(a, b) for a, b in zip(repeated, native))
+    swapped = {n: (k[:, ::-1], v[:, ::-1]) for n, (k, v) in donors.items()}
+    assert not all(_bits_equal(a, b) for a, b in zip(repeated, chain(assistant.load(path, repeat_kv=False), swapped)))
