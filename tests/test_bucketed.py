@@ -1,0 +1,155 @@
+"""The bucketed path (`kv_bucket`, opt-in) of the DSpark and DFlash ports: the context K/V presented
+at its buffer's length (a whole number of buckets) with the tail masked, the whole block one
+compiled call.
+
+It is not bit-exact with the default path (a two-segment softmax sums in another order than
+mx.fast.scaled_dot_product_attention), so every block tensor is held to the default path within
+torch.testing's fp32 tolerance (rtol 1.3e-6, atol 1e-5: same framework, same math, the ops
+regrouped; measured max |diff| here ~7e-6 on logits of |~10|), with identical greedy tokens, over
+rounds whose context crosses two bucket boundaries (bucket 8, context 5 -> 20 rows). A planted
+off-by-one in the context mask (one padded row let through) must fail that comparison.
+"""
+
+import functools
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from test_speed import DFLASH_VARIANTS, DSPARK_VARIANTS, LONG_PROMPT, PROMPT, SOURCES, round_syncs
+
+from port import dflash, dspark, serve, targets
+from spec_parity import budgets, checkpoints, compare
+
+BUCKET = 8
+FP32 = budgets.DTYPE_DEFAULTS["float32"]
+# context rows fed per round: 5 (the prompt's), then 3 per round: 5, 8, ..., 20 (buffers 8, 16, 24)
+FEEDS = [(0, 5)] + [(5 + 3 * r, 8 + 3 * r) for r in range(5)]
+BUFFERS = sorted({-(-hi // BUCKET) * BUCKET for _, hi in FEEDS})
+
+
+@functools.cache
+def _target(kind: str):
+    return targets.load(checkpoints.build(kind, 0, {}))
+
+
+@functools.cache
+def _taps(kind: str, path):
+    m = dspark.load(path) if "dspark" in str(path) else dflash.load(path)
+    return m.taps(targets.forward(_target(kind), mx.array([LONG_PROMPT])).hidden)
+
+
+def _dspark_rounds(variant: str, kv_bucket, bugs=(), compiled=True):
+    """Per round (context grown by FEEDS): the block's hidden, base and Markov rows, confidence,
+    and its tokens; and the model."""
+    ov = DSPARK_VARIANTS[variant]
+    kind = ov.get("target_kind", "gemma4-target")
+    path = checkpoints.build("dspark-drafter", 0, ov)
+    m = dspark.load(path, bugs, compiled, kv_bucket)
+    rows = _taps(kind, path)
+    src = dspark.DeepspecSource(m, serve.TargetView(_target(kind), make_prompt_cache(_target(kind).model)))
+    out = []
+    for r, (lo, hi) in enumerate(FEEDS):
+        src.pending = rows[:, lo:hi]
+        b = src._block([7 + r], None)
+        out.append(([b.hidden, b.base_logits, b.logits] + ([b.confidence] if b.confidence is not None else []),
+                    b.tokens))
+    return out, m
+
+
+def _dflash_rounds(variant: str, kv_bucket, bugs=(), compiled=True):
+    ov = DFLASH_VARIANTS[variant]
+    kind = ov.get("target_kind", "qwen3-target")
+    path = checkpoints.build("dflash-drafter", 0, ov)
+    m = dflash.load(path, bugs=bugs, extras="dspark_extras" in ov, compiled=compiled, kv_bucket=kv_bucket)
+    rows, caches, out = _taps(kind, path), m.make_caches(), []
+    for r, (lo, hi) in enumerate(FEEDS):
+        b = m.block(_target(kind), 7 + r, m.args.block_size - 1, rows[:, lo:hi], caches)
+        out.append(([b.hidden, b.logits] + [x for x in (b.base_logits, b.confidence) if x is not None], b.tokens))
+    return out, m
+
+
+def _within_fp32(fast, plain) -> tuple[bool, list]:
+    """Every tensor of every round within the fp32 budget and every token equal."""
+    bad = []
+    for r, ((ft, ftok), (pt, ptok)) in enumerate(zip(fast, plain, strict=True)):
+        for i, (a, b) in enumerate(zip(ft, pt, strict=True)):
+            m = compare.tensor_metrics(a, b, FP32)
+            if not m["ok"]:
+                bad.append((r, i, m.get("max_abs"), m.get("error")))
+        if ftok != ptok:
+            bad.append((r, "tokens", ftok, ptok))
+    return not bad, bad
+
+
+ROUNDS = {"dspark": _dspark_rounds, "dflash": _dflash_rounds}
+CASES = [("dspark", v) for v in ("gemma4", "qwen3", "gemma4-keqv", "gemma4-rnn")] + \
+        [("dflash", v) for v in DFLASH_VARIANTS]
+
+
+@pytest.mark.parametrize("source,variant", CASES, ids=[f"{s}-{v}" for s, v in CASES])
+def test_bucketed_block_within_fp32_of_default(source, variant):
+    """Six rounds, the context 5 -> 20 rows over buffers of 8, 16, 24: every block tensor within
+    the fp32 budget of the default path, the same greedy tokens; the compiled block traced once
+    per buffer length, not once per round."""
+    plain, _ = ROUNDS[source](variant, None)
+    fast, m = ROUNDS[source](variant, BUCKET)
+    ok, bad = _within_fp32(fast, plain)
+    assert ok, bad
+    assert m._bucketed.traces == len(BUFFERS) < len(FEEDS)
+
+
+@pytest.mark.parametrize("source,variant", [("dspark", "gemma4"), ("dflash", "qwen3-swa")])
+def test_trace_counter_counts_every_call_uncompiled(source, variant):
+    """The counter's control: with the block function uncompiled it runs (and counts) every round."""
+    _, m = ROUNDS[source](variant, BUCKET, compiled=False)
+    assert m._bucketed.traces == len(FEEDS)
+
+
+@pytest.mark.parametrize("source,variant", [("dspark", "gemma4"), ("dspark", "qwen3"), ("dflash", "qwen3"),
+                                            ("dflash", "qwen3-swa")])
+def test_planted_mask_off_by_one_fails_the_comparison(source, variant):
+    """Negative control: the context mask letting the first padded row through is caught."""
+    plain, _ = ROUNDS[source](variant, None)
+    planted, _ = ROUNDS[source](variant, BUCKET, bugs=("bucket_mask_off_by_one",))
+    ok, bad = _within_fp32(planted, plain)
+    assert not ok and any(r == 0 for r, *_ in bad)   # round 0: 5 rows in a buffer of 8
+
+
+def _bucketed_provider(make):
+    """A SOURCES provider with its drafter on the bucketed path."""
+    prov = make()
+    prov.drafter.kv_bucket = BUCKET
+    return prov
+
+
+# SOURCES name -> whether its drafter agrees with its target (the random extras one accepts nothing)
+LOOPS = {"dspark": True, "dspark-threshold": True, "dflash": True, "dflash-extras-thresholds": False}
+
+
+@pytest.mark.parametrize("name", LOOPS)
+def test_serve_loop_with_bucketed_source_is_lossless(name, monkeypatch):
+    """port.serve.generate with the bucketed source emits the target's own greedy stream (plain
+    decoding through the same loop), an agreeing drafter's drafts are accepted, the block is
+    traced less often than once per round, and a round still syncs within its bound."""
+    _, kind, overrides, make, gamma, bound = next(s for s in SOURCES if s[0] == name)
+    target = targets.load(checkpoints.build(kind, 0, overrides))
+    plain, _ = serve.generate(target, PROMPT, 40, None, gamma=gamma, eos=set())
+    prov = _bucketed_provider(make)
+    tokens, stats = serve.generate(target, PROMPT, 40, prov, gamma=gamma, eos=set())
+    assert tokens == plain and stats.drafted > 0 and (stats.accepted > 0) == LOOPS[name]
+    assert prov.drafter._bucketed.traces < len(stats.trace)
+    per_round, _ = round_syncs(target, _bucketed_provider(make), 30, gamma, monkeypatch)
+    assert max(per_round) <= bound, per_round
+
+
+def test_bad_bucket_and_window_are_refused():
+    path = checkpoints.build("dspark-drafter", 0, {})
+    for bad in (0, -8, 8.0, True):
+        with pytest.raises(dspark.DSparkError, match="kv_bucket"):
+            dspark.load(path, kv_bucket=bad)
+    swa = checkpoints.build("dflash-drafter", 0, DFLASH_VARIANTS["qwen3-swa"])
+    with pytest.raises(dflash.DFlashError, match="window='positional'"):
+        dflash.load(swa, window="zlab-mlx", kv_bucket=BUCKET)
+    m = dspark.load(path, kv_bucket=BUCKET)
+    with pytest.raises(dspark.DSparkError, match="BucketCache"):
+        m.draft_block(3, [dspark.KVCache() for _ in m.layers], 4)
