@@ -70,12 +70,13 @@ def _draft_config(prep: Prep) -> dict:
 
 # ---- our port --------------------------------------------------------------------------------
 
-def port_side(prep: Prep) -> Stepper:
-    """Our port through the serve loop's seam: the source's `draft` (and `commit` of one row)."""
+def port_side(prep: Prep, kv_bucket: int | None = None) -> Stepper:
+    """Our port through the serve loop's seam: the source's `draft` (and `commit` of one row);
+    `kv_bucket`: its opt-in bucketed path (port/compiled.py)."""
     from port import serve
 
     view = serve.TargetView(prep.target, prep.caches)
-    src = open_port_source(prep.case, view)
+    src = open_port_source(prep.case, view, kv_bucket)
     tok, hid, g = prep.anchor, prep.anchor_hidden, prep.gamma
     if prep.case.spec.source == "assistant":
         return Stepper(lambda: src.draft([tok], g, hid), keep=src)
@@ -86,7 +87,16 @@ def port_side(prep: Prep) -> Stepper:
         src.commit(g, 0, [prep.row])
         return src.draft([tok], g, hid)
 
-    return Stepper(step, keep=src)
+    return Stepper(step, keep=src, notes=[f"kv_bucket={kv_bucket}"] if kv_bucket else [])
+
+
+BUCKET = 256  # mlx-lm KVCache's own growth step
+
+
+def port_bucketed_side(prep: Prep) -> Stepper:
+    """Our port with kv_bucket=BUCKET: the whole block one compiled call over the context buffer
+    (opt-in; within fp32 tolerance of the port, not bit-exact)."""
+    return port_side(prep, BUCKET)
 
 
 class PortProvider:
@@ -114,16 +124,16 @@ def _source_class(case: Case):
             "dflash": dflash.DflashSource}[case.spec.source]
 
 
-def load_port_drafter(case: Case):
+def load_port_drafter(case: Case, kv_bucket: int | None = None):
     from port import assistant, dflash, dspark
 
     mod = {"assistant": assistant, "dspark": dspark, "dflash": dflash}[case.spec.source]
     with serve_weights(case):
-        return mod.load(case.drafter_dir)
+        return mod.load(case.drafter_dir, **({"kv_bucket": kv_bucket} if kv_bucket else {}))
 
 
-def open_port_source(case: Case, view):
-    return _source_class(case)(load_port_drafter(case), view)
+def open_port_source(case: Case, view, kv_bucket: int | None = None):
+    return _source_class(case)(load_port_drafter(case, kv_bucket), view)
 
 
 # ---- MLX peers -------------------------------------------------------------------------------
@@ -424,9 +434,22 @@ PEERS: dict[str, tuple[tuple[str, ...], Callable[[Prep], Stepper], str]] = {
 }
 
 
+# Our port's opt-in paths, measured as extra sides after the port (ours, never a peer; selected
+# with the peers): name -> (sources it serves, the side).
+PORT_OPTIONS: dict[str, tuple[tuple[str, ...], Callable[[Prep], Stepper]]] = {
+    "port-bucketed": (("dspark", "dflash"), port_bucketed_side),
+}
+OURS = ("port", *PORT_OPTIONS)
+
+
+def side(name: str) -> Callable[[Prep], Stepper]:
+    return PORT_OPTIONS[name][1] if name in PORT_OPTIONS else PEERS[name][1]
+
+
 def peers_for(source: str, wanted: list[str] | None) -> list[str]:
-    """The peers of a source: all of them (wanted None), or those of `wanted` that serve it."""
-    names = [n for n, (srcs, _, _) in PEERS.items() if source in srcs]
+    """The other sides of a source (our opt-in paths first, then the peers): all of them (wanted
+    None), or those of `wanted` that serve it."""
+    names = [n for n, (srcs, *_) in {**PORT_OPTIONS, **PEERS}.items() if source in srcs]
     return names if wanted is None else [n for n in names if n in wanted]
 
 
