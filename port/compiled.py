@@ -50,8 +50,14 @@ def position(model, value: int):
 # summation order in the softmax): held to it within fp32 tolerance, never the default.
 
 
-def check_bucket(kv_bucket, error) -> int | None:
-    """A bucket is None (off) or a positive int number of rows."""
+BUCKET_ATTENTIONS = ("two-segment", "sdpa")
+
+
+def check_bucket(kv_bucket, attention: str, error) -> int | None:
+    """A bucket is None (off) or a positive int number of rows; the attention one of
+    BUCKET_ATTENTIONS."""
+    if attention not in BUCKET_ATTENTIONS:
+        raise error(f"bucket_attention={attention!r}: expected one of {BUCKET_ATTENTIONS}")
     if kv_bucket is None:
         return None
     if isinstance(kv_bucket, bool) or not isinstance(kv_bucket, int) or kv_bucket < 1:
@@ -113,6 +119,24 @@ def two_segment_attention(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, sca
     p = p.reshape(B, n_kv, rep * L, -1)
     o = p[..., :S] @ ctx_v + p[..., S:] @ blk_v
     return o.reshape(B, Hq, L, -1)
+
+
+def joined_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float):
+    """The same attention as two_segment_attention through mx.fast.scaled_dot_product_attention
+    over the keys joined (a copy of the context per call) with an additive float mask: one fused
+    kernel on the GPU, planned once per bucket there (its key length is constant within one)."""
+    L, S = q.shape[2], ctx_k.shape[2]
+    keys = mx.concatenate([ctx_k, blk_k], axis=2)
+    values = mx.concatenate([ctx_v, blk_v], axis=2)
+    blk = mx.ones((L, L), mx.bool_) if blk_seen is None else mx.broadcast_to(blk_seen, (L, L))
+    seen = mx.concatenate([mx.broadcast_to(ctx_seen, (L, S)), blk], axis=-1)
+    mask = mx.where(seen, mx.array(0, q.dtype), mx.array(-mx.inf, q.dtype))
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def bucketed_attention(how: str, *args):
+    """two_segment_attention or joined_sdpa (BUCKET_ATTENTIONS), same arguments."""
+    return (two_segment_attention if how == "two-segment" else joined_sdpa)(*args)
 
 
 def valid_rows(valid, S: int, extra: int = 0):

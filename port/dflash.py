@@ -51,7 +51,8 @@ With extras off (the default) nothing of this is built or read: the source is th
 of buckets long (port/compiled.py BucketCache; sliding layers mask the window instead of rotating),
 presented whole with the tail masked, and the block (embedding, layers, final norm, the target's
 head, the extension's greedy tail) is one compiled call that retraces only when the buffer grows
-(or the block length changes); a two-segment softmax over [context | block]. Within fp32
+(or the block length changes); a two-segment softmax over [context | block] (bucket_attention=
+"sdpa": mx.fast's over the keys joined, port/compiled.py). Within fp32
 tolerance of the default, not bit-exact. window="zlab-mlx" (a quirk of the ring's buffer order)
 is refused with it.
 
@@ -242,7 +243,7 @@ class Attention(nn.Module):
             mask = create_causal_mask(L, offset=n_ctx)
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
 
-    def attend_bucketed(self, q, bk, bv, keys, values, valid, extra: int = 0):
+    def attend_bucketed(self, how: str, q, bk, bv, keys, values, valid, extra: int = 0):
         """`attend` over a bucketed context buffer (every context row kept, in time order: row j is
         position j; rows from `valid` on masked; the block sits at valid..): full layers see every
         valid row, sliding layers those within the window of each block row (window="positional");
@@ -252,7 +253,7 @@ class Attention(nn.Module):
         if self.sliding:
             seen = seen & (valid + mx.arange(L)[:, None] - mx.arange(keys.shape[2]) < self.a.sliding_window)
         causal = mx.arange(L)[None] <= mx.arange(L)[:, None] if self.causal else None
-        return compiled_pieces.two_segment_attention(q, keys, values, seen, bk, bv, causal, self.scale)
+        return compiled_pieces.bucketed_attention(how, q, keys, values, seen, bk, bv, causal, self.scale)
 
     def output(self, o):
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, o.shape[2], -1))
@@ -299,11 +300,12 @@ class Block:
 
 class Model(nn.Module):
     def __init__(self, a: ModelArgs, window: str = "positional", embed: str = "scaled", extras: bool = False,
-                 compiled: bool = True, kv_bucket: int | None = None):
+                 compiled: bool = True, kv_bucket: int | None = None, bucket_attention: str = "two-segment"):
         super().__init__()
         self.compiled = compiled  # the block's shape-stable pieces through mx.compile (port/compiled.py)
         self._pieces = compiled_pieces.Pieces()
-        self.kv_bucket = compiled_pieces.check_bucket(kv_bucket, DFlashError)
+        self.kv_bucket = compiled_pieces.check_bucket(kv_bucket, bucket_attention, DFlashError)
+        self.bucket_attention = bucket_attention
         self._bucketed = compiled_pieces.Bucketed()
         if window not in WINDOWS:
             raise DFlashError(f"window {window!r}: expected one of {WINDOWS}")
@@ -465,7 +467,8 @@ class Model(nn.Module):
         for layer, cache in zip(self.layers, caches):
             cache.update_and_fetch(*layer.self_attn.context_kv(layer.context_rows(c), cache.offset, self._rope))
         keys, values = zip(*(cache.buffers() for cache in caches))
-        fn = self._bucketed.get(self, id(target), partial(self._bucketed_fn, target), [self.state, target.model.state])
+        fn = self._bucketed.get(self, (id(target), self.bucket_attention), partial(self._bucketed_fn, target),
+                                [self.state, target.model.state])
         out = fn(ids, mx.array(caches[0].offset, mx.int32), list(keys), list(values))
         if not self.extras:
             return Block(*out)
@@ -481,7 +484,7 @@ class Model(nn.Module):
         h = self.embed(target, ids)
         q, bk, bv = self._enter(h, at)
         for i, layer in enumerate(self.layers):
-            o = layer.self_attn.attend_bucketed(q, bk, bv, keys[i], values[i], valid, extra)
+            o = layer.self_attn.attend_bucketed(self.bucket_attention, q, bk, bv, keys[i], values[i], valid, extra)
             if i < len(self.layers) - 1:
                 h, q, bk, bv = self._between(i, h, o, at)
         hidden = self._exit(h, o)
@@ -493,7 +496,7 @@ class Model(nn.Module):
 
 
 def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "scaled", extras: bool = False,
-         compiled: bool = True, kv_bucket: int | None = None) -> Model:
+         compiled: bool = True, kv_bucket: int | None = None, bucket_attention: str = "two-segment") -> Model:
     path = Path(path)
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: no config.json")
@@ -502,7 +505,7 @@ def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "sc
     unknown = a.bugs - set(BUGS)
     if unknown:
         raise DFlashError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
-    model = Model(a, window, embed, extras, compiled, kv_bucket)
+    model = Model(a, window, embed, extras, compiled, kv_bucket, bucket_attention)
     checkpoint.load_into(model, path, checkpoint.read_tensors(path), DFlashError, lambda missing: (
         "does it carry the DSpark extras its config declares?"
         if extras and all(k.startswith(("markov_head.", "confidence_head.")) for k in missing)

@@ -17,7 +17,8 @@ One draft round, from the target's hidden states:
 multiple of the bucket, port/compiled.py BucketCache) with the tail masked, and the whole block
 (embedding, layers, final norm, logits, Markov chain, confidence) is one compiled call that
 retraces only when the buffer grows; the attention is a two-segment softmax over [context | block]
-(port/compiled.py two_segment_attention). Within fp32 tolerance of the default, not bit-exact.
+(port/compiled.py two_segment_attention; bucket_attention="sdpa": mx.fast's over the keys joined).
+Within fp32 tolerance of the default, not bit-exact.
 
 `bugs` plants the negative controls the tests must catch; it is empty in use.
 """
@@ -292,11 +293,13 @@ class Model(nn.Module):
     plain path, held to it bit for bit. `kv_bucket` (rows, default None): the bucketed path
     (module docstring); `compiled` then compiles (or not) its one block function."""
 
-    def __init__(self, a: ModelArgs, compiled: bool = True, kv_bucket: int | None = None):
+    def __init__(self, a: ModelArgs, compiled: bool = True, kv_bucket: int | None = None,
+                 bucket_attention: str = "two-segment"):
         super().__init__()
         self.args = a
         self.compiled = compiled
-        self.kv_bucket = compiled_pieces.check_bucket(kv_bucket, DSparkError)
+        self.kv_bucket = compiled_pieces.check_bucket(kv_bucket, bucket_attention, DSparkError)
+        self.bucket_attention = bucket_attention
         self._pieces = compiled_pieces.Pieces()
         self._bucketed = compiled_pieces.Bucketed()
         H = a.hidden_size
@@ -392,7 +395,8 @@ class Model(nn.Module):
         h, q, k, v = self._enter(ids, start)
         for i, layer in enumerate(self.layers):
             seen = compiled_pieces.valid_rows(valid, keys[i].shape[2], extra)
-            o = compiled_pieces.two_segment_attention(q, keys[i], values[i], seen, k, v, None, layer.self_attn.scale)
+            o = compiled_pieces.bucketed_attention(self.bucket_attention, q, keys[i], values[i], seen, k, v, None,
+                                                   layer.self_attn.scale)
             if i < len(self.layers) - 1:
                 h, q, k, v = self._between(i, h, o, start)
         hidden, base = self._exit(h, o)
@@ -406,7 +410,8 @@ class Model(nn.Module):
                               "(Model.make_cache; DeepspecSource makes them), not (k, v) pairs or a KVCache")
         keys, values = zip(*(c.buffers() for c in ctx))
         greedy = pick is None
-        fn = self._bucketed.get(self, greedy, partial(self._block_bucketed, greedy), [self.state])
+        fn = self._bucketed.get(self, (greedy, self.bucket_attention), partial(self._block_bucketed, greedy),
+                                [self.state])
         out = fn(ids, mx.array(start, mx.int32), mx.array(ctx[0].offset, mx.int32), list(keys), list(values))
         hidden, base = out[:2]
         rows, tokens, *conf = out[2:] if greedy else self._tail(hidden, base, anchor_id, pick)
@@ -445,7 +450,8 @@ class Model(nn.Module):
         return below.index(True) if True in below else self.args.block_size
 
 
-def load(path: str | Path, bugs=(), compiled: bool = True, kv_bucket: int | None = None) -> Model:
+def load(path: str | Path, bugs=(), compiled: bool = True, kv_bucket: int | None = None,
+         bucket_attention: str = "two-segment") -> Model:
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     a = ModelArgs.from_config(cfg, path)
@@ -453,7 +459,7 @@ def load(path: str | Path, bugs=(), compiled: bool = True, kv_bucket: int | None
     unknown = a.bugs - set(BUGS)
     if unknown:
         raise DSparkError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
-    model = Model(a, compiled, kv_bucket)
+    model = Model(a, compiled, kv_bucket, bucket_attention)
     checkpoint.load_into(model, path, checkpoint.read_tensors(path), DSparkError,
                          "is this a complete DeepSpec DSpark checkpoint?")
     mx.eval(model.parameters())

@@ -70,13 +70,13 @@ def _draft_config(prep: Prep) -> dict:
 
 # ---- our port --------------------------------------------------------------------------------
 
-def port_side(prep: Prep, kv_bucket: int | None = None) -> Stepper:
+def port_side(prep: Prep, **bucketed) -> Stepper:
     """Our port through the serve loop's seam: the source's `draft` (and `commit` of one row);
-    `kv_bucket`: its opt-in bucketed path (port/compiled.py)."""
+    `bucketed` (kv_bucket, bucket_attention): its opt-in bucketed path (port/compiled.py)."""
     from port import serve
 
     view = serve.TargetView(prep.target, prep.caches)
-    src = open_port_source(prep.case, view, kv_bucket)
+    src = open_port_source(prep.case, view, **bucketed)
     tok, hid, g = prep.anchor, prep.anchor_hidden, prep.gamma
     if prep.case.spec.source == "assistant":
         return Stepper(lambda: src.draft([tok], g, hid), keep=src)
@@ -87,16 +87,21 @@ def port_side(prep: Prep, kv_bucket: int | None = None) -> Stepper:
         src.commit(g, 0, [prep.row])
         return src.draft([tok], g, hid)
 
-    return Stepper(step, keep=src, notes=[f"kv_bucket={kv_bucket}"] if kv_bucket else [])
+    return Stepper(step, keep=src, notes=[f"{k}={v}" for k, v in bucketed.items()])
 
 
 BUCKET = 256  # mlx-lm KVCache's own growth step
 
 
-def port_bucketed_side(prep: Prep) -> Stepper:
+def port_bucketed_side(prep: Prep, attention: str = "two-segment") -> Stepper:
     """Our port with kv_bucket=BUCKET: the whole block one compiled call over the context buffer
     (opt-in; within fp32 tolerance of the port, not bit-exact)."""
-    return port_side(prep, BUCKET)
+    return port_side(prep, kv_bucket=BUCKET, bucket_attention=attention)
+
+
+def port_bucketed_sdpa_side(prep: Prep) -> Stepper:
+    """port-bucketed with mx.fast.scaled_dot_product_attention over the joined keys (float mask)."""
+    return port_bucketed_side(prep, "sdpa")
 
 
 class PortProvider:
@@ -124,16 +129,16 @@ def _source_class(case: Case):
             "dflash": dflash.DflashSource}[case.spec.source]
 
 
-def load_port_drafter(case: Case, kv_bucket: int | None = None):
+def load_port_drafter(case: Case, **bucketed):
     from port import assistant, dflash, dspark
 
     mod = {"assistant": assistant, "dspark": dspark, "dflash": dflash}[case.spec.source]
     with serve_weights(case):
-        return mod.load(case.drafter_dir, **({"kv_bucket": kv_bucket} if kv_bucket else {}))
+        return mod.load(case.drafter_dir, **bucketed)
 
 
-def open_port_source(case: Case, view, kv_bucket: int | None = None):
-    return _source_class(case)(load_port_drafter(case, kv_bucket), view)
+def open_port_source(case: Case, view, **bucketed):
+    return _source_class(case)(load_port_drafter(case, **bucketed), view)
 
 
 # ---- MLX peers -------------------------------------------------------------------------------
@@ -438,6 +443,7 @@ PEERS: dict[str, tuple[tuple[str, ...], Callable[[Prep], Stepper], str]] = {
 # with the peers): name -> (sources it serves, the side).
 PORT_OPTIONS: dict[str, tuple[tuple[str, ...], Callable[[Prep], Stepper]]] = {
     "port-bucketed": (("dspark", "dflash"), port_bucketed_side),
+    "port-bucketed-sdpa": (("dspark", "dflash"), port_bucketed_sdpa_side),
 }
 OURS = ("port", *PORT_OPTIONS)
 

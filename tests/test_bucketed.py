@@ -2,8 +2,9 @@
 at its buffer's length (a whole number of buckets) with the tail masked, the whole block one
 compiled call.
 
-It is not bit-exact with the default path (a two-segment softmax sums in another order than
-mx.fast.scaled_dot_product_attention), so every block tensor is held to the default path within
+It is not bit-exact with the default path (its attention, a two-segment softmax or
+mx.fast.scaled_dot_product_attention over the joined keys with a float mask, sums over a padded
+key range in another order), so every block tensor is held to the default path within
 torch.testing's fp32 tolerance (rtol 1.3e-6, atol 1e-5: same framework, same math, the ops
 regrouped; measured max |diff| here ~7e-6 on logits of |~10|), with identical greedy tokens, over
 rounds whose context crosses two bucket boundaries (bucket 8, context 5 -> 20 rows). A planted
@@ -17,7 +18,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from test_speed import DFLASH_VARIANTS, DSPARK_VARIANTS, LONG_PROMPT, PROMPT, SOURCES, round_syncs
 
-from port import dflash, dspark, serve, targets
+from port import compiled, dflash, dspark, serve, targets
 from spec_parity import budgets, checkpoints, compare
 
 BUCKET = 8
@@ -38,13 +39,13 @@ def _taps(kind: str, path):
     return m.taps(targets.forward(_target(kind), mx.array([LONG_PROMPT])).hidden)
 
 
-def _dspark_rounds(variant: str, kv_bucket, bugs=(), compiled=True):
+def _dspark_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="two-segment"):
     """Per round (context grown by FEEDS): the block's hidden, base and Markov rows, confidence,
     and its tokens; and the model."""
     ov = DSPARK_VARIANTS[variant]
     kind = ov.get("target_kind", "gemma4-target")
     path = checkpoints.build("dspark-drafter", 0, ov)
-    m = dspark.load(path, bugs, compiled, kv_bucket)
+    m = dspark.load(path, bugs, compiled, kv_bucket, attention)
     rows = _taps(kind, path)
     src = dspark.DeepspecSource(m, serve.TargetView(_target(kind), make_prompt_cache(_target(kind).model)))
     out = []
@@ -56,11 +57,12 @@ def _dspark_rounds(variant: str, kv_bucket, bugs=(), compiled=True):
     return out, m
 
 
-def _dflash_rounds(variant: str, kv_bucket, bugs=(), compiled=True):
+def _dflash_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="two-segment"):
     ov = DFLASH_VARIANTS[variant]
     kind = ov.get("target_kind", "qwen3-target")
     path = checkpoints.build("dflash-drafter", 0, ov)
-    m = dflash.load(path, bugs=bugs, extras="dspark_extras" in ov, compiled=compiled, kv_bucket=kv_bucket)
+    m = dflash.load(path, bugs=bugs, extras="dspark_extras" in ov, compiled=compiled, kv_bucket=kv_bucket,
+                    bucket_attention=attention)
     rows, caches, out = _taps(kind, path), m.make_caches(), []
     for r, (lo, hi) in enumerate(FEEDS):
         b = m.block(_target(kind), 7 + r, m.args.block_size - 1, rows[:, lo:hi], caches)
@@ -86,13 +88,14 @@ CASES = [("dspark", v) for v in ("gemma4", "qwen3", "gemma4-keqv", "gemma4-rnn")
         [("dflash", v) for v in DFLASH_VARIANTS]
 
 
+@pytest.mark.parametrize("attention", compiled.BUCKET_ATTENTIONS)
 @pytest.mark.parametrize("source,variant", CASES, ids=[f"{s}-{v}" for s, v in CASES])
-def test_bucketed_block_within_fp32_of_default(source, variant):
+def test_bucketed_block_within_fp32_of_default(source, variant, attention):
     """Six rounds, the context 5 -> 20 rows over buffers of 8, 16, 24: every block tensor within
     the fp32 budget of the default path, the same greedy tokens; the compiled block traced once
-    per buffer length, not once per round."""
+    per buffer length, not once per round. Both attention designs."""
     plain, _ = ROUNDS[source](variant, None)
-    fast, m = ROUNDS[source](variant, BUCKET)
+    fast, m = ROUNDS[source](variant, BUCKET, attention=attention)
     ok, bad = _within_fp32(fast, plain)
     assert ok, bad
     assert m._bucketed.traces == len(BUFFERS) < len(FEEDS)
@@ -105,12 +108,13 @@ def test_trace_counter_counts_every_call_uncompiled(source, variant):
     assert m._bucketed.traces == len(FEEDS)
 
 
-@pytest.mark.parametrize("source,variant", [("dspark", "gemma4"), ("dspark", "qwen3"), ("dflash", "qwen3"),
-                                            ("dflash", "qwen3-swa")])
-def test_planted_mask_off_by_one_fails_the_comparison(source, variant):
+@pytest.mark.parametrize("source,variant,attention", [
+    ("dspark", "gemma4", "two-segment"), ("dspark", "qwen3", "two-segment"), ("dflash", "qwen3", "two-segment"),
+    ("dflash", "qwen3-swa", "two-segment"), ("dspark", "qwen3", "sdpa"), ("dflash", "qwen3-causal", "sdpa")])
+def test_planted_mask_off_by_one_fails_the_comparison(source, variant, attention):
     """Negative control: the context mask letting the first padded row through is caught."""
     plain, _ = ROUNDS[source](variant, None)
-    planted, _ = ROUNDS[source](variant, BUCKET, bugs=("bucket_mask_off_by_one",))
+    planted, _ = ROUNDS[source](variant, BUCKET, bugs=("bucket_mask_off_by_one",), attention=attention)
     ok, bad = _within_fp32(planted, plain)
     assert not ok and any(r == 0 for r, *_ in bad)   # round 0: 5 rows in a buffer of 8
 
@@ -150,6 +154,8 @@ def test_bad_bucket_and_window_are_refused():
     swa = checkpoints.build("dflash-drafter", 0, DFLASH_VARIANTS["qwen3-swa"])
     with pytest.raises(dflash.DFlashError, match="window='positional'"):
         dflash.load(swa, window="zlab-mlx", kv_bucket=BUCKET)
+    with pytest.raises(dflash.DFlashError, match="bucket_attention"):
+        dflash.load(swa, kv_bucket=BUCKET, bucket_attention="flash")
     m = dspark.load(path, kv_bucket=BUCKET)
     with pytest.raises(dspark.DSparkError, match="BucketCache"):
         m.draft_block(3, [dspark.KVCache() for _ in m.layers], 4)
