@@ -16,7 +16,16 @@ import functools
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from test_speed import DFLASH_VARIANTS, DSPARK_VARIANTS, LONG_PROMPT, PROMPT, SOURCES, round_syncs
+from test_speed import (
+    DFLASH_VARIANTS,
+    DSPARK_VARIANTS,
+    LONG_PROMPT,
+    PROMPT,
+    SOURCES,
+    _bits_equal,
+    _host_argmax,
+    round_syncs,
+)
 
 from port import compiled, dflash, dspark, serve, targets
 from spec_parity import budgets, checkpoints, compare
@@ -39,13 +48,13 @@ def _taps(kind: str, path):
     return m.taps(targets.forward(_target(kind), mx.array([LONG_PROMPT])).hidden)
 
 
-def _dspark_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="two-segment"):
+def _dspark_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="two-segment", model=None):
     """Per round (context grown by FEEDS): the block's hidden, base and Markov rows, confidence,
-    and its tokens; and the model."""
+    and its tokens; and the model (`model`: that one, already loaded)."""
     ov = DSPARK_VARIANTS[variant]
     kind = ov.get("target_kind", "gemma4-target")
     path = checkpoints.build("dspark-drafter", 0, ov)
-    m = dspark.load(path, bugs, compiled, kv_bucket, attention)
+    m = model or dspark.load(path, bugs, compiled, kv_bucket, attention)
     rows = _taps(kind, path)
     src = dspark.DeepspecSource(m, serve.TargetView(_target(kind), make_prompt_cache(_target(kind).model)))
     out = []
@@ -57,11 +66,11 @@ def _dspark_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="t
     return out, m
 
 
-def _dflash_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="two-segment"):
+def _dflash_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="two-segment", model=None):
     ov = DFLASH_VARIANTS[variant]
     kind = ov.get("target_kind", "qwen3-target")
     path = checkpoints.build("dflash-drafter", 0, ov)
-    m = dflash.load(path, bugs=bugs, extras="dspark_extras" in ov, compiled=compiled, kv_bucket=kv_bucket,
+    m = model or dflash.load(path, bugs=bugs, extras="dspark_extras" in ov, compiled=compiled, kv_bucket=kv_bucket,
                     bucket_attention=attention)
     rows, caches, out = _taps(kind, path), m.make_caches(), []
     for r, (lo, hi) in enumerate(FEEDS):
@@ -159,3 +168,46 @@ def test_bad_bucket_and_window_are_refused():
     m = dspark.load(path, kv_bucket=BUCKET)
     with pytest.raises(dspark.DSparkError, match="BucketCache"):
         m.draft_block(3, [dspark.KVCache() for _ in m.layers], 4)
+
+
+@pytest.mark.parametrize("source,variant", [("dspark", "gemma4-rnn"), ("dspark", "qwen3"), ("dflash", "qwen3-swa"),
+                                            ("dflash", "qwen3-extras")])
+def test_compiled_bucketed_block_equals_uncompiled_after_a_weight_change(source, variant):
+    """The one compiled block equals the same function uncompiled, bit for bit, also after a weight
+    is replaced (the parameters are compile inputs, not constants traced in)."""
+    def both(mutate=None):
+        (fast, m), (plain, p) = ROUNDS[source](variant, BUCKET), ROUNDS[source](variant, BUCKET, compiled=False)
+        if mutate is not None:
+            for model in (m, p):
+                mutate(model)
+            (fast, _), (plain, _) = (ROUNDS[source](variant, BUCKET, model=x) for x in (m, p))
+        return fast, plain
+
+    def same(fast, plain):
+        return all(_bits_equal(a, b) for (fa, _), (pa, _) in zip(fast, plain, strict=True)
+                   for a, b in zip(fa, pa, strict=True)) and [t for _, t in fast] == [t for _, t in plain]
+
+    assert same(*both())
+    grown = both(lambda model: setattr(model.layers[0].mlp.up_proj, "weight", model.layers[0].mlp.up_proj.weight * 1.5))
+    assert same(*grown)
+    assert not same(grown[0], both()[1])   # the weight change shows (the comparison is not blind)
+
+
+def test_dspark_bucketed_host_pick_equals_device_chain():
+    """The sampled path (a host `pick` chains the Markov tail after the compiled body) with an
+    argmax pick drafts the greedy block's tokens, its rows within fp32 of the greedy ones; a pick
+    one token off (the control) drafts others."""
+    ov = DSPARK_VARIANTS["gemma4-rnn"]
+    path = checkpoints.build("dspark-drafter", 0, ov)
+    m, rows = dspark.load(path, kv_bucket=BUCKET), _taps("gemma4-target", path)
+
+    def block(pick):
+        src = dspark.DeepspecSource(m, serve.TargetView(_target("gemma4-target"), make_prompt_cache(
+            _target("gemma4-target").model)))
+        src.pending = rows[:, :11]
+        return src._block([7], pick)
+
+    greedy, host = block(None), block(_host_argmax)
+    assert greedy.tokens == host.tokens
+    assert compare.tensor_metrics(host.logits, greedy.logits, FP32)["ok"]
+    assert block(lambda row: (_host_argmax(row) + 1) % row.shape[-1]).tokens != greedy.tokens
