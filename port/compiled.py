@@ -46,11 +46,16 @@ def position(model, value: int):
 # the context grows each round. With a bucket the context K/V is presented at its buffer's length,
 # a multiple of the bucket, with the unused tail masked, so every shape of a block is constant
 # within a bucket: the whole block runs as one compiled call that retraces only when the buffer
-# grows. The valid length enters as an array. Not bit-exact with the default path (another
-# summation order in the softmax): held to it within fp32 tolerance, never the default.
+# grows. The valid length enters as an array. Attention (`bucket_attention`): "sdpa" (default),
+# mx.fast.scaled_dot_product_attention over [context buffer | block] joined with a float mask: one
+# fused kernel on the GPU, but a copy of the context per layer and call; measured bit-exact with
+# the default path on the CPU backend (fp32 and bf16), not guaranteed on the GPU (another kernel
+# over a padded key range). "two-segment": no copy, more ops, a softmax summed in another order
+# (fp32: within tolerance; bf16: the two PV products round apart, measured up to 0.16 on tiny
+# logits). Held to the default within fp32 tolerance; never the default path itself.
 
 
-BUCKET_ATTENTIONS = ("two-segment", "sdpa")
+BUCKET_ATTENTIONS = ("sdpa", "two-segment")
 
 
 def check_bucket(kv_bucket, attention: str, error) -> int | None:
@@ -135,8 +140,8 @@ def joined_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float)
 
 
 def bucketed_attention(how: str, *args):
-    """two_segment_attention or joined_sdpa (BUCKET_ATTENTIONS), same arguments."""
-    return (two_segment_attention if how == "two-segment" else joined_sdpa)(*args)
+    """joined_sdpa or two_segment_attention (BUCKET_ATTENTIONS), same arguments."""
+    return (joined_sdpa if how == "sdpa" else two_segment_attention)(*args)
 
 
 def valid_rows(valid, S: int, extra: int = 0):

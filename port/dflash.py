@@ -51,10 +51,10 @@ With extras off (the default) nothing of this is built or read: the source is th
 of buckets long (port/compiled.py BucketCache; sliding layers mask the window instead of rotating),
 presented whole with the tail masked, and the block (embedding, layers, final norm, the target's
 head, the extension's greedy tail) is one compiled call that retraces only when the buffer grows
-(or the block length changes); a two-segment softmax over [context | block] (bucket_attention=
-"sdpa": mx.fast's over the keys joined, port/compiled.py). Within fp32
-tolerance of the default, not bit-exact. window="zlab-mlx" (a quirk of the ring's buffer order)
-is refused with it.
+(or the block length changes); mx.fast's attention over [context | block] joined with a float
+mask, or (bucket_attention="two-segment") a two-segment softmax (port/compiled.py). Held to the
+default within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured).
+window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
 
 `bugs` plants the negative controls the tests must catch; it is empty in use.
 """
@@ -300,7 +300,7 @@ class Block:
 
 class Model(nn.Module):
     def __init__(self, a: ModelArgs, window: str = "positional", embed: str = "scaled", extras: bool = False,
-                 compiled: bool = True, kv_bucket: int | None = None, bucket_attention: str = "two-segment"):
+                 compiled: bool = True, kv_bucket: int | None = None, bucket_attention: str = "sdpa"):
         super().__init__()
         self.compiled = compiled  # the block's shape-stable pieces through mx.compile (port/compiled.py)
         self._pieces = compiled_pieces.Pieces()
@@ -496,7 +496,7 @@ class Model(nn.Module):
 
 
 def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "scaled", extras: bool = False,
-         compiled: bool = True, kv_bucket: int | None = None, bucket_attention: str = "two-segment") -> Model:
+         compiled: bool = True, kv_bucket: int | None = None, bucket_attention: str = "sdpa") -> Model:
     path = Path(path)
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: no config.json")

@@ -16,9 +16,9 @@ One draft round, from the target's hidden states:
 `kv_bucket` (opt-in, default None): the context K/V is presented at its buffer's length (a
 multiple of the bucket, port/compiled.py BucketCache) with the tail masked, and the whole block
 (embedding, layers, final norm, logits, Markov chain, confidence) is one compiled call that
-retraces only when the buffer grows; the attention is a two-segment softmax over [context | block]
-(port/compiled.py two_segment_attention; bucket_attention="sdpa": mx.fast's over the keys joined).
-Within fp32 tolerance of the default, not bit-exact.
+retraces only when the buffer grows; the attention is mx.fast's over [context | block] joined with
+a float mask, or (bucket_attention="two-segment") a two-segment softmax (port/compiled.py). Held
+to the default within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured).
 
 `bugs` plants the negative controls the tests must catch; it is empty in use.
 """
@@ -294,7 +294,7 @@ class Model(nn.Module):
     (module docstring); `compiled` then compiles (or not) its one block function."""
 
     def __init__(self, a: ModelArgs, compiled: bool = True, kv_bucket: int | None = None,
-                 bucket_attention: str = "two-segment"):
+                 bucket_attention: str = "sdpa"):
         super().__init__()
         self.args = a
         self.compiled = compiled
@@ -451,7 +451,7 @@ class Model(nn.Module):
 
 
 def load(path: str | Path, bugs=(), compiled: bool = True, kv_bucket: int | None = None,
-         bucket_attention: str = "two-segment") -> Model:
+         bucket_attention: str = "sdpa") -> Model:
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     a = ModelArgs.from_config(cfg, path)
