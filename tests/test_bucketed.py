@@ -27,7 +27,7 @@ from test_speed import (
     round_syncs,
 )
 
-from port import compiled, dflash, dspark, serve, targets
+from port import assistant, compiled, dflash, dspark, serve, targets
 from spec_parity import budgets, checkpoints, compare
 
 BUCKET = 8
@@ -226,3 +226,128 @@ def test_dspark_bucketed_host_pick_equals_device_chain():
     assert greedy.tokens == host.tokens
     assert compare.tensor_metrics(host.logits, greedy.logits, FP32)["ok"]
     assert block(lambda row: (_host_argmax(row) + 1) % row.shape[-1]).tokens != greedy.tokens
+
+
+# ---- the assistant: its donors are the target's own cache buffers ----------------------------------
+
+class _BothChains:
+    """Provider: drafts with the default source; each draft chain is also run on the bucketed
+    source over the same target caches, and both chains are recorded."""
+
+    def __init__(self, make):
+        self.plain, self.bucketed = make(), make()
+        self.bucketed.drafter.bucketed = True
+        p = self.plain
+        self.id, self.weights_bytes, self.trained_gamma, self.chains = p.id, p.weights_bytes, p.trained_gamma, []
+
+    def open(self, view):
+        src, other = self.plain.open(view), self.bucketed.open(view)
+        chain = src._chain
+
+        def both(feed, n, hidden, pick):
+            steps = chain(feed, n, hidden, pick)
+            self.chains.append((steps, other._chain(feed, n, hidden, pick)))
+            return steps
+
+        src._chain = both
+        return src
+
+    def dispose(self):
+        pass
+
+
+def _assistant_loop(name: str):
+    """A 40-token serve loop (past the tiny target's sliding window of 8: the ring wraps, verify
+    chunks and trims reorder it) with every chain drafted both ways: (target, provider, gamma,
+    bucketed rounds, default rounds), a round = (logits and next hidden of each step, tokens)."""
+    _, kind, overrides, make, gamma, _ = next(s for s in SOURCES if s[0] == name)
+    target = targets.load(checkpoints.build(kind, 0, overrides))
+    prov = _BothChains(make)
+    serve.generate(target, PROMPT, 40, prov, gamma=gamma, eos=set())
+
+    def rounds(which):
+        return [([x for s in c[which] for x in (s.logits, s.next_hidden)], [s.token for s in c[which]])
+                for c in prov.chains]
+
+    return target, prov, gamma, rounds(1), rounds(0)
+
+
+@pytest.mark.parametrize("name", ["assistant-centroid", "assistant-tied"])
+def test_assistant_bucketed_chains_within_fp32_and_lossless(name):
+    """Every draft chain of a serve loop drafted on the bucketed path from the same target caches:
+    logits and next hidden within fp32 of the default's, the same tokens; the loop with the
+    bucketed source emits the target's greedy stream; the one compiled step traced far less often
+    than once per step."""
+    target, prov, gamma, fast, plain = _assistant_loop(name)
+    ok, bad = _within_fp32(fast, plain)
+    assert ok and len(fast) > 10, bad
+    reference, _ = serve.generate(target, PROMPT, 40, None, gamma=gamma, eos=set())
+    tokens, stats = serve.generate(target, PROMPT, 40, prov.bucketed, gamma=gamma, eos=set())
+    assert tokens == reference and stats.accepted > 0
+    assert prov.bucketed.drafter._bucketed.traces < stats.drafted / 4
+
+
+@pytest.mark.parametrize("layer", ["sliding_attention", "full_attention"])
+def test_assistant_planted_window_off_by_one_fails_the_comparison(layer, monkeypatch):
+    """Negative control: one donor entry more than the window (sliding) or past the offset (full)
+    let through on the bucketed path is caught."""
+    buffers = assistant.donor_buffers
+
+    def planted(*args):
+        out = buffers(*args)
+        k, v, where = out[layer]["kv"]
+        out[layer]["kv"] = (k, v, where + mx.array([0, -1, 0] if layer == "sliding_attention" else [1], mx.int32))
+        return out
+
+    monkeypatch.setattr(assistant, "donor_buffers", planted)
+    _, _, _, fast, plain = _assistant_loop("assistant-tied")
+    ok, _ = _within_fp32(fast, plain)
+    assert not ok
+
+
+def _wrapped_ring_rounds(window: str):
+    """Donors from one-token decoding (mlx-lm's in-place ring: after it wraps, the buffer is not in
+    time order, which the serve loop's multi-token verifies never leave): at each ring position a
+    chain drafted both ways. Returns (the ring write indices seen, bucketed rounds, default rounds)."""
+    _, kind, overrides, make, gamma, _ = next(s for s in SOURCES if s[0] == "assistant-tied")
+    target = targets.load(checkpoints.build(kind, 0, overrides))
+    plain, fast = make(), make()
+    fast.drafter.bucketed = True   # sources opened here with the window given
+    caches = make_prompt_cache(target.model)
+    ring = caches[targets.donor_layers(target)["sliding"]]
+    trace = targets.forward(target, mx.array([LONG_PROMPT[:6]]), caches=caches)
+    writes, out = set(), {False: [], True: []}
+    for t in LONG_PROMPT[6:]:
+        view = serve.TargetView(target, caches)
+        for prov in (plain, fast):
+            src = assistant.AssistantSource(prov.drafter, view, window=window)
+            steps = src._chain([t], gamma, trace.final[:, -1:, :], None)
+            out[prov is fast].append(([x for s in steps for x in (s.logits, s.next_hidden)], [s.token for s in steps]))
+        writes.add(ring._idx)
+        trace = targets.forward(target, mx.array([[t]]), caches=caches)
+    return writes, out[True], out[False]
+
+
+@pytest.mark.parametrize("window", ["optiq", "hf"])
+def test_assistant_bucketed_over_a_wrapped_ring(window):
+    """At every ring position, both window conventions: each chain on the bucketed path within fp32
+    of the default's, the same tokens."""
+    writes, fast, plain = _wrapped_ring_rounds(window)
+    assert len(writes) > 3   # the ring's write index moved round
+    ok, bad = _within_fp32(fast, plain)
+    assert ok, bad
+
+
+def test_assistant_ring_order_ignored_fails_the_comparison(monkeypatch):
+    """Negative control: the ring's rotation dropped (slot j taken as rank j) is caught."""
+    buffers = assistant.donor_buffers
+
+    def planted(*args):
+        out = buffers(*args)
+        k, v, where = out["sliding_attention"]["kv"]
+        out["sliding_attention"]["kv"] = (k, v, where * mx.array([0, 1, 1], mx.int32))
+        return out
+
+    monkeypatch.setattr(assistant, "donor_buffers", planted)
+    _, fast, plain = _wrapped_ring_rounds("optiq")
+    assert not _within_fp32(fast, plain)[0]
