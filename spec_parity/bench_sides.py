@@ -94,8 +94,11 @@ BUCKET = 256  # mlx-lm KVCache's own growth step
 
 
 def port_bucketed_side(prep: Prep, attention: str = "sdpa") -> Stepper:
-    """Our port with kv_bucket=BUCKET: the whole block one compiled call over the context buffer
-    (opt-in; within fp32 tolerance of the port, not bit-exact)."""
+    """Our port's opt-in bucketed path: blocks with kv_bucket=BUCKET (the whole block one compiled
+    call over the context buffer), the assistant with bucketed=True (one compiled step over the
+    target's cache buffers). Within fp32 tolerance of the port."""
+    if prep.case.spec.source == "assistant":
+        return port_side(prep, bucketed=True)
     return port_side(prep, kv_bucket=BUCKET, bucket_attention=attention)
 
 
@@ -442,7 +445,7 @@ PEERS: dict[str, tuple[tuple[str, ...], Callable[[Prep], Stepper], str]] = {
 # Our port's opt-in paths, measured as extra sides after the port (ours, never a peer; selected
 # with the peers): name -> (sources it serves, the side).
 PORT_OPTIONS: dict[str, tuple[tuple[str, ...], Callable[[Prep], Stepper]]] = {
-    "port-bucketed": (("dspark", "dflash"), port_bucketed_side),
+    "port-bucketed": (("assistant", "dspark", "dflash"), port_bucketed_side),
     "port-bucketed-2seg": (("dspark", "dflash"), port_bucketed_2seg_side),
 }
 OURS = ("port", *PORT_OPTIONS)
