@@ -13,6 +13,14 @@ Conventions where the two references differ (REFERENCES.md, "Reference deltas") 
 `position` is whatever the caller passes (optiq: P+k per draft step, HF: P for every step), and
 `window` picks how the sliding donor K/V is cut: "optiq" attends to the newest W-1 entries,
 "hf" to the newest W+1.
+
+`bucketed` (opt-in, default off): the donor K/V are the target's mlx-lm cache buffers as they
+are (KVCache: rows past its offset masked; RotatingKVCache: the ring, every slot but the window's
+entries masked, whatever its order), so a step's shapes change only when a buffer does, and the
+whole step (pre-projection, the 4 layers with their attention, norm, head, post-projection) is
+one compiled call. The window's slots are found from the ring's (write index, offset) as
+mlx-lm's own temporal order lays them out; they enter as arrays. Within fp32 tolerance of the
+default (the softmax sums the same entries in ring order), not bit-exact.
 """
 
 from __future__ import annotations
@@ -197,9 +205,11 @@ class Model(nn.Module):
     the plain path (tests/test_speed.py), which `compiled=False` selects. `repeat_kv=False` lets
     the attention kernel map the query heads onto the donor K/V heads (no copy; see attend)."""
 
-    def __init__(self, args: ModelArgs, compiled: bool = True, repeat_kv: bool = True):
+    def __init__(self, args: ModelArgs, compiled: bool = True, bucketed: bool = False, repeat_kv: bool = True):
         super().__init__()
         self.args = args
+        self.bucketed = bucketed
+        self._bucketed = compiled_pieces.Bucketed()
         self.model = Inner(args)
         for layer in self.model.layers:
             layer.self_attn.repeat_kv = repeat_kv
@@ -249,38 +259,104 @@ class Model(nn.Module):
         n = len(self.model.layers)
         return self._pieces.get(self, (self._enter, [partial(self._between, i) for i in range(n - 1)], self._exit))
 
+    def _step_bucketed(self, emb, hidden_in, position, donors):
+        """The whole step over donor buffers {layer type: (k, v, seen [S] bool)}."""
+        self._bucketed.traces += 1
+        masks = {t: mx.where(seen, mx.array(0, emb.dtype), mx.array(-mx.inf, emb.dtype)) for t, (_, _, seen) in
+                 donor_seen(donors).items()}
+        h, q = self._enter(emb, hidden_in, position)
+        for i, layer in enumerate(self.model.layers):
+            k, v, _ = donors[layer.layer_type]
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=layer.self_attn.scale, mask=masks[layer.layer_type])
+            if i < len(self.model.layers) - 1:
+                h, q = self._between(i, h, o, position)
+        return self._exit(h, o)
+
     def step(self, emb, hidden_in, donors, position: int, window: str = "optiq", pick=None) -> Step:
         """One draft step; the token is the argmax (left on the device), or `pick(logits)` (the
-        serve loop's sampler, a host int)."""
-        views = dict(donors)
-        views["sliding_attention"] = sliding_view(*donors["sliding_attention"], self.args.sliding_window, window)
-        enter, between, leave = self.pieces()
-        pos = compiled_pieces.position(self, position)
-        h, q = enter(emb, hidden_in, pos)
-        for i, layer in enumerate(self.model.layers):
-            o = layer.self_attn.attend(q, *views[layer.layer_type])
-            if i < len(between):
-                h, q = between[i](h, o, pos)
-        logits, next_hidden, token, *cand = leave(h, o)
+        serve loop's sampler, a host int). `bucketed`: donors are `donor_buffers` (the window is
+        in them)."""
+        if self.bucketed:
+            if not isinstance(donors.get("sliding_attention"), dict):
+                raise DrafterError("bucketed: the donors must be assistant.donor_buffers(target, caches, window), "
+                                   "not targets.donor_view's sliced K/V")
+            fn = self._bucketed.get(self, "step", self._step_bucketed, [self.state])
+            out = fn(emb, hidden_in, mx.array(position, mx.int32), {t: d["kv"] for t, d in donors.items()})
+        else:
+            views = dict(donors)
+            views["sliding_attention"] = sliding_view(*donors["sliding_attention"], self.args.sliding_window, window)
+            enter, between, leave = self.pieces()
+            pos = compiled_pieces.position(self, position)
+            h, q = enter(emb, hidden_in, pos)
+            for i, layer in enumerate(self.model.layers):
+                o = layer.self_attn.attend(q, *views[layer.layer_type])
+                if i < len(between):
+                    h, q = between[i](h, o, pos)
+            out = leave(h, o)
+        logits, next_hidden, token, *cand = out
         if pick is not None:
             token = mx.array([[int(pick(logits))]])
         return Step(token, logits, next_hidden, cand[0] if cand else None)
 
 
-def sliding_view(k, v, window: int, convention: str | int = "optiq"):
-    """The sliding donor entries one draft query attends to (chronological K/V [1, H, T, D]).
+def window_keep(window: int, convention: str | int = "optiq") -> int:
+    """How many of the newest sliding donor entries a draft query attends to: optiq W-1 (the query
+    stands for the token not yet in the cache, which makes W with it), transformers' assistant
+    W+1, or the int given."""
+    return {"optiq": window - 1, "hf": window + 1}[convention] if isinstance(convention, str) else convention
 
-    optiq attends to the newest W-1 (the query stands for the token not yet in the cache, which
-    makes W with it); transformers' assistant attends to the newest W+1 it is given."""
-    keep = {"optiq": window - 1, "hf": window + 1}[convention] if isinstance(convention, str) else convention
+
+def sliding_view(k, v, window: int, convention: str | int = "optiq"):
+    """The sliding donor entries one draft query attends to (chronological K/V [1, H, T, D])."""
+    keep = window_keep(window, convention)
     return k[..., -keep:, :], v[..., -keep:, :]
 
 
-def load(path: str | Path, dtype: mx.Dtype | None = None, compiled: bool = True, repeat_kv: bool = True) -> Model:
+def donor_buffers(target, caches: list, window: str | int = "optiq") -> dict:
+    """The donor layers' K/V as their mlx-lm caches' whole buffers, with what a step may see, for
+    `bucketed`: per layer type {"kv": (k, v, where), "ring": bool}. Full (KVCache): where = [offset]
+    (rows below it). Sliding (RotatingKVCache, keep 0): where = [rot, lo, hi]: slot j has temporal
+    rank (j - rot) mod S in mlx-lm's _temporal_order and is seen iff lo <= rank < hi, the newest
+    entries of the window (targets.donor_view + sliding_view pick the same ones, in time order)."""
+    out = {}
+    for name, layer in targets.donor_layers(target).items():
+        c = caches[layer]
+        if c.keys is None:
+            raise RuntimeError("the target cache is empty: prefill before drafting")
+        S = c.keys.shape[2]
+        if not hasattr(c, "_temporal_order"):
+            where, ring = [c.offset], False
+        else:
+            if c.keep:
+                raise DrafterError(f"bucketed: a RotatingKVCache with keep={c.keep} (sink rows) is not supported; "
+                                   "use bucketed=False")
+            rot, total = (c._idx, S) if c._idx < c.offset and c._idx != S else (0, S if c._idx == S else c._idx)
+            seen = min(c.offset, total, window_keep(target.config["sliding_window"], window))
+            where, ring = [rot, total - seen, total], True
+        out[f"{name}_attention"] = {"kv": (c.keys, c.values, mx.array(where, mx.int32)), "ring": ring}
+    return out
+
+
+def donor_seen(donors: dict) -> dict:
+    """{layer type: (k, v, seen [S] bool)} from donor_buffers' "kv" entries (inside the step)."""
+    out = {}
+    for t, (k, v, where) in donors.items():
+        j = mx.arange(k.shape[2])
+        if where.shape[0] == 1:
+            seen = j < where[0]
+        else:
+            rank = (j + k.shape[2] - where[0]) % k.shape[2]
+            seen = (rank >= where[1]) & (rank < where[2])
+        out[t] = (k, v, seen)
+    return out
+
+
+def load(path: str | Path, dtype: mx.Dtype | None = None, compiled: bool = True, bucketed: bool = False,
+         repeat_kv: bool = True) -> Model:
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_config(cfg, path)
-    model = Model(args, compiled, repeat_kv)
+    model = Model(args, compiled, bucketed, repeat_kv)
     weights = checkpoint.read_tensors(path)
     if not args.tie_word_embeddings and "lm_head.weight" not in weights:
         raise DrafterError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight; "
@@ -358,7 +434,8 @@ class AssistantSource:
     def _chain(self, feed: list[int], n: int, anchor_hidden, pick) -> list[Step]:
         # The pending token feed[-1] is not in the cache yet: it sits at position offset.
         position = self.view.caches[0].offset
-        donors = targets.donor_view(self.view.target, self.view.caches)
+        donors = (donor_buffers(self.view.target, self.view.caches, self.window) if self.drafter.bucketed
+                  else targets.donor_view(self.view.target, self.view.caches))
         return draft_chain(self.drafter, self.view.target, donors, feed[-1], anchor_hidden, position, n,
                            self.positions, self.window, pick)
 
@@ -374,10 +451,10 @@ class AssistantProvider:
 
     trained_gamma = None
 
-    def __init__(self, path: str | Path, **options):
+    def __init__(self, path: str | Path, bucketed: bool = False, **options):
         self.path = Path(path)
         self.id = self.path.name
-        self.drafter = load(self.path)
+        self.drafter = load(self.path, bucketed=bucketed)
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.options = options
 

@@ -13,6 +13,7 @@ from functools import partial
 
 import mlx.core as mx
 from mlx.utils import tree_map
+from mlx_lm.models.cache import KVCache
 
 
 class Pieces:
@@ -36,3 +37,131 @@ class Pieces:
 def position(model, value: int):
     """A position for the pieces: an array when compiled (no retrace per value), else the int."""
     return mx.array(value, mx.int32) if model.compiled else value
+
+
+# ---- the bucketed path (opt-in: `kv_bucket`) -------------------------------------------------
+#
+# On MLX CUDA an attention with several query rows plans its kernel once per key length (~60 ms of
+# host time on an H200, MLX 0.32.4), and the pieces above split a block at every attention because
+# the context grows each round. With a bucket the context K/V is presented at its buffer's length,
+# a multiple of the bucket, with the unused tail masked, so every shape of a block is constant
+# within a bucket: the whole block runs as one compiled call that retraces only when the buffer
+# grows. The valid length enters as an array. Attention (`bucket_attention`): "sdpa" (default),
+# mx.fast.scaled_dot_product_attention over [context buffer | block] joined with a float mask: one
+# fused kernel on the GPU, but a copy of the context per layer and call; measured bit-exact with
+# the default path on the CPU backend (fp32 and bf16), not guaranteed on the GPU (another kernel
+# over a padded key range). "two-segment": no copy, more ops, a softmax summed in another order
+# (fp32: within tolerance; bf16: the two PV products round apart, measured up to 0.16 on tiny
+# logits). Held to the default within fp32 tolerance; never the default path itself.
+
+
+BUCKET_ATTENTIONS = ("sdpa", "two-segment")
+
+
+def check_bucket(kv_bucket, attention: str, error) -> int | None:
+    """A bucket is None (off) or a positive int number of rows; the attention one of
+    BUCKET_ATTENTIONS."""
+    if attention not in BUCKET_ATTENTIONS:
+        raise error(f"bucket_attention={attention!r}: expected one of {BUCKET_ATTENTIONS}")
+    if kv_bucket is None:
+        return None
+    if isinstance(kv_bucket, bool) or not isinstance(kv_bucket, int) or kv_bucket < 1:
+        raise error(f"kv_bucket={kv_bucket!r}: expected a positive number of context rows (e.g. 256, mlx-lm "
+                    "KVCache's growth step) or None (off)")
+    return kv_bucket
+
+
+class BucketCache(KVCache):
+    """mlx-lm's KVCache whose buffer is always a whole number of buckets long (mlx-lm's own growth
+    slices the buffer to the rows written before it grows, so its length drifts off the step).
+    `buffers()` is the whole buffer, valid rows first; rows past `offset` are zeros or stale."""
+
+    def __init__(self, bucket: int):
+        super().__init__()
+        self.step = bucket
+
+    def update_and_fetch(self, keys, values):
+        prev, n = self.offset, keys.shape[2]
+        have = 0 if self.keys is None else self.keys.shape[2]
+        if prev + n > have:
+            grow = -(-(prev + n) // self.step) * self.step - have
+            B, h, _, dk = keys.shape
+            new_k = mx.zeros((B, h, grow, dk), keys.dtype)
+            new_v = mx.zeros((B, h, grow, values.shape[3]), values.dtype)
+            if self.keys is None:
+                self.keys, self.values = new_k, new_v
+            else:
+                self.keys = mx.concatenate([self.keys, new_k], axis=2)
+                self.values = mx.concatenate([self.values, new_v], axis=2)
+        self.offset += n
+        self.keys[..., prev:self.offset, :] = keys
+        self.values[..., prev:self.offset, :] = values
+        return self.keys_and_values()
+
+    def buffers(self):
+        return self.keys, self.values
+
+
+def two_segment_attention(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float):
+    """softmax(q [ctx | block]^T * scale) [ctx | block] without joining the keys (no copy of the
+    context): scores over each segment, masked (`*_seen`: bool, broadcast to [L, S] per query row
+    or None), one softmax over both, then p_ctx V_ctx + p_blk V_blk. GQA by folding the query
+    heads of one KV head into its rows. q [B, Hq, L, D], K/V [B, Hkv, S, D]."""
+    B, Hq, L, D = q.shape
+    n_kv = ctx_k.shape[1]
+    rep = Hq // n_kv
+    if scale != 1.0:
+        q = q * mx.array(scale, q.dtype)
+    q = q.reshape(B, n_kv, rep * L, D)
+
+    def scores(k, seen):
+        s = (q @ k.swapaxes(-1, -2)).reshape(B, n_kv, rep, L, k.shape[2])
+        return s if seen is None else mx.where(seen, s, mx.array(-mx.inf, s.dtype))
+
+    S = ctx_k.shape[2]
+    p = mx.softmax(mx.concatenate([scores(ctx_k, ctx_seen), scores(blk_k, blk_seen)], axis=-1), axis=-1,
+                   precise=True)
+    p = p.reshape(B, n_kv, rep * L, -1)
+    o = p[..., :S] @ ctx_v + p[..., S:] @ blk_v
+    return o.reshape(B, Hq, L, -1)
+
+
+def joined_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float):
+    """The same attention as two_segment_attention through mx.fast.scaled_dot_product_attention
+    over the keys joined (a copy of the context per call) with an additive float mask: one fused
+    kernel on the GPU, planned once per bucket there (its key length is constant within one)."""
+    L, S = q.shape[2], ctx_k.shape[2]
+    keys = mx.concatenate([ctx_k, blk_k], axis=2)
+    values = mx.concatenate([ctx_v, blk_v], axis=2)
+    blk = mx.ones((L, L), mx.bool_) if blk_seen is None else mx.broadcast_to(blk_seen, (L, L))
+    seen = mx.concatenate([mx.broadcast_to(ctx_seen, (L, S)), blk], axis=-1)
+    mask = mx.where(seen, mx.array(0, q.dtype), mx.array(-mx.inf, q.dtype))
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def bucketed_attention(how: str, *args):
+    """joined_sdpa or two_segment_attention (BUCKET_ATTENTIONS), same arguments."""
+    return (joined_sdpa if how == "sdpa" else two_segment_attention)(*args)
+
+
+def valid_rows(valid, S: int, extra: int = 0):
+    """[S] bool: buffer rows below `valid` (a scalar array); `extra` lets that many more through
+    (a planted control only)."""
+    return mx.arange(S) < valid + extra
+
+
+class Bucketed:
+    """One compiled call per model (and per what it closes over, e.g. DFlash's target), with the
+    module's parameters (and the target's) as compile inputs; plain when `model.compiled` is
+    off. `traces` counts the traces (the traced function bumps it; it runs only while tracing)."""
+
+    def __init__(self):
+        self.fns: dict = {}
+        self.traces = 0
+
+    def get(self, model, key, fn, inputs):
+        if not model.compiled:
+            return fn
+        if key not in self.fns:
+            self.fns[key] = mx.compile(fn, inputs=inputs)
+        return self.fns[key]

@@ -47,6 +47,15 @@ dflash_config first, then the top level). Its definition:
       applies to every position; positions past the list's end are never pruned.
 With extras off (the default) nothing of this is built or read: the source is the L2 one.
 
+`kv_bucket` (opt-in, default None): every layer keeps every context row in a buffer a whole number
+of buckets long (port/compiled.py BucketCache; sliding layers mask the window instead of rotating),
+presented whole with the tail masked, and the block (embedding, layers, final norm, the target's
+head, the extension's greedy tail) is one compiled call that retraces only when the buffer grows
+(or the block length changes); mx.fast's attention over [context | block] joined with a float
+mask, or (bucket_attention="two-segment") a two-segment softmax (port/compiled.py). Held to the
+default within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured).
+window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
+
 `bugs` plants the negative controls the tests must catch; it is empty in use.
 """
 
@@ -74,6 +83,7 @@ BUGS = {
     "ctx_input_layernorm": "the context rows pass through each layer's input_layernorm before K/V",
     "block_position_shift": "the block's positions shifted by one (start+1..start+bs)",
     "rejected_rows": "rejected verify rows kept in the context",
+    "bucket_mask_off_by_one": "kv_bucket: the context mask lets the first padded row through",
     # extension controls (extras=True only)
     "markov_before_softcap": "extension: Markov bias added before the softcap",
     "thresholds_ignored": "extension: the confidence thresholds are not applied (no pruning)",
@@ -193,6 +203,11 @@ class Attention(nn.Module):
         bk = rope(self._heads(self.k_proj(x), self.n_kv, self.k_norm), offset=block_at)
         return q, bk, self._heads(self.v_proj(x), self.n_kv)
 
+    def context_kv(self, ctx, offset, rope):
+        """K (k_norm, RoPE at offset..) and V of the projected context rows ctx [1, S, H]."""
+        return rope(self._heads(self.k_proj(ctx), self.n_kv, self.k_norm), offset=offset), \
+            self._heads(self.v_proj(ctx), self.n_kv)
+
     def attend(self, q, bk, bv, ctx, cache, rope):
         """The block rows' attention heads over [context ; block]. ctx: the new projected context
         rows [1, S, H]; they join `cache` first, at their absolute positions."""
@@ -203,9 +218,7 @@ class Attention(nn.Module):
             skip = S - (self.a.sliding_window - 1)
             ctx, S = ctx[:, skip:], S - skip
             cache.offset += skip
-        ck = rope(self._heads(self.k_proj(ctx), self.n_kv, self.k_norm), offset=cache.offset)
-        cv = self._heads(self.v_proj(ctx), self.n_kv)
-        keys, values = cache.update_and_fetch(ck, cv)
+        keys, values = cache.update_and_fetch(*self.context_kv(ctx, cache.offset, rope))
         n_ctx = keys.shape[2]
         if isinstance(cache, RotatingKVCache):
             if self.sliding and self.window == "positional":
@@ -230,6 +243,18 @@ class Attention(nn.Module):
             mask = create_causal_mask(L, offset=n_ctx)
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
 
+    def attend_bucketed(self, how: str, q, bk, bv, keys, values, valid, extra: int = 0):
+        """`attend` over a bucketed context buffer (every context row kept, in time order: row j is
+        position j; rows from `valid` on masked; the block sits at valid..): full layers see every
+        valid row, sliding layers those within the window of each block row (window="positional");
+        the block rows see each other (causal: the earlier ones only)."""
+        L = q.shape[2]
+        seen = compiled_pieces.valid_rows(valid, keys.shape[2], extra)
+        if self.sliding:
+            seen = seen & (valid + mx.arange(L)[:, None] - mx.arange(keys.shape[2]) < self.a.sliding_window)
+        causal = mx.arange(L)[None] <= mx.arange(L)[:, None] if self.causal else None
+        return compiled_pieces.bucketed_attention(how, q, keys, values, seen, bk, bv, causal, self.scale)
+
     def output(self, o):
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, o.shape[2], -1))
 
@@ -246,10 +271,11 @@ class DecoderLayer(nn.Module):
     def qkv(self, x, block_at, rope):
         return self.self_attn.block_qkv(self.input_layernorm(x), block_at, rope)
 
+    def context_rows(self, ctx):
+        return self.input_layernorm(ctx) if "ctx_input_layernorm" in self.a.bugs else ctx
+
     def attend(self, q, bk, bv, ctx, cache, rope):
-        if "ctx_input_layernorm" in self.a.bugs:
-            ctx = self.input_layernorm(ctx)
-        return self.self_attn.attend(q, bk, bv, ctx, cache, rope)
+        return self.self_attn.attend(q, bk, bv, self.context_rows(ctx), cache, rope)
 
     def finish(self, x, o):
         """The layer's output from its input x and the attention heads o."""
@@ -274,12 +300,19 @@ class Block:
 
 class Model(nn.Module):
     def __init__(self, a: ModelArgs, window: str = "positional", embed: str = "scaled", extras: bool = False,
-                 compiled: bool = True):
+                 compiled: bool = True, kv_bucket: int | None = None, bucket_attention: str = "sdpa"):
         super().__init__()
         self.compiled = compiled  # the block's shape-stable pieces through mx.compile (port/compiled.py)
         self._pieces = compiled_pieces.Pieces()
+        self.kv_bucket = compiled_pieces.check_bucket(kv_bucket, bucket_attention, DFlashError)
+        self.bucket_attention = bucket_attention
+        self._bucketed = compiled_pieces.Bucketed()
         if window not in WINDOWS:
             raise DFlashError(f"window {window!r}: expected one of {WINDOWS}")
+        if kv_bucket is not None and window == "zlab-mlx" and "sliding_attention" in a.layer_types:
+            raise DFlashError("kv_bucket with window='zlab-mlx': that window follows the rotating buffer's order, "
+                              "which a bucketed context (every row, in time order) does not have; use "
+                              "window='positional' (z-lab torch's semantics) or kv_bucket=None")
         if embed not in EMBEDS:
             raise DFlashError(f"embed {embed!r}: expected one of {EMBEDS}")
         self.args, self.window, self.embed_mode = a, window, embed
@@ -328,7 +361,10 @@ class Model(nn.Module):
         return all(t == "sliding_attention" for t in self.args.layer_types)
 
     def make_caches(self) -> list:
-        """Per layer, the context K/V store: full layers keep every row, sliding layers W-1."""
+        """Per layer, the context K/V store: full layers keep every row, sliding layers W-1
+        (kv_bucket: every layer every row, in a BucketCache)."""
+        if self.kv_bucket is not None:
+            return [compiled_pieces.BucketCache(self.kv_bucket) for _ in self.args.layer_types]
         return [RotatingKVCache(max_size=self.args.sliding_window - 1, keep=0) if t == "sliding_attention"
                 else KVCache() for t in self.args.layer_types]
 
@@ -374,7 +410,7 @@ class Model(nn.Module):
         from .dspark import markov_chain, previous_tokens
 
         a = self.args
-        anchor = mx.array([anchor], mx.uint32)
+        anchor = anchor if isinstance(anchor, mx.array) else mx.array([anchor], mx.uint32)
         rows, tokens = markov_chain(self.markov_head if a.markov_rank > 0 else None, hidden, base, anchor, pick,
                                     (lambda h, bias: self._biased_before_softcap(target, h, bias))
                                     if "markov_before_softcap" in a.bugs else None)
@@ -404,8 +440,10 @@ class Model(nn.Module):
         if ctx_rows is None or ctx_rows.shape[1] == 0:
             raise DFlashError("a draft needs the new context rows (the prompt's or the last verify's taps): "
                               "commit the previous verify first")
-        h = self.embed(target, ids)
         c = self.project(ctx_rows)
+        if self.kv_bucket is not None:
+            return self._block_bucketed(target, ids, c, caches)
+        h = self.embed(target, ids)
         enter, between, leave = self.pieces()
         shift = 1 if "block_position_shift" in a.bugs else 0
         # the block sits after every context row seen (sliding layers count the skipped ones too)
@@ -421,9 +459,44 @@ class Model(nn.Module):
             return self.extend(target, anchor, hidden[0], logits[0])
         return Block(hidden[0], logits[0], mx.argmax(logits[0], axis=-1))
 
+    def _block_bucketed(self, target: targets.Target, ids, c, caches) -> Block:
+        """`block` on the bucketed path: the new context rows c join the buffers (plain ops: their
+        count varies per round), then the compiled block over the whole buffers."""
+        if not all(isinstance(cache, compiled_pieces.BucketCache) for cache in caches):
+            raise DFlashError("kv_bucket: the caches must be BucketCaches (Model.make_caches makes them)")
+        for layer, cache in zip(self.layers, caches):
+            cache.update_and_fetch(*layer.self_attn.context_kv(layer.context_rows(c), cache.offset, self._rope))
+        keys, values = zip(*(cache.buffers() for cache in caches))
+        fn = self._bucketed.get(self, (id(target), self.bucket_attention), partial(self._bucketed_fn, target),
+                                [self.state, target.model.state])
+        out = fn(ids, mx.array(caches[0].offset, mx.int32), list(keys), list(values))
+        if not self.extras:
+            return Block(*out)
+        return Block(*out[:3], base_logits=out[3], confidence=out[4] if len(out) > 4 else None)
+
+    def _bucketed_fn(self, target: targets.Target, ids, valid, keys, values):
+        """The whole block over the bucketed buffers (rows from `valid` masked), as arrays: hidden,
+        logits, tokens (extras: then the base rows and the confidence)."""
+        self._bucketed.traces += 1
+        a = self.args
+        extra = 1 if "bucket_mask_off_by_one" in a.bugs else 0
+        at = valid + 1 if "block_position_shift" in a.bugs else valid
+        h = self.embed(target, ids)
+        q, bk, bv = self._enter(h, at)
+        for i, layer in enumerate(self.layers):
+            o = layer.self_attn.attend_bucketed(self.bucket_attention, q, bk, bv, keys[i], values[i], valid, extra)
+            if i < len(self.layers) - 1:
+                h, q, bk, bv = self._between(i, h, o, at)
+        hidden = self._exit(h, o)
+        logits = self.logits(target, hidden)
+        if not self.extras:
+            return hidden[0], logits[0], mx.argmax(logits[0], axis=-1)
+        b = self.extend(target, ids[0, :1].astype(mx.uint32), hidden[0], logits[0])
+        return (b.hidden, b.logits, b.token_ids, b.base_logits) + ((b.confidence,) if b.confidence is not None else ())
+
 
 def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "scaled", extras: bool = False,
-         compiled: bool = True) -> Model:
+         compiled: bool = True, kv_bucket: int | None = None, bucket_attention: str = "sdpa") -> Model:
     path = Path(path)
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: no config.json")
@@ -432,7 +505,7 @@ def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "sc
     unknown = a.bugs - set(BUGS)
     if unknown:
         raise DFlashError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
-    model = Model(a, window, embed, extras, compiled)
+    model = Model(a, window, embed, extras, compiled, kv_bucket, bucket_attention)
     checkpoint.load_into(model, path, checkpoint.read_tensors(path), DFlashError, lambda missing: (
         "does it carry the DSpark extras its config declares?"
         if extras and all(k.startswith(("markov_head.", "confidence_head.")) for k in missing)
@@ -589,13 +662,15 @@ class DflashProvider:
     """`extras=True` turns on the DSpark-on-DFlash extension (module docstring); `thresholds`
     overrides the env var and the checkpoint's calibration; `collect_samples` gathers, over every
     request, the (position, sigmoid(confidence), accepted) samples of each verified draft in
-    `self.samples` (what port.calibration.fit_sts_thresholds fits)."""
+    `self.samples` (what port.calibration.fit_sts_thresholds fits); `kv_bucket`: the bucketed path
+    (module docstring), None (default) the parity one."""
 
     def __init__(self, path: str | Path, window: str = "positional", bugs=(), max_tokens: int | None = None,
-                 embed: str = "scaled", extras: bool = False, thresholds=None, collect_samples: bool = False):
+                 embed: str = "scaled", extras: bool = False, thresholds=None, collect_samples: bool = False,
+                 kv_bucket: int | None = None):
         self.path = Path(path)
         self.id = self.path.name
-        self.drafter = load(self.path, window, bugs, embed, extras)
+        self.drafter = load(self.path, window, bugs, embed, extras, kv_bucket=kv_bucket)
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.trained_gamma = self.drafter.args.block_size - 1
         self.max_tokens = max_tokens

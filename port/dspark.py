@@ -13,6 +13,13 @@ One draft round, from the target's hidden states:
     confidence sigmoid(w . [h_k ; W1[prev_k]]): the proposal stops at the first k below the
          threshold (per step, not the cumulative product); 0 tokens is possible
 
+`kv_bucket` (opt-in, default None): the context K/V is presented at its buffer's length (a
+multiple of the bucket, port/compiled.py BucketCache) with the tail masked, and the whole block
+(embedding, layers, final norm, logits, Markov chain, confidence) is one compiled call that
+retraces only when the buffer grows; the attention is mx.fast's over [context | block] joined with
+a float mask, or (bucket_attention="two-segment") a two-segment softmax (port/compiled.py). Held
+to the default within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured).
+
 `bugs` plants the negative controls the tests must catch; it is empty in use.
 """
 
@@ -40,6 +47,7 @@ BUGS = {
     "no_embed_scale": "the sqrt(H) embedding scale missing",
     "anchor_not_predicting": "the anchor slot does not predict (slots 1..bs used)",
     "tap_index": "taps read hidden_states[l] instead of [l + 1]",
+    "bucket_mask_off_by_one": "kv_bucket: the context mask lets the first padded row through",
 }
 
 
@@ -282,13 +290,18 @@ class Block:
 class Model(nn.Module):
     """`compiled` (default on): the block's shape-stable pieces run through mx.compile, the
     attention over the growing context outside it (port/compiled.py); `compiled=False` is the
-    plain path, held to it bit for bit."""
+    plain path, held to it bit for bit. `kv_bucket` (rows, default None): the bucketed path
+    (module docstring); `compiled` then compiles (or not) its one block function."""
 
-    def __init__(self, a: ModelArgs, compiled: bool = True):
+    def __init__(self, a: ModelArgs, compiled: bool = True, kv_bucket: int | None = None,
+                 bucket_attention: str = "sdpa"):
         super().__init__()
         self.args = a
         self.compiled = compiled
+        self.kv_bucket = compiled_pieces.check_bucket(kv_bucket, bucket_attention, DSparkError)
+        self.bucket_attention = bucket_attention
         self._pieces = compiled_pieces.Pieces()
+        self._bucketed = compiled_pieces.Bucketed()
         H = a.hidden_size
         self.embed_tokens = nn.Embedding(a.vocab_size, H)
         self.layers = [DecoderLayer(a) for _ in range(a.num_hidden_layers)]
@@ -369,14 +382,51 @@ class Model(nn.Module):
         return self._pieces.get(self, (self._enter, [partial(self._between, i) for i in range(n - 1)], self._exit,
                                        self._tail))
 
+    def make_cache(self) -> KVCache:
+        """One layer's context K/V store: mlx-lm's KVCache, or a BucketCache with kv_bucket."""
+        return KVCache() if self.kv_bucket is None else compiled_pieces.BucketCache(self.kv_bucket)
+
+    def _block_bucketed(self, greedy: bool, ids, start, valid, keys, values):
+        """The whole block over the bucketed context buffers keys / values (per layer, rows past
+        `valid` masked); greedy: with the Markov chain and confidence (the _tail), else up to the
+        base logits (a host `pick` chains the tail after)."""
+        self._bucketed.traces += 1
+        extra = 1 if "bucket_mask_off_by_one" in self.args.bugs else 0
+        h, q, k, v = self._enter(ids, start)
+        for i, layer in enumerate(self.layers):
+            seen = compiled_pieces.valid_rows(valid, keys[i].shape[2], extra)
+            o = compiled_pieces.bucketed_attention(self.bucket_attention, q, keys[i], values[i], seen, k, v, None,
+                                                   layer.self_attn.scale)
+            if i < len(self.layers) - 1:
+                h, q, k, v = self._between(i, h, o, start)
+        hidden, base = self._exit(h, o)
+        if not greedy:
+            return hidden, base
+        return (hidden, base) + tuple(self._tail(hidden, base, ids[0, :1].astype(mx.uint32)))
+
+    def _draft_bucketed(self, ids, anchor_id, ctx, start: int, pick) -> Block:
+        if not all(isinstance(c, compiled_pieces.BucketCache) for c in ctx):
+            raise DSparkError("kv_bucket: draft_block needs the context as one BucketCache per layer "
+                              "(Model.make_cache; DeepspecSource makes them), not (k, v) pairs or a KVCache")
+        keys, values = zip(*(c.buffers() for c in ctx))
+        greedy = pick is None
+        fn = self._bucketed.get(self, (greedy, self.bucket_attention), partial(self._block_bucketed, greedy),
+                                [self.state])
+        out = fn(ids, mx.array(start, mx.int32), mx.array(ctx[0].offset, mx.int32), list(keys), list(values))
+        hidden, base = out[:2]
+        rows, tokens, *conf = out[2:] if greedy else self._tail(hidden, base, anchor_id, pick)
+        return Block(hidden, base, rows, tokens, conf[0] if conf else None)
+
     def draft_block(self, anchor: int, ctx, start: int, pick=None) -> Block:
         """One block at positions start..; ctx per layer: a (k, v) pair or a cache of it
-        (Attention.join). Each slot's token is the argmax of its Markov-corrected row, or
-        `pick(row)` (the serve loop's sampler: DeepSpec's T > 0 draws it from softmax(row / T)),
-        and the next slot's Markov head reads that token."""
+        (Attention.join; kv_bucket: a BucketCache). Each slot's token is the argmax of its
+        Markov-corrected row, or `pick(row)` (the serve loop's sampler: DeepSpec's T > 0 draws it
+        from softmax(row / T)), and the next slot's Markov head reads that token."""
         a = self.args
-        enter, between, leave, tail = self.pieces()
         ids = mx.array([[anchor] + [a.mask_token_id] * (a.block_size - 1)])
+        if self.kv_bucket is not None:
+            return self._draft_bucketed(ids, mx.array([anchor], mx.uint32), ctx, start, pick)
+        enter, between, leave, tail = self.pieces()
         pos = compiled_pieces.position(self, start)
         h, q, k, v = enter(ids, pos)
         for i, (layer, c) in enumerate(zip(self.layers, ctx)):
@@ -400,7 +450,8 @@ class Model(nn.Module):
         return below.index(True) if True in below else self.args.block_size
 
 
-def load(path: str | Path, bugs=(), compiled: bool = True) -> Model:
+def load(path: str | Path, bugs=(), compiled: bool = True, kv_bucket: int | None = None,
+         bucket_attention: str = "sdpa") -> Model:
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     a = ModelArgs.from_config(cfg, path)
@@ -408,7 +459,7 @@ def load(path: str | Path, bugs=(), compiled: bool = True) -> Model:
     unknown = a.bugs - set(BUGS)
     if unknown:
         raise DSparkError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
-    model = Model(a, compiled)
+    model = Model(a, compiled, kv_bucket, bucket_attention)
     checkpoint.load_into(model, path, checkpoint.read_tensors(path), DSparkError,
                          "is this a complete DeepSpec DSpark checkpoint?")
     mx.eval(model.parameters())
@@ -474,7 +525,7 @@ class DeepspecSource:
         rows = self.pending
         kv = self.m.context_kv(self.m.project(rows), self.length)
         if self.cache is None:
-            self.cache = [KVCache() for _ in kv]
+            self.cache = [self.m.make_cache() for _ in kv]
         for c, (k, v) in zip(self.cache, kv):
             c.update_and_fetch(k, v)
         self.length += rows.shape[1]
@@ -491,10 +542,12 @@ class DeepspecSource:
 
 
 class DeepspecProvider:
-    def __init__(self, path: str | Path, threshold: float = 0.0, bugs=()):
+    """`kv_bucket`: the bucketed path (module docstring); None (default) is the parity path."""
+
+    def __init__(self, path: str | Path, threshold: float = 0.0, bugs=(), kv_bucket: int | None = None):
         self.path = Path(path)
         self.id = self.path.name
-        self.drafter = load(self.path, bugs)
+        self.drafter = load(self.path, bugs, kv_bucket=kv_bucket)
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.trained_gamma = self.drafter.args.block_size
         self.threshold = threshold

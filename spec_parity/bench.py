@@ -553,7 +553,7 @@ def run_case(spec: bench_shapes.Spec, opts: Options, torch: tuple[str | None, st
     out["steps_per_call"] = per_call
     sides = [run_side("port", bench_sides.port_side, prep, opts)]
     for i, name in enumerate(bench_sides.peers_for(spec.source, opts.peers), start=1):
-        sides.append(run_side(name, bench_sides.PEERS[name][1], prep, opts, i))
+        sides.append(run_side(name, bench_sides.side(name), prep, opts, i))
     out["sides"] = sides
     _ratios(out)
     try:
@@ -579,7 +579,7 @@ def _ratios(case: dict) -> None:
             a, b = s["first_tokens"], port["first_tokens"]
             s["agrees_with_port"] = a == b
             s["agreement"] = f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}"
-    peers = [s for s in ran if s["side"] != "port"]
+    peers = [s for s in ran if s["side"] not in bench_sides.OURS]
     best = min(peers, key=lambda s: s["wall_s"]["median"], default=None)
     case["best_peer"] = best["side"] if best else None
     for s in ran:

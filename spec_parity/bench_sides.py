@@ -70,12 +70,13 @@ def _draft_config(prep: Prep) -> dict:
 
 # ---- our port --------------------------------------------------------------------------------
 
-def port_side(prep: Prep) -> Stepper:
-    """Our port through the serve loop's seam: the source's `draft` (and `commit` of one row)."""
+def port_side(prep: Prep, **bucketed) -> Stepper:
+    """Our port through the serve loop's seam: the source's `draft` (and `commit` of one row);
+    `bucketed` (kv_bucket, bucket_attention): its opt-in bucketed path (port/compiled.py)."""
     from port import serve
 
     view = serve.TargetView(prep.target, prep.caches)
-    src = open_port_source(prep.case, view)
+    src = open_port_source(prep.case, view, **bucketed)
     tok, hid, g = prep.anchor, prep.anchor_hidden, prep.gamma
     if prep.case.spec.source == "assistant":
         return Stepper(lambda: src.draft([tok], g, hid), keep=src)
@@ -86,7 +87,24 @@ def port_side(prep: Prep) -> Stepper:
         src.commit(g, 0, [prep.row])
         return src.draft([tok], g, hid)
 
-    return Stepper(step, keep=src)
+    return Stepper(step, keep=src, notes=[f"{k}={v}" for k, v in bucketed.items()])
+
+
+BUCKET = 256  # mlx-lm KVCache's own growth step
+
+
+def port_bucketed_side(prep: Prep, attention: str = "sdpa") -> Stepper:
+    """Our port's opt-in bucketed path: blocks with kv_bucket=BUCKET (the whole block one compiled
+    call over the context buffer), the assistant with bucketed=True (one compiled step over the
+    target's cache buffers). Within fp32 tolerance of the port."""
+    if prep.case.spec.source == "assistant":
+        return port_side(prep, bucketed=True)
+    return port_side(prep, kv_bucket=BUCKET, bucket_attention=attention)
+
+
+def port_bucketed_2seg_side(prep: Prep) -> Stepper:
+    """port-bucketed with the two-segment softmax (no copy of the context, more ops)."""
+    return port_bucketed_side(prep, "two-segment")
 
 
 class PortProvider:
@@ -114,16 +132,16 @@ def _source_class(case: Case):
             "dflash": dflash.DflashSource}[case.spec.source]
 
 
-def load_port_drafter(case: Case):
+def load_port_drafter(case: Case, **bucketed):
     from port import assistant, dflash, dspark
 
     mod = {"assistant": assistant, "dspark": dspark, "dflash": dflash}[case.spec.source]
     with serve_weights(case):
-        return mod.load(case.drafter_dir)
+        return mod.load(case.drafter_dir, **bucketed)
 
 
-def open_port_source(case: Case, view):
-    return _source_class(case)(load_port_drafter(case), view)
+def open_port_source(case: Case, view, **bucketed):
+    return _source_class(case)(load_port_drafter(case, **bucketed), view)
 
 
 # ---- MLX peers -------------------------------------------------------------------------------
@@ -430,9 +448,23 @@ def framework(side: str) -> str:
     return "torch" if side.endswith("-torch") else "mlx"
 
 
+# Our port's opt-in paths, measured as extra sides after the port (ours, never a peer; selected
+# with the peers): name -> (sources it serves, the side).
+PORT_OPTIONS: dict[str, tuple[tuple[str, ...], Callable[[Prep], Stepper]]] = {
+    "port-bucketed": (("assistant", "dspark", "dflash"), port_bucketed_side),
+    "port-bucketed-2seg": (("dspark", "dflash"), port_bucketed_2seg_side),
+}
+OURS = ("port", *PORT_OPTIONS)
+
+
+def side(name: str) -> Callable[[Prep], Stepper]:
+    return PORT_OPTIONS[name][1] if name in PORT_OPTIONS else PEERS[name][1]
+
+
 def peers_for(source: str, wanted: list[str] | None) -> list[str]:
-    """The peers of a source: all of them (wanted None), or those of `wanted` that serve it."""
-    names = [n for n, (srcs, _, _) in PEERS.items() if source in srcs]
+    """The other sides of a source (our opt-in paths first, then the peers): all of them (wanted
+    None), or those of `wanted` that serve it."""
+    names = [n for n, (srcs, *_) in {**PORT_OPTIONS, **PEERS}.items() if source in srcs]
     return names if wanted is None else [n for n in names if n in wanted]
 
 

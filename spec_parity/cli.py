@@ -149,7 +149,7 @@ def cmd_bench(args) -> int:
     if args.scale < 1 or (args.scale > 1 and not real):
         sys.exit("--scale N (N >= 1) shrinks the real shapes (widths, vocabulary, windows, context); "
                  "it applies to --shapes real only")
-    peers = None if args.peers == "auto" else [] if args.peers == "none" else _csv(args.peers, bench_sides.PEERS, "peers")
+    peers = None if args.peers == "auto" else [] if args.peers == "none" else _csv(args.peers, {**bench_sides.PORT_OPTIONS, **bench_sides.PEERS}, "peers")
     gpu = mx.default_device().type == mx.DeviceType.gpu
     opts = bench.Options(
         shapes=args.shapes, sources=tuple(_csv(args.sources, bench_shapes.SOURCES, "sources")), peers=peers,
@@ -214,8 +214,9 @@ def main(argv=None) -> int:
                     help="tiny: the factory's checkpoints; real: REFERENCES.md's shapes, random weights in memory")
     bp.add_argument("--sources", default=",".join(("assistant", "dspark", "dflash")),
                     help="comma-separated draft sources (assistant, dspark, dflash)")
-    bp.add_argument("--peers", default="auto", help="auto (every peer of a source), none, or a comma list of: "
-                    "optiq, hf-torch, zlab-mlx, dflash-mlx, zlab-torch, dspark-mlx, deepspec-torch")
+    bp.add_argument("--peers", default="auto", help="auto (every other side of a source), none, or a comma list "
+                    "of: port-bucketed, port-bucketed-2seg (our opt-in kv_bucket path), optiq, hf-torch, zlab-mlx, dflash-mlx, "
+                    "zlab-torch, dspark-mlx, deepspec-torch")
     bp.add_argument("--case", help="only these cases (comma-separated names, see bench.md)")
     bp.add_argument("--warmup", type=int, help="untimed runs first (default 3 tiny, 10 real)")
     bp.add_argument("--iters", type=int, help="timed runs (default 15 tiny, 40 real)")

@@ -1,0 +1,353 @@
+"""The bucketed path (`kv_bucket`, opt-in) of the DSpark and DFlash ports: the context K/V presented
+at its buffer's length (a whole number of buckets) with the tail masked, the whole block one
+compiled call.
+
+It need not be bit-exact with the default path (its attention runs over a padded key range: the
+two-segment softmax sums in another order; mx.fast's attention over the joined keys is another
+kernel on the GPU), so every block tensor is held to the default path within torch.testing's fp32
+tolerance (rtol 1.3e-6, atol 1e-5: same framework, same math, the ops regrouped; measured max
+|diff| here: two-segment 7e-6 on logits of |~10|, sdpa 0 on the CPU), with identical greedy tokens, over
+rounds whose context crosses two bucket boundaries (bucket 8, context 5 -> 20 rows). A planted
+off-by-one in the context mask (one padded row let through) must fail that comparison.
+"""
+
+import functools
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from test_speed import (
+    DFLASH_VARIANTS,
+    DSPARK_VARIANTS,
+    LONG_PROMPT,
+    PROMPT,
+    SOURCES,
+    _bits_equal,
+    _host_argmax,
+    round_syncs,
+)
+
+from port import assistant, compiled, dflash, dspark, serve, targets
+from spec_parity import budgets, checkpoints, compare
+
+BUCKET = 8
+FP32 = budgets.DTYPE_DEFAULTS["float32"]
+# context rows fed per round: 5 (the prompt's), then 3 per round: 5, 8, ..., 20 (buffers 8, 16, 24)
+FEEDS = [(0, 5)] + [(5 + 3 * r, 8 + 3 * r) for r in range(5)]
+BUFFERS = sorted({-(-hi // BUCKET) * BUCKET for _, hi in FEEDS})
+
+
+@functools.cache
+def _target(kind: str):
+    return targets.load(checkpoints.build(kind, 0, {}))
+
+
+@functools.cache
+def _taps(kind: str, path):
+    m = dspark.load(path) if "dspark" in str(path) else dflash.load(path)
+    return m.taps(targets.forward(_target(kind), mx.array([LONG_PROMPT])).hidden)
+
+
+def _dspark_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="sdpa", model=None):
+    """Per round (context grown by FEEDS): the block's hidden, base and Markov rows, confidence,
+    and its tokens; and the model (`model`: that one, already loaded)."""
+    ov = DSPARK_VARIANTS[variant]
+    kind = ov.get("target_kind", "gemma4-target")
+    path = checkpoints.build("dspark-drafter", 0, ov)
+    m = model or dspark.load(path, bugs, compiled, kv_bucket, attention)
+    rows = _taps(kind, path)
+    src = dspark.DeepspecSource(m, serve.TargetView(_target(kind), make_prompt_cache(_target(kind).model)))
+    out = []
+    for r, (lo, hi) in enumerate(FEEDS):
+        src.pending = rows[:, lo:hi]
+        b = src._block([7 + r], None)
+        out.append(([b.hidden, b.base_logits, b.logits] + ([b.confidence] if b.confidence is not None else []),
+                    b.tokens))
+    return out, m
+
+
+def _dflash_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="sdpa", model=None):
+    ov = DFLASH_VARIANTS[variant]
+    kind = ov.get("target_kind", "qwen3-target")
+    path = checkpoints.build("dflash-drafter", 0, ov)
+    m = model or dflash.load(path, bugs=bugs, extras="dspark_extras" in ov, compiled=compiled, kv_bucket=kv_bucket,
+                    bucket_attention=attention)
+    rows, caches, out = _taps(kind, path), m.make_caches(), []
+    for r, (lo, hi) in enumerate(FEEDS):
+        b = m.block(_target(kind), 7 + r, m.args.block_size - 1, rows[:, lo:hi], caches)
+        out.append(([b.hidden, b.logits] + [x for x in (b.base_logits, b.confidence) if x is not None], b.tokens))
+    return out, m
+
+
+def _within_fp32(fast, plain) -> tuple[bool, list]:
+    """Every tensor of every round within the fp32 budget and every token equal."""
+    bad = []
+    for r, ((ft, ftok), (pt, ptok)) in enumerate(zip(fast, plain, strict=True)):
+        for i, (a, b) in enumerate(zip(ft, pt, strict=True)):
+            m = compare.tensor_metrics(a, b, FP32)
+            if not m["ok"]:
+                bad.append((r, i, m.get("max_abs"), m.get("error")))
+        if ftok != ptok:
+            bad.append((r, "tokens", ftok, ptok))
+    return not bad, bad
+
+
+def _bits_same(fast, plain) -> bool:
+    """Every tensor of every round bit for bit, and every token."""
+    return all(_bits_equal(a, b) for (fa, _), (pa, _) in zip(fast, plain, strict=True)
+               for a, b in zip(fa, pa, strict=True)) and [t for _, t in fast] == [t for _, t in plain]
+
+
+ROUNDS = {"dspark": _dspark_rounds, "dflash": _dflash_rounds}
+CASES = [("dspark", v) for v in ("gemma4", "qwen3", "gemma4-keqv", "gemma4-rnn")] + \
+        [("dflash", v) for v in DFLASH_VARIANTS]
+
+
+@pytest.mark.parametrize("attention", compiled.BUCKET_ATTENTIONS)
+@pytest.mark.parametrize("source,variant", CASES, ids=[f"{s}-{v}" for s, v in CASES])
+def test_bucketed_block_within_fp32_of_default(source, variant, attention):
+    """Six rounds, the context 5 -> 20 rows over buffers of 8, 16, 24: every block tensor within
+    the fp32 budget of the default path, the same greedy tokens; the compiled block traced once
+    per buffer length, not once per round. Both attention designs."""
+    plain, _ = ROUNDS[source](variant, None)
+    fast, m = ROUNDS[source](variant, BUCKET, attention=attention)
+    ok, bad = _within_fp32(fast, plain)
+    assert ok, bad
+    assert m._bucketed.traces == len(BUFFERS) < len(FEEDS)
+
+
+@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu, reason="a CPU-backend fact")
+@pytest.mark.parametrize("source,variant", [("dspark", "qwen3"), ("dspark", "gemma4-rnn"), ("dflash", "qwen3-swa"),
+                                            ("dflash", "qwen3-causal")])
+def test_sdpa_design_is_bit_exact_on_cpu(source, variant):
+    """Measured, and held: on the CPU backend (mx.fast's attention there is its unfused fallback,
+    where the masked padded keys add exact zeros) the "sdpa" design equals the default path bit for
+    bit; the two-segment one does not (its products sum in another order)."""
+    plain, _ = ROUNDS[source](variant, None)
+
+    assert _bits_same(ROUNDS[source](variant, BUCKET, attention="sdpa")[0], plain)
+    assert not _bits_same(ROUNDS[source](variant, BUCKET, attention="two-segment")[0], plain)
+
+
+@pytest.mark.parametrize("source,variant", [("dspark", "gemma4"), ("dflash", "qwen3-swa")])
+def test_trace_counter_counts_every_call_uncompiled(source, variant):
+    """The counter's control: with the block function uncompiled it runs (and counts) every round."""
+    _, m = ROUNDS[source](variant, BUCKET, compiled=False)
+    assert m._bucketed.traces == len(FEEDS)
+
+
+@pytest.mark.parametrize("source,variant,attention", [
+    ("dspark", "gemma4", "two-segment"), ("dspark", "qwen3", "two-segment"), ("dflash", "qwen3", "two-segment"),
+    ("dflash", "qwen3-swa", "two-segment"), ("dspark", "qwen3", "sdpa"), ("dflash", "qwen3-causal", "sdpa")])
+def test_planted_mask_off_by_one_fails_the_comparison(source, variant, attention):
+    """Negative control: the context mask letting the first padded row through is caught."""
+    plain, _ = ROUNDS[source](variant, None)
+    planted, _ = ROUNDS[source](variant, BUCKET, bugs=("bucket_mask_off_by_one",), attention=attention)
+    ok, bad = _within_fp32(planted, plain)
+    assert not ok and any(r == 0 for r, *_ in bad)   # round 0: 5 rows in a buffer of 8
+
+
+def _bucketed_provider(make):
+    """A SOURCES provider with its drafter on the bucketed path."""
+    prov = make()
+    prov.drafter.kv_bucket = BUCKET
+    return prov
+
+
+# SOURCES name -> whether its drafter agrees with its target (the random extras one accepts nothing)
+LOOPS = {"dspark": True, "dspark-threshold": True, "dflash": True, "dflash-extras-thresholds": False}
+
+
+@pytest.mark.parametrize("name", LOOPS)
+def test_serve_loop_with_bucketed_source_is_lossless(name, monkeypatch):
+    """port.serve.generate with the bucketed source emits the target's own greedy stream (plain
+    decoding through the same loop), an agreeing drafter's drafts are accepted, the block is
+    traced less often than once per round, and a round still syncs within its bound."""
+    _, kind, overrides, make, gamma, bound = next(s for s in SOURCES if s[0] == name)
+    target = targets.load(checkpoints.build(kind, 0, overrides))
+    plain, _ = serve.generate(target, PROMPT, 40, None, gamma=gamma, eos=set())
+    prov = _bucketed_provider(make)
+    tokens, stats = serve.generate(target, PROMPT, 40, prov, gamma=gamma, eos=set())
+    assert tokens == plain and stats.drafted > 0 and (stats.accepted > 0) == LOOPS[name]
+    assert prov.drafter._bucketed.traces < len(stats.trace)
+    per_round, _ = round_syncs(target, _bucketed_provider(make), 30, gamma, monkeypatch)
+    assert max(per_round) <= bound, per_round
+
+
+def test_bad_bucket_and_window_are_refused():
+    path = checkpoints.build("dspark-drafter", 0, {})
+    for bad in (0, -8, 8.0, True):
+        with pytest.raises(dspark.DSparkError, match="kv_bucket"):
+            dspark.load(path, kv_bucket=bad)
+    swa = checkpoints.build("dflash-drafter", 0, DFLASH_VARIANTS["qwen3-swa"])
+    with pytest.raises(dflash.DFlashError, match="window='positional'"):
+        dflash.load(swa, window="zlab-mlx", kv_bucket=BUCKET)
+    with pytest.raises(dflash.DFlashError, match="bucket_attention"):
+        dflash.load(swa, kv_bucket=BUCKET, bucket_attention="flash")
+    m = dspark.load(path, kv_bucket=BUCKET)
+    with pytest.raises(dspark.DSparkError, match="BucketCache"):
+        m.draft_block(3, [dspark.KVCache() for _ in m.layers], 4)
+
+
+@pytest.mark.parametrize("source,variant", [("dspark", "gemma4-rnn"), ("dspark", "qwen3"), ("dflash", "qwen3-swa"),
+                                            ("dflash", "qwen3-extras")])
+def test_compiled_bucketed_block_equals_uncompiled_after_a_weight_change(source, variant):
+    """The one compiled block equals the same function uncompiled, bit for bit, also after a weight
+    is replaced (the parameters are compile inputs, not constants traced in)."""
+    def both(mutate=None):
+        (fast, m), (plain, p) = ROUNDS[source](variant, BUCKET), ROUNDS[source](variant, BUCKET, compiled=False)
+        if mutate is not None:
+            for model in (m, p):
+                mutate(model)
+            (fast, _), (plain, _) = (ROUNDS[source](variant, BUCKET, model=x) for x in (m, p))
+        return fast, plain
+
+    assert _bits_same(*both())
+    grown = both(lambda model: setattr(model.layers[0].mlp.up_proj, "weight", model.layers[0].mlp.up_proj.weight * 1.5))
+    assert _bits_same(*grown)
+    assert not _bits_same(grown[0], both()[1])   # the weight change shows (the comparison is not blind)
+
+
+def test_dspark_bucketed_host_pick_equals_device_chain():
+    """The sampled path (a host `pick` chains the Markov tail after the compiled body) with an
+    argmax pick drafts the greedy block's tokens, its rows within fp32 of the greedy ones; a pick
+    one token off (the control) drafts others."""
+    ov = DSPARK_VARIANTS["gemma4-rnn"]
+    path = checkpoints.build("dspark-drafter", 0, ov)
+    m, rows = dspark.load(path, kv_bucket=BUCKET), _taps("gemma4-target", path)
+
+    def block(pick):
+        src = dspark.DeepspecSource(m, serve.TargetView(_target("gemma4-target"), make_prompt_cache(
+            _target("gemma4-target").model)))
+        src.pending = rows[:, :11]
+        return src._block([7], pick)
+
+    greedy, host = block(None), block(_host_argmax)
+    assert greedy.tokens == host.tokens
+    assert compare.tensor_metrics(host.logits, greedy.logits, FP32)["ok"]
+    assert block(lambda row: (_host_argmax(row) + 1) % row.shape[-1]).tokens != greedy.tokens
+
+
+# ---- the assistant: its donors are the target's own cache buffers ----------------------------------
+
+class _BothChains:
+    """Provider: drafts with the default source; each draft chain is also run on the bucketed
+    source over the same target caches, and both chains are recorded."""
+
+    def __init__(self, make):
+        self.plain, self.bucketed = make(), make()
+        self.bucketed.drafter.bucketed = True
+        p = self.plain
+        self.id, self.weights_bytes, self.trained_gamma, self.chains = p.id, p.weights_bytes, p.trained_gamma, []
+
+    def open(self, view):
+        src, other = self.plain.open(view), self.bucketed.open(view)
+        chain = src._chain
+
+        def both(feed, n, hidden, pick):
+            steps = chain(feed, n, hidden, pick)
+            self.chains.append((steps, other._chain(feed, n, hidden, pick)))
+            return steps
+
+        src._chain = both
+        return src
+
+    def dispose(self):
+        pass
+
+
+def _assistant_loop(name: str):
+    """A 40-token serve loop (past the tiny target's sliding window of 8: the ring wraps, verify
+    chunks and trims reorder it) with every chain drafted both ways: (target, provider, gamma,
+    bucketed rounds, default rounds), a round = (logits and next hidden of each step, tokens)."""
+    _, kind, overrides, make, gamma, _ = next(s for s in SOURCES if s[0] == name)
+    target = targets.load(checkpoints.build(kind, 0, overrides))
+    prov = _BothChains(make)
+    serve.generate(target, PROMPT, 40, prov, gamma=gamma, eos=set())
+
+    def rounds(which):
+        return [([x for s in c[which] for x in (s.logits, s.next_hidden)], [s.token for s in c[which]])
+                for c in prov.chains]
+
+    return target, prov, gamma, rounds(1), rounds(0)
+
+
+@pytest.mark.parametrize("name", ["assistant-centroid", "assistant-tied"])
+def test_assistant_bucketed_chains_within_fp32_and_lossless(name):
+    """Every draft chain of a serve loop drafted on the bucketed path from the same target caches:
+    logits and next hidden within fp32 of the default's, the same tokens; the loop with the
+    bucketed source emits the target's greedy stream; the one compiled step traced far less often
+    than once per step."""
+    target, prov, gamma, fast, plain = _assistant_loop(name)
+    ok, bad = _within_fp32(fast, plain)
+    assert ok and len(fast) > 10, bad
+    reference, _ = serve.generate(target, PROMPT, 40, None, gamma=gamma, eos=set())
+    tokens, stats = serve.generate(target, PROMPT, 40, prov.bucketed, gamma=gamma, eos=set())
+    assert tokens == reference and stats.accepted > 0
+    assert prov.bucketed.drafter._bucketed.traces < stats.drafted / 4
+
+
+@pytest.mark.parametrize("layer", ["sliding_attention", "full_attention"])
+def test_assistant_planted_window_off_by_one_fails_the_comparison(layer, monkeypatch):
+    """Negative control: one donor entry more than the window (sliding) or past the offset (full)
+    let through on the bucketed path is caught."""
+    buffers = assistant.donor_buffers
+
+    def planted(*args):
+        out = buffers(*args)
+        k, v, where = out[layer]["kv"]
+        out[layer]["kv"] = (k, v, where + mx.array([0, -1, 0] if layer == "sliding_attention" else [1], mx.int32))
+        return out
+
+    monkeypatch.setattr(assistant, "donor_buffers", planted)
+    _, _, _, fast, plain = _assistant_loop("assistant-tied")
+    ok, _ = _within_fp32(fast, plain)
+    assert not ok
+
+
+def _wrapped_ring_rounds(window: str):
+    """Donors from one-token decoding (mlx-lm's in-place ring: after it wraps, the buffer is not in
+    time order, which the serve loop's multi-token verifies never leave): at each ring position a
+    chain drafted both ways. Returns (the ring write indices seen, bucketed rounds, default rounds)."""
+    _, kind, overrides, make, gamma, _ = next(s for s in SOURCES if s[0] == "assistant-tied")
+    target = targets.load(checkpoints.build(kind, 0, overrides))
+    plain, fast = make(), make()
+    fast.drafter.bucketed = True   # sources opened here with the window given
+    caches = make_prompt_cache(target.model)
+    ring = caches[targets.donor_layers(target)["sliding"]]
+    trace = targets.forward(target, mx.array([LONG_PROMPT[:6]]), caches=caches)
+    writes, out = set(), {False: [], True: []}
+    for t in LONG_PROMPT[6:]:
+        view = serve.TargetView(target, caches)
+        for prov in (plain, fast):
+            src = assistant.AssistantSource(prov.drafter, view, window=window)
+            steps = src._chain([t], gamma, trace.final[:, -1:, :], None)
+            out[prov is fast].append(([x for s in steps for x in (s.logits, s.next_hidden)], [s.token for s in steps]))
+        writes.add(ring._idx)
+        trace = targets.forward(target, mx.array([[t]]), caches=caches)
+    return writes, out[True], out[False]
+
+
+@pytest.mark.parametrize("window", ["optiq", "hf"])
+def test_assistant_bucketed_over_a_wrapped_ring(window):
+    """At every ring position, both window conventions: each chain on the bucketed path within fp32
+    of the default's, the same tokens."""
+    writes, fast, plain = _wrapped_ring_rounds(window)
+    assert len(writes) > 3   # the ring's write index moved round
+    ok, bad = _within_fp32(fast, plain)
+    assert ok, bad
+
+
+def test_assistant_ring_order_ignored_fails_the_comparison(monkeypatch):
+    """Negative control: the ring's rotation dropped (slot j taken as rank j) is caught."""
+    buffers = assistant.donor_buffers
+
+    def planted(*args):
+        out = buffers(*args)
+        k, v, where = out["sliding_attention"]["kv"]
+        out["sliding_attention"]["kv"] = (k, v, where * mx.array([0, 1, 1], mx.int32))
+        return out
+
+    monkeypatch.setattr(assistant, "donor_buffers", planted)
+    _, fast, plain = _wrapped_ring_rounds("optiq")
+    assert not _within_fp32(fast, plain)[0]
