@@ -1,8 +1,8 @@
 """Suite-wide options: --regen-goldens, --slow, the one-line skip of a test whose oracle is absent,
 the hypothesis profiles, and xdist by default.
 
-Plain `pytest` is the developer loop: under pytest-xdist (`-n auto`) when it is installed and no
-single test is named, the `slow` tests deselected, hypothesis's `dev` profile. CI (tox) runs
+Plain `pytest` is the developer loop: the whole suite under pytest-xdist (`-n auto`) when it is
+installed, the `slow` tests deselected, hypothesis's `dev` profile. CI (tox) runs
 `--slow --hypothesis-profile ci`: every test, hypothesis's default example counts."""
 
 import os
@@ -33,12 +33,13 @@ def pytest_addoption(parser):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config):
-    """`-n auto` by default when pytest-xdist is installed, unless -n/--dist is given, a single test
-    is named (path::name), or --pdb / --collect-only is on (they need one process)."""
+    """`-n auto` by default when pytest-xdist is installed and no path is given (the whole suite:
+    plain `pytest`, `pytest -m oracle`), unless -n/--dist, --pdb or --collect-only is given. A named
+    file or test runs in this process (worker start-up would dominate it)."""
     opt = config.option
     if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
             or getattr(opt, "numprocesses", None) is not None or getattr(opt, "dist", "no") != "no"
-            or opt.usepdb or opt.collectonly or any("::" in a for a in config.args)):
+            or opt.usepdb or opt.collectonly or config.args_source != pytest.Config.ArgsSource.TESTPATHS):
         return
     opt.numprocesses = "auto"
 
