@@ -1,7 +1,12 @@
-"""Suite-wide options: --regen-goldens, the one-line skip of a test whose oracle is absent, and the
-hypothesis profile."""
+"""Suite-wide options: --regen-goldens, --slow, the one-line skip of a test whose oracle is absent,
+the hypothesis profiles, and xdist by default.
+
+Plain `pytest` is the developer loop: the whole suite under pytest-xdist (`-n auto`) when it is
+installed, the `slow` tests deselected, hypothesis's `dev` profile. CI (tox) runs
+`--slow --hypothesis-profile ci`: every test, hypothesis's default example counts."""
 
 import os
+import re
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # 2 cores under pytest -n auto: no oversubscription
 
@@ -11,15 +16,56 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 import spec_parity  # noqa: E402,F401  (full-fp32 MLX matmuls before any test imports mlx)
 
 # Hypothesis's wall-clock checks (the per-example deadline, the too_slow health check) fail on a
-# 2-core machine under `-n auto` or other load: timing, not the properties. Every other setting
-# (the example count among them) is hypothesis's default. `--hypothesis-profile default` restores them.
-settings.register_profile("spec-parity", deadline=None, suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("spec-parity")
+# 2-core machine under `-n auto` or other load: timing, not the properties. `ci` keeps every other
+# setting at hypothesis's default (100 examples); `dev` draws fewer examples per property. The
+# planted-bug searches (`find` in tests/test_ab.py, tests/test_calibration.py) use the `ci` count in
+# both. `--hypothesis-profile default` restores hypothesis's own settings.
+settings.register_profile("ci", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", settings.get_profile("ci"), max_examples=20)
+settings.load_profile("dev")
 
 
 def pytest_addoption(parser):
     parser.addoption("--regen-goldens", action="store_true",
                      help="regenerate every golden from the live references before testing")
+    parser.addoption("--slow", action="store_true",
+                     help="also run the `slow` tests (deselected by default unless -m names `slow` or the test "
+                          "is named by its id); CI runs `pytest --slow --hypothesis-profile ci`")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`-n auto` by default when pytest-xdist is installed and no path is given (the whole suite:
+    plain `pytest`, `pytest -m oracle`), unless -n/--dist, --pdb or --collect-only is given. A named
+    file or test runs in this process (worker start-up would dominate it)."""
+    opt = config.option
+    if (not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput")
+            or getattr(opt, "numprocesses", None) is not None or getattr(opt, "dist", "no") != "no"
+            or opt.usepdb or opt.collectonly or config.args_source != pytest.Config.ArgsSource.TESTPATHS):
+        return
+    opt.numprocesses = "auto"
+
+
+def _slow_selected(config) -> bool:
+    return config.getoption("--slow") or re.search(r"\bslow\b", config.option.markexpr or "") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    if _slow_selected(config):
+        return
+    named = [a for a in config.args if "::" in a]
+    keep, slow = [], []
+    for item in items:
+        is_named = any(item.nodeid == a or item.nodeid.startswith(a + "[") for a in named)
+        (slow if item.get_closest_marker("slow") and not is_named else keep).append(item)
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not _slow_selected(config) and not hasattr(config, "workerinput"):
+        terminalreporter.write_line("slow tests deselected (the dev loop): run them with --slow")
 
 
 def pytest_sessionstart(session):

@@ -9,7 +9,9 @@
   a negative control's manifest is its base's (the planted bug is the port's), so they share one
   run as they share one golden.
 - A port run is keyed by the whole case and the bytes of the reference it is given, so the golden
-  and the live test of one case share it when the two references are the same bytes.
+  and the live test of one case share it when the two references are the same bytes. A pair may
+  key a run more finely by what it reads (pairs/dflash.py: a serve-loop run, shared by the z-lab
+  MLX and torch twins of a Qwen3 loop).
 
 Arrays in a stored result are made read-only and dicts are handed out as copies: no reader can
 change what the next one gets.
@@ -77,7 +79,8 @@ def manifest_key(case) -> str:
     return json.dumps(case.manifest(), sort_keys=True)
 
 
-def _stamp(path: str | Path) -> tuple:
+def stamp(path: str | Path) -> tuple:
+    """A checkpoint directory's identity: resolved path, and size and mtime of each file."""
     path = Path(path).resolve()
     stats = [(path / f).stat() for f in FILES]
     return (str(path),) + tuple((s.st_size, s.st_mtime_ns) for s in stats)
@@ -86,7 +89,7 @@ def _stamp(path: str | Path) -> tuple:
 def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = None):
     """`port.targets.greedy` of the target in `checkpoint` on `prompt` ([1, T] or a token list):
     the new tokens (a fresh list) and the logits each was chosen from [len, V]."""
-    stamp = _stamp(checkpoint)
+    key = stamp(checkpoint)
     ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
     eos = None if eos is None else frozenset(eos)
 
@@ -95,9 +98,9 @@ def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = N
 
         from port import targets
 
-        tokens, logits = targets.greedy(targets.load(stamp[0]), mx.array([ids], dtype=mx.int32), n,
+        tokens, logits = targets.greedy(targets.load(key[0]), mx.array([ids], dtype=mx.int32), n,
                                         None if eos is None else set(eos))
         mx.eval(logits)
         return tokens, logits
 
-    return once(("greedy", stamp, tuple(ids), int(n), eos), compute)
+    return once(("greedy", key, tuple(ids), int(n), eos), compute)

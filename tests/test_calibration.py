@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from port import calibration as cal
 
 CONTROL_SETTINGS = settings(database=None, deadline=None, derandomize=True,
-                            max_examples=settings.default.max_examples, phases=[Phase.generate])
+                            max_examples=settings.get_profile("ci").max_examples, phases=[Phase.generate])
 
 
 def must_fail(prop, strategy=None, fixed=()):

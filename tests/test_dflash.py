@@ -262,3 +262,18 @@ def test_zero_draft_rounds_keep_the_context():
     tokens, stats = serve.generate(target, p, 10, prov, gamma=0, eos=set())
     plain, _ = targets.greedy(target, mx.array([p]), 10, set())
     assert tokens == plain and stats.drafted == 0
+
+
+def test_qwen3_loop_twins_share_a_run_that_is_each_twins_own():
+    """The z-lab MLX and torch twins of a Qwen3 loop share one serve-loop run (pairs/dflash.py
+    `run_loop`): it is, bit for bit, the torch twin's own embed="raw" run. On Gemma-4 (embed scale
+    sqrt(H)) the twins' runs differ, and they are not shared."""
+    mlx_case, torch_case = _case("loop-qwen3"), _case("loop-qwen3-torch")
+    run = pair.run_loop(mlx_case)
+    own = pair._loop(torch_case, targets.load(torch_case.checkpoint_dir()))
+    assert set(own) == set(run)
+    assert all(own[k].dtype == run[k].dtype and np.array_equal(own[k], run[k]) for k in own)
+    assert all(pair.run_loop(torch_case)[k] is v for k, v in run.items())
+    g, gt = pair.run_loop(_case("loop-gemma4")), pair.run_loop(_case("loop-gemma4-torch"))
+    assert not np.array_equal(g["stream.draft_logits"], gt["stream.draft_logits"])
+    assert not any(gt[k] is v for k, v in g.items())

@@ -56,6 +56,7 @@ def test_port_runs_are_shared_only_for_the_same_case_and_reference_bytes(monkeyp
     case = next(c for c in pair.cases() if not c.control)
     control = next(c for c in pair.cases() if c.control and c.control["base"] == case.name)
     ref, _ = goldens.load(case)
+    monkeypatch.setattr(shared, "_STORE", {})   # an empty store, whatever ran before in this process
     runs = []
     real = pair.run_port
     monkeypatch.setattr(pair, "run_port", lambda c, r: runs.append(c.name) or real(c, r))
