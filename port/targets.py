@@ -21,6 +21,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import load_model
 
+from .compiled import VerifyCache, check_bucket
+
 FAMILIES = {"gemma4_text": "gemma4", "qwen3": "qwen3"}
 
 
@@ -100,7 +102,8 @@ def head(target: Target, h: mx.array) -> mx.array:
 def forward(target: Target, ids: mx.array, layer_inputs: list[mx.array] | None = None,
             caches: list | None = None) -> Trace:
     """One forward over `ids` [1, T], capturing every layer; with `caches` (mlx-lm's, from
-    make_prompt_cache) it appends to them, as a serve loop's prefill and verify do.
+    make_prompt_cache, or make_caches' VerifyCaches: each layer then attends over its whole buffer
+    under the cache's mask) it appends to them, as a serve loop's prefill and verify do.
 
     With `layer_inputs` (teacher-forced mode) layer i runs on `layer_inputs[i]` instead of the
     previous layer's output, so its error against a reference is its own, not inherited.
@@ -138,12 +141,24 @@ def _walk_gemma4(target, ids, layer_inputs, caches):
 def _walk_qwen3(target, ids, layer_inputs, caches):
     tm = target.model.model
     h = tm.embed_tokens(ids)
-    mask = create_attention_mask(h, caches[0])
+    c = caches[0]
+    mask = c.mask(h.shape[1], h.dtype) if isinstance(c, VerifyCache) else create_attention_mask(h, c)
     hidden = [h]
     for i, layer in enumerate(tm.layers):
         h = layer(h if layer_inputs is None else layer_inputs[i], mask, caches[i])
         hidden.append(h)
     return hidden, {}
+
+
+def make_caches(target: Target, kv_bucket: int | None = None) -> list:
+    """The request's caches: mlx-lm's own (default), or with `kv_bucket` one VerifyCache per layer
+    (port/compiled.py: the bucketed verify, Qwen3 targets)."""
+    if check_bucket(kv_bucket, "sdpa", ValueError) is None:
+        return make_prompt_cache(target.model)
+    if target.family != "qwen3":
+        raise ValueError(f"kv_bucket: the bucketed verify supports Qwen3 targets only; this {target.family} target's "
+                         "sliding layers (RotatingKVCache) and masks are mlx-lm's own: use kv_bucket=None")
+    return [VerifyCache(kv_bucket) for _ in target.model.model.layers]
 
 
 def eos_ids(target: Target) -> set[int]:
