@@ -119,12 +119,14 @@ class VerifyCache(BucketCache):
     def keys_and_values(self):
         return self.keys, self.values
 
-    def mask(self, n: int, dtype: mx.Dtype) -> mx.array:
+    def mask(self, n: int, dtype: mx.Dtype, window: int | None = None) -> mx.array:
         """[1, 1, n, S] for the n rows about to be written at offset (S: the buffer's length after
-        them): row i sees keys j <= offset + i (causal over the new rows), -inf past them."""
+        them): row i sees keys j <= offset + i (causal over the new rows), -inf past them; with a
+        `window` only the newest `window` of those (mlx-lm's sliding mask)."""
         end = self.offset + n
-        j = mx.arange(self.length_after(n))[None]
-        seen = (j <= mx.arange(self.offset, end)[:, None]) | ((j >= end) & (j < end + self.extra))
+        j, pos = mx.arange(self.length_after(n))[None], mx.arange(self.offset, end)[:, None]
+        seen = (j <= pos) if window is None else (j <= pos) & (j > pos - window)
+        seen = seen | ((j >= end) & (j < end + self.extra))
         return mx.where(seen, mx.array(0, dtype), mx.array(-mx.inf, dtype))[None, None]
 
 

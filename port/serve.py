@@ -324,10 +324,10 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     ("match" or "rejection") and `draft_sampler` (rejection: what the drafts are drawn from;
     default the request's sampler) select the sampling verify, see port/sampling.py.
 
-    `kv_bucket` (rows, opt-in, default None): the bucketed verify (targets.make_caches, Qwen3
-    targets): the target's caches are buffers a whole number of buckets long that every forward
-    attends over whole, masked, so on MLX CUDA the attention plans a kernel once per bucket, not
-    once per round's key length. Within fp32 tolerance of the default; the same greedy stream.
+    `kv_bucket` (rows, opt-in, default None): the bucketed verify (targets.make_caches; Qwen3 and
+    Gemma-4 targets): the target's caches are buffers a whole number of buckets long that every
+    forward attends over whole, masked, so on MLX CUDA the attention plans a kernel once per bucket,
+    not once per round's key length. Within fp32 tolerance of the default; the same greedy stream.
 
     `trim_bias`, `emit_eos`, `bonus` and `bugs` (sampling.BUGS) exist only to plant the negative
     controls (trim one too few, EOS emitted as content, bonus token dropped on a full accept, the

@@ -560,7 +560,7 @@ def run_case(spec: bench_shapes.Spec, opts: Options, torch: tuple[str | None, st
     bucketed = "port-bucketed" in bench_sides.peers_for(spec.source, opts.peers)
     for key in ("serve", "serve_bucketed") if bucketed else ("serve",):
         try:
-            options = bucketed_loop(case, prep.target) if key == "serve_bucketed" else {}
+            options = bucketed_loop(case) if key == "serve_bucketed" else {}
             out[key] = serve_loop(case, prep.target, _prompt(case, opts.seed), opts.max_tokens, opts.serve_runs,
                                   cold=opts.shapes == "real" and spec.ctx > COLD_SPACING * 16, **options)
         except Exception as e:
@@ -573,12 +573,11 @@ def run_case(spec: bench_shapes.Spec, opts: Options, torch: tuple[str | None, st
     return out
 
 
-def bucketed_loop(case: bench_shapes.Case, target) -> dict:
-    """serve_loop's options for the port-bucketed row: the bucketed drafter and, on a Qwen3 target,
-    the bucketed verify (kv_bucket=BUCKET; other targets keep the default verify, which the row's
-    kv_bucket None says)."""
+def bucketed_loop(case: bench_shapes.Case) -> dict:
+    """serve_loop's options for the port-bucketed row: the bucketed drafter and the bucketed verify
+    (kv_bucket=BUCKET)."""
     return {"provider": bench_sides.PortProvider(case, **bench_sides.bucketed_options(case)),
-            "kv_bucket": bench_sides.BUCKET if target.family == "qwen3" else None}
+            "kv_bucket": bench_sides.BUCKET}
 
 
 def _ratios(case: dict) -> None:

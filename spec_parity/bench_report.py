@@ -94,7 +94,7 @@ def _cold_round(sv: dict) -> str:
 
 def _serve_rows(doc: dict):
     """(row name, serve-loop figures) per case: the port's loop, then the port-bucketed one (bucketed
-    drafter; the bucketed verify where the target allows it) if the run has it."""
+    drafter and verify) if the run has it."""
     for c in doc["cases"]:
         for key in ("serve", "serve_bucketed"):
             sv = c.get(key)
