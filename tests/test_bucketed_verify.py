@@ -18,10 +18,11 @@ import functools
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import RotatingKVCache
-from test_bucketed import BUCKET, FP32, _bucketed_provider
+from test_bucketed import BUCKET, FP32, _assistant_loop, _bucketed_provider
+from test_bucketed import _within_fp32 as _chains_within_fp32
 from test_speed import PROMPT, SOURCES, _bits_equal
 
-from port import compiled, serve, targets
+from port import assistant, compiled, serve, targets
 from spec_parity import checkpoints, compare
 
 TOKENS = 40
@@ -29,7 +30,10 @@ PLAIN = {None: "qwen3-target", "gemma4": "gemma4-target"}   # plain decoding thr
 # DSpark and DFlash on Qwen3 targets; DSpark and the assistant on Gemma-4 ones (sliding layers: the
 # window masked over the time-ordered buffer; the assistant's donors are the bucketed buffers)
 LOOPS = [None, "dspark-threshold", "dflash", "dspark", "assistant-tied"]
-IDS = lambda n: n or "plain"  # noqa: E731
+
+
+def IDS(name):
+    return name or "plain"
 
 
 @functools.cache
@@ -41,10 +45,18 @@ def _setup(name):
     return targets.load(checkpoints.build(kind, 0, overrides)), make, gamma
 
 
+def _bucketed_drafter(make):
+    """A SOURCES provider with its drafter on its bucketed path (the assistant's `bucketed`)."""
+    if not isinstance(prov := make(), assistant.AssistantProvider):
+        return _bucketed_provider(lambda: prov)
+    prov.drafter.bucketed = True
+    return prov
+
+
 def _loop(name, kv_bucket, bucketed_drafter=False):
     """The serve loop's tokens, stats and every target forward's (logits, final, layer outputs)."""
     target, make, gamma = _setup(name)
-    prov = None if make is None else (_bucketed_provider(make) if bucketed_drafter else make())
+    prov = None if make is None else (_bucketed_drafter(make) if bucketed_drafter else make())
     forwards, forward = [], serve.targets.forward
 
     def recorded(*args, **kwargs):
@@ -76,11 +88,13 @@ def _within_fp32(fast, plain) -> list:
 @pytest.mark.parametrize("name", [*LOOPS, "gemma4"], ids=IDS)
 def test_bucketed_loop_emits_the_targets_greedy_stream(name):
     """Bucketed drafter and bucketed verify: the target's own greedy stream (mlx-lm's caches, one
-    token per call), an agreeing drafter still accepted."""
+    token per call), an agreeing drafter still accepted, the default loop's drafts proposed (a
+    weak check of the drafters' inputs; the assistant's chains are compared below)."""
     target, _, _ = _setup(name)
     greedy, _ = targets.greedy(target, mx.array([PROMPT]), TOKENS, eos=set())
     tokens, stats, _ = _loop(name, BUCKET, bucketed_drafter=True)
     assert tokens == greedy and (name in PLAIN or stats.accepted > 0)
+    assert stats.proposals == _default(name)[1].proposals
 
 
 @pytest.mark.parametrize("name", LOOPS, ids=IDS)
@@ -148,6 +162,27 @@ def test_attention_sees_only_bucket_lengths(name, monkeypatch):
         lengths[kv_bucket] = set(seen)
     assert lengths[BUCKET] and all(s % BUCKET == 0 for s in lengths[BUCKET])
     assert len(lengths[BUCKET]) <= -(-(len(PROMPT) + TOKENS + 8) // BUCKET) < len(lengths[None])
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_assistant_bucketed_chains_over_the_bucketed_verify(planted, monkeypatch):
+    """The bucketed assistant's donors over the bucketed verify's buffers (the sliding layer's:
+    every row in time order, the window found from the offset): every draft chain within fp32 of
+    the default assistant's over the same caches, the same tokens; the window one entry too wide
+    (the control) is caught."""
+    if planted:
+        buffers = assistant.donor_buffers
+
+        def wider(*args):
+            out = buffers(*args)
+            k, v, where = out["sliding_attention"]["kv"]
+            out["sliding_attention"]["kv"] = (k, v, where + mx.array([0, -1, 0], mx.int32))
+            return out
+
+        monkeypatch.setattr(assistant, "donor_buffers", wider)
+    _, _, _, fast, plain = _assistant_loop("assistant-tied", BUCKET)
+    ok, bad = _chains_within_fp32(fast, plain)
+    assert len(fast) > 10 and ok != planted, bad
 
 
 def test_gemma4_one_token_decoding_equals_an_uncached_recompute():
