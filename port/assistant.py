@@ -16,7 +16,8 @@ Conventions where the two references differ (REFERENCES.md, "Reference deltas") 
 
 `bucketed` (opt-in, default off): the donor K/V are the target's mlx-lm cache buffers as they
 are (KVCache: rows past its offset masked; RotatingKVCache: the ring, every slot but the window's
-entries masked, whatever its order), so a step's shapes change only when a buffer does, and the
+entries masked, whatever its order; a bucketed verify's sliding buffer, compiled.VerifyCache:
+every row in time order, all but the window's masked), so a step's shapes change only when a buffer does, and the
 whole step (pre-projection, the 4 layers with their attention, norm, head, post-projection) is
 one compiled call. The window's slots are found from the ring's (write index, offset) as
 mlx-lm's own temporal order lays them out; they enter as arrays. Within fp32 tolerance of the
@@ -325,7 +326,11 @@ def donor_buffers(target, caches: list, window: str | int = "optiq") -> dict:
             raise RuntimeError("the target cache is empty: prefill before drafting")
         S = c.keys.shape[2]
         if not hasattr(c, "_temporal_order"):
-            where, ring = [c.offset], False
+            if name == "sliding":   # a bucketed verify's buffer (compiled.VerifyCache): every row, in time order
+                seen = min(c.offset, window_keep(target.config["sliding_window"], window))
+                where, ring = [0, c.offset - seen, c.offset], True
+            else:
+                where, ring = [c.offset], False
         else:
             if c.keep:
                 raise DrafterError(f"bucketed: a RotatingKVCache with keep={c.keep} (sink rows) is not supported; "

@@ -80,11 +80,16 @@ class BucketCache(KVCache):
         super().__init__()
         self.step = bucket
 
+    def length_after(self, n: int) -> int:
+        """The buffer's length once n more rows are written."""
+        have = 0 if self.keys is None else self.keys.shape[2]
+        return max(have, -(-(self.offset + n) // self.step) * self.step)
+
     def update_and_fetch(self, keys, values):
         prev, n = self.offset, keys.shape[2]
         have = 0 if self.keys is None else self.keys.shape[2]
         if prev + n > have:
-            grow = -(-(prev + n) // self.step) * self.step - have
+            grow = self.length_after(n) - have
             B, h, _, dk = keys.shape
             new_k = mx.zeros((B, h, grow, dk), keys.dtype)
             new_v = mx.zeros((B, h, grow, values.shape[3]), values.dtype)
@@ -100,6 +105,29 @@ class BucketCache(KVCache):
 
     def buffers(self):
         return self.keys, self.values
+
+
+class VerifyCache(BucketCache):
+    """A target layer's cache on the bucketed verify (port.serve.generate's `kv_bucket`): mlx-lm's
+    layer gets the WHOLE buffer from update_and_fetch and `mask`'s additive mask, so the attention
+    kernel sees a key length that changes only when the buffer grows by a bucket. Trimming (the
+    serve loop's rejected drafts) only moves offset, as KVCache's does; rows past it are masked
+    until they are overwritten."""
+
+    extra = 0  # padded rows past the new ones the mask lets through: a planted control only
+
+    def keys_and_values(self):
+        return self.keys, self.values
+
+    def mask(self, n: int, dtype: mx.Dtype, window: int | None = None) -> mx.array:
+        """[1, 1, n, S] for the n rows about to be written at offset (S: the buffer's length after
+        them): row i sees keys j <= offset + i (causal over the new rows), -inf past them; with a
+        `window` only the newest `window` of those (mlx-lm's sliding mask)."""
+        end = self.offset + n
+        j, pos = mx.arange(self.length_after(n))[None], mx.arange(self.offset, end)[:, None]
+        seen = (j <= pos) if window is None else (j <= pos) & (j > pos - window)
+        seen = seen | ((j >= end) & (j < end + self.extra))
+        return mx.where(seen, mx.array(0, dtype), mx.array(-mx.inf, dtype))[None, None]
 
 
 def two_segment_attention(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float):

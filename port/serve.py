@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import mlx.core as mx
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache
 
 from . import sampling, targets
 
@@ -314,7 +314,7 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
              gamma: int = 4, eos: set[int] | None = None, record: bool = False, trim_bias: int = 0,
              emit_eos: bool = False, bonus: bool = True, sampler: sampling.Sampler | None = None,
              processors=(), mode: str = "match", draft_sampler: sampling.Sampler | None = None,
-             bugs=frozenset()) -> tuple[list[int], Stats]:
+             bugs=frozenset(), kv_bucket: int | None = None) -> tuple[list[int], Stats]:
     """Speculative decoding. Returns the content tokens and the stats (with the per-round
     trace). With no source it is plain decoding through the same verify path.
 
@@ -323,6 +323,11 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     row before acceptance and to the draft rows of a source with `draft_sampled`), `mode`
     ("match" or "rejection") and `draft_sampler` (rejection: what the drafts are drawn from;
     default the request's sampler) select the sampling verify, see port/sampling.py.
+
+    `kv_bucket` (rows, opt-in, default None): the bucketed verify (targets.make_caches; Qwen3 and
+    Gemma-4 targets): the target's caches are buffers a whole number of buckets long that every
+    forward attends over whole, masked, so on MLX CUDA the attention plans a kernel once per bucket,
+    not once per round's key length. Within fp32 tolerance of the default; the same greedy stream.
 
     `trim_bias`, `emit_eos`, `bonus` and `bugs` (sampling.BUGS) exist only to plant the negative
     controls (trim one too few, EOS emitted as content, bonus token dropped on a full accept, the
@@ -336,7 +341,7 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     else:
         verifier = _Sampled(sampler or sampling.Sampler(), processors, mode, draft_sampler, bugs)
     eos = targets.eos_ids(target) if eos is None else eos
-    caches = make_prompt_cache(target.model)
+    caches = targets.make_caches(target, kv_bucket)
     source = provider.open(TargetView(target, caches)) if provider is not None else None
     stats = Stats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma,
                   weights_bytes=int(getattr(provider, "weights_bytes", 0) or 0) if provider is not None else 0)

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import load_model
+
+from .compiled import VerifyCache, check_bucket
 
 FAMILIES = {"gemma4_text": "gemma4", "qwen3": "qwen3"}
 
@@ -100,7 +102,8 @@ def head(target: Target, h: mx.array) -> mx.array:
 def forward(target: Target, ids: mx.array, layer_inputs: list[mx.array] | None = None,
             caches: list | None = None) -> Trace:
     """One forward over `ids` [1, T], capturing every layer; with `caches` (mlx-lm's, from
-    make_prompt_cache) it appends to them, as a serve loop's prefill and verify do.
+    make_prompt_cache, or make_caches' VerifyCaches: each layer then attends over its whole buffer
+    under the cache's mask) it appends to them, as a serve loop's prefill and verify do.
 
     With `layer_inputs` (teacher-forced mode) layer i runs on `layer_inputs[i]` instead of the
     previous layer's output, so its error against a reference is its own, not inherited.
@@ -122,7 +125,7 @@ def _walk_gemma4(target, ids, layer_inputs, caches):
     if tm.hidden_size_per_layer_input:
         pli = tm._project_per_layer_inputs(h, tm._get_per_layer_inputs(ids, emb))
         per_layer = [pli[:, :, i, :] for i in range(len(tm.layers))]
-    masks = tm._make_masks(h, caches)
+    masks = _bucket_masks(tm, h, caches[0]) if isinstance(caches[0], VerifyCache) else tm._make_masks(h, caches)
     shared = [(None, None)] * len(tm.layers)
     hidden = [h]
     for i, layer in enumerate(tm.layers):
@@ -135,15 +138,39 @@ def _walk_gemma4(target, ids, layer_inputs, caches):
     return hidden, donors
 
 
+def _bucket_masks(tm, h, cache: VerifyCache) -> list:
+    """Per layer, its type's mask over the bucketed buffers (every owner cache has the same offset
+    and length, and a kv-shared layer attends over its owner's buffer)."""
+    n, types = h.shape[1], {layer.layer_type for layer in tm.layers}
+    by_type = {t: cache.mask(n, h.dtype, tm.window_size if t == "sliding_attention" else None) for t in types}
+    return [by_type[layer.layer_type] for layer in tm.layers]
+
+
 def _walk_qwen3(target, ids, layer_inputs, caches):
     tm = target.model.model
     h = tm.embed_tokens(ids)
-    mask = create_attention_mask(h, caches[0])
+    c = caches[0]
+    mask = c.mask(h.shape[1], h.dtype) if isinstance(c, VerifyCache) else create_attention_mask(h, c)
     hidden = [h]
     for i, layer in enumerate(tm.layers):
         h = layer(h if layer_inputs is None else layer_inputs[i], mask, caches[i])
         hidden.append(h)
     return hidden, {}
+
+
+def make_caches(target: Target, kv_bucket: int | None = None) -> list:
+    """The request's caches: mlx-lm's own (default), or with `kv_bucket` one VerifyCache per cache
+    mlx-lm would make (port/compiled.py: the bucketed verify). A sliding layer's VerifyCache keeps
+    every row in time order and masks the window instead of rotating."""
+    caches = make_prompt_cache(target.model)
+    if check_bucket(kv_bucket, "sdpa", ValueError) is None:
+        return caches
+    for c in caches:
+        if type(c) not in (KVCache, RotatingKVCache) or getattr(c, "keep", 0):
+            raise ValueError(f"kv_bucket: the bucketed verify replaces mlx-lm's KVCache / RotatingKVCache (keep=0); "
+                             f"this target makes a {type(c).__name__}{f' with keep={c.keep}' if getattr(c, 'keep', 0) else ''}: "
+                             "use kv_bucket=None")
+    return [VerifyCache(kv_bucket) for _ in caches]
 
 
 def eos_ids(target: Target) -> set[int]:

@@ -327,10 +327,11 @@ def _rounds(events: list, t_end: float) -> list[dict]:
 
 
 def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: int, runs: int,
-               provider=None, cold: bool = False) -> dict:
+               provider=None, cold: bool = False, kv_bucket: int | None = None) -> dict:
     """Our port in port.serve.generate on `prompt`: tokens/s (decode only: from the first draft on,
     and the loop's own figure with the prefill), the round split, host syncs and graph ops per round.
-    `provider` (default: the port's drafter of the case) is what the loop drafts with."""
+    `provider` (default: the port's drafter of the case) is what the loop drafts with; `kv_bucket`
+    the loop's bucketed verify (None: the default one)."""
     from port import serve
 
     provider = provider or bench_sides.PortProvider(case)
@@ -339,7 +340,7 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
     def run(events, hook=None, split=False):
         t0 = time.perf_counter()
         _, stats = serve.generate(target, prompt, max_tokens, _probe(provider, events, hook, split), gamma=gamma,
-                                  eos=set())
+                                  eos=set(), kv_bucket=kv_bucket)
         return stats, t0, time.perf_counter()
 
     run([])  # warm-up
@@ -373,14 +374,14 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
         short = prompt[: len(prompt) - COLD_SPACING * 8]
         with _timed_forward(events):
             _, cstats = serve.generate(target, short, max_tokens, _probe(provider, events, split=True), gamma=gamma,
-                                       eos=set())
+                                       eos=set(), kv_bucket=kv_bucket)
             t_end = time.perf_counter()
         csplit = _rounds(events, t_end)[1:]
         first = next(e[1] for e in events if e[0] == "draft")
         cold_out = {"cold": {"prompt_len": len(short), "decode_tokens_per_s": (cstats.emitted - 1) / (t_end - first),
                              "round_median_s": {k: float(np.median([r[k] for r in csplit])) for k in csplit[0]}
                              if csplit else {}}}
-    return {**cold_out, "gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
+    return {**cold_out, "kv_bucket": kv_bucket, "gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
             "tau": stats.tau, "acceptance": stats.acceptance,
             "decode_tokens_per_s": summary(decode), "loop_tokens_per_s": summary(looped),
             "round_median_s": med, "first_round_s": split[0] if split else {},
@@ -556,17 +557,27 @@ def run_case(spec: bench_shapes.Spec, opts: Options, torch: tuple[str | None, st
         sides.append(run_side(name, bench_sides.side(name), prep, opts, i))
     out["sides"] = sides
     _ratios(out)
-    try:
-        out["serve"] = serve_loop(case, prep.target, _prompt(case, opts.seed), opts.max_tokens, opts.serve_runs,
-                                  cold=opts.shapes == "real" and spec.ctx > COLD_SPACING * 16)
-    except Exception as e:
-        out["serve"] = {"status": "failed", "reason": _reason(e)}
+    bucketed = "port-bucketed" in bench_sides.peers_for(spec.source, opts.peers)
+    for key in ("serve", "serve_bucketed") if bucketed else ("serve",):
+        try:
+            options = bucketed_loop(case) if key == "serve_bucketed" else {}
+            out[key] = serve_loop(case, prep.target, _prompt(case, opts.seed), opts.max_tokens, opts.serve_runs,
+                                  cold=opts.shapes == "real" and spec.ctx > COLD_SPACING * 16, **options)
+        except Exception as e:
+            out[key] = {"status": "failed", "reason": _reason(e)}
     out["status"] = "ok"
     out["wall_s"] = time.perf_counter() - t0
     del prep, case
     gc.collect()
     mx.clear_cache()
     return out
+
+
+def bucketed_loop(case: bench_shapes.Case) -> dict:
+    """serve_loop's options for the port-bucketed row: the bucketed drafter and the bucketed verify
+    (kv_bucket=BUCKET)."""
+    return {"provider": bench_sides.PortProvider(case, **bench_sides.bucketed_options(case)),
+            "kv_bucket": bench_sides.BUCKET}
 
 
 def _ratios(case: dict) -> None:

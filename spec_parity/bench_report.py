@@ -92,19 +92,31 @@ def _cold_round(sv: dict) -> str:
     return f"{_ms(r['round_s'])} ({_ms(r['draft_s'])} / {_ms(r['verify_s'])}) | {c['decode_tokens_per_s']:.1f}"
 
 
+def _serve_rows(doc: dict):
+    """(row name, serve-loop figures) per case: the port's loop, then the port-bucketed one (bucketed
+    drafter and verify) if the run has it."""
+    for c in doc["cases"]:
+        for key in ("serve", "serve_bucketed"):
+            sv = c.get(key)
+            if not sv:
+                continue
+            if key == "serve":
+                yield c["case"], sv
+            else:
+                verify = f"verify kv_bucket={sv['kv_bucket']}" if sv.get("kv_bucket") else "verify default"
+                yield f"{c['case']} (port-bucketed, {verify})", sv
+
+
 def serve_table(doc: dict) -> list[str]:
     out = ["| case | γ | round ms | draft | verify | accept+trim | host syncs / round | graph ops / round | "
            "decode tok/s | loop tok/s (with prefill) | τ | peak MiB (+ rise) | cold round ms (draft / verify) | cold decode tok/s |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for c in doc["cases"]:
-        sv = c.get("serve")
-        if not sv:
-            continue
+    for name, sv in _serve_rows(doc):
         if "round_median_s" not in sv:
-            out.append(f"| {c['case']} | – | failed: {sv.get('reason', '')} ||||||||||")
+            out.append(f"| {name} | – | failed: {sv.get('reason', '')} ||||||||||")
             continue
         r = sv["round_median_s"]
-        out.append(f"| {c['case']} | {sv['gamma']} | {_ms(r.get('round_s'))} | {_ms(r.get('draft_s'))} | "
+        out.append(f"| {name} | {sv['gamma']} | {_ms(r.get('round_s'))} | {_ms(r.get('draft_s'))} | "
                    f"{_ms(r.get('verify_s'))} | {_ms(r.get('accept_trim_s'))} | {sv['host_syncs_per_round']:.1f} | "
                    f"{sv['graph_ops_per_round']:.0f} | {sv['decode_tokens_per_s']['median']:.1f} | "
                    f"{sv['loop_tokens_per_s']['median']:.1f} | {sv['tau']:.2f} | {_mib(sv.get('memory'))} | "

@@ -93,13 +93,18 @@ def port_side(prep: Prep, **bucketed) -> Stepper:
 BUCKET = 256  # mlx-lm KVCache's own growth step
 
 
-def port_bucketed_side(prep: Prep, attention: str = "sdpa") -> Stepper:
-    """Our port's opt-in bucketed path: blocks with kv_bucket=BUCKET (the whole block one compiled
+def bucketed_options(case: Case, attention: str = "sdpa") -> dict:
+    """The port's opt-in bucketed drafter: blocks with kv_bucket=BUCKET (the whole block one compiled
     call over the context buffer), the assistant with bucketed=True (one compiled step over the
-    target's cache buffers). Within fp32 tolerance of the port."""
-    if prep.case.spec.source == "assistant":
-        return port_side(prep, bucketed=True)
-    return port_side(prep, kv_bucket=BUCKET, bucket_attention=attention)
+    target's cache buffers)."""
+    if case.spec.source == "assistant":
+        return {"bucketed": True}
+    return {"kv_bucket": BUCKET, "bucket_attention": attention}
+
+
+def port_bucketed_side(prep: Prep, attention: str = "sdpa") -> Stepper:
+    """Our port's opt-in bucketed path (bucketed_options). Within fp32 tolerance of the port."""
+    return port_side(prep, **bucketed_options(prep.case, attention))
 
 
 def port_bucketed_2seg_side(prep: Prep) -> Stepper:
@@ -109,14 +114,15 @@ def port_bucketed_2seg_side(prep: Prep) -> Stepper:
 
 class PortProvider:
     """A `DraftProvider` over the port's in-memory drafter (the providers themselves read paths
-    only through the port's loaders, which `serve_weights` feeds)."""
+    only through the port's loaders, which `serve_weights` feeds); `bucketed`: the loader's
+    options (bucketed_options)."""
 
     trained_gamma = None
     weights_bytes = 0
 
-    def __init__(self, case: Case):
+    def __init__(self, case: Case, **bucketed):
         self.case, self.id = case, case.spec.name
-        self.drafter = load_port_drafter(case)
+        self.drafter = load_port_drafter(case, **bucketed)
 
     def open(self, view):
         return _source_class(self.case)(self.drafter, view)

@@ -218,3 +218,16 @@ def test_bench_real_path_runs_scaled_down(tmp_path):
     assert case["case"] == "dflash-qwen3-4b" and case["status"] == "ok"
     assert case["drafter_config"]["num_hidden_layers"] == 5 and case["drafter_config"]["block_size"] == 16
     assert [s["side"] for s in case["sides"]] == ["port"] and case["sides"][0]["status"] == "ok"
+
+
+def test_bench_serve_section_runs_the_port_bucketed_loop(tmp_path):
+    """With port-bucketed among the sides, the serve section has a second row: the bucketed drafter
+    and the bucketed verify (kv_bucket=BUCKET), on the Qwen3 and the Gemma-4 target alike."""
+    doc = _run(tmp_path, "--sources", "dspark", "--peers", "port-bucketed")
+    cases = {c["case"]: c for c in doc["cases"]}
+    assert set(cases) == {"dspark-qwen3", "dspark-gemma4"}
+    md = (tmp_path / "out" / "bench.md").read_text()
+    for name, c in cases.items():
+        assert c["serve"]["kv_bucket"] is None and c["serve_bucketed"]["kv_bucket"] == bench_sides.BUCKET
+        assert c["serve_bucketed"]["decode_tokens_per_s"]["median"] > 0
+        assert f"| {name} (port-bucketed, verify kv_bucket=256) |" in md

@@ -257,14 +257,15 @@ class _BothChains:
         pass
 
 
-def _assistant_loop(name: str):
+def _assistant_loop(name: str, kv_bucket=None):
     """A 40-token serve loop (past the tiny target's sliding window of 8: the ring wraps, verify
     chunks and trims reorder it) with every chain drafted both ways: (target, provider, gamma,
-    bucketed rounds, default rounds), a round = (logits and next hidden of each step, tokens)."""
+    bucketed rounds, default rounds), a round = (logits and next hidden of each step, tokens).
+    `kv_bucket`: the loop's bucketed verify (the donors are then its VerifyCache buffers)."""
     _, kind, overrides, make, gamma, _ = next(s for s in SOURCES if s[0] == name)
     target = targets.load(checkpoints.build(kind, 0, overrides))
     prov = _BothChains(make)
-    serve.generate(target, PROMPT, 40, prov, gamma=gamma, eos=set())
+    serve.generate(target, PROMPT, 40, prov, gamma=gamma, eos=set(), kv_bucket=kv_bucket)
 
     def rounds(which):
         return [([x for s in c[which] for x in (s.logits, s.next_hidden)], [s.token for s in c[which]])

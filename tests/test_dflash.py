@@ -117,7 +117,7 @@ def test_positional_window_is_a_time_ordered_recompute(variant):
     results = {}
     for window in ("positional", "zlab-mlx"):
         m = dflash.load(case.drafter_dir(), window)
-        caches = serve.make_prompt_cache(target.model)
+        caches = targets.make_caches(target)
         src = dflash.DflashSource(m, serve.TargetView(target, caches))
         p = pair.prompt(case)
         tr = targets.forward(target, mx.array(p), caches=caches)

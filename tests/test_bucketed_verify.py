@@ -1,0 +1,210 @@
+"""The bucketed verify (`kv_bucket` of port.serve.generate, opt-in): the target's caches are buffers a
+whole number of buckets long (port/compiled.py VerifyCache) that mlx-lm's own layers attend over whole,
+under an additive mask (causal over the new rows, -inf past them; Gemma-4's sliding layers: the window
+over the time-ordered buffer instead of a rotating one), so the attention kernel sees a key length that
+changes once per bucket, not once per round.
+
+Its attention runs over a padded key range (another kernel on the GPU), so it is held to the default
+loop within torch.testing's fp32 tolerance (rtol 1.3e-6, atol 1e-5: the same layers and weights, only
+the key range padded with masked rows) on every verify forward's logits, final hidden and layer
+outputs, with the target's own greedy stream. On the CPU backend (mx.fast's attention is its unfused
+fallback there: the masked rows add exact zeros) it is measured bit-exact, and held so. Bucket 8:
+the 12-token prompt and 40 tokens cross six bucket boundaries. A mask letting one padded key through,
+or a window one row too wide, must fail the comparison.
+"""
+
+import functools
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import RotatingKVCache
+from test_bucketed import BUCKET, FP32, _assistant_loop, _bucketed_provider
+from test_bucketed import _within_fp32 as _chains_within_fp32
+from test_speed import PROMPT, SOURCES, _bits_equal
+
+from port import assistant, compiled, serve, targets
+from spec_parity import checkpoints, compare
+
+TOKENS = 40
+PLAIN = {None: "qwen3-target", "gemma4": "gemma4-target"}   # plain decoding through the loop (one row per verify)
+# DSpark and DFlash on Qwen3 targets; DSpark and the assistant on Gemma-4 ones (sliding layers: the
+# window masked over the time-ordered buffer; the assistant's donors are the bucketed buffers)
+LOOPS = [None, "dspark-threshold", "dflash", "dspark", "assistant-tied"]
+
+
+def IDS(name):
+    return name or "plain"
+
+
+@functools.cache
+def _setup(name):
+    """(target, provider factory or None, gamma)."""
+    if name in PLAIN:
+        return targets.load(checkpoints.build(PLAIN[name], 0, {})), None, 4
+    _, kind, overrides, make, gamma, _ = next(s for s in SOURCES if s[0] == name)
+    return targets.load(checkpoints.build(kind, 0, overrides)), make, gamma
+
+
+def _bucketed_drafter(make):
+    """A SOURCES provider with its drafter on its bucketed path (the assistant's `bucketed`)."""
+    if not isinstance(prov := make(), assistant.AssistantProvider):
+        return _bucketed_provider(lambda: prov)
+    prov.drafter.bucketed = True
+    return prov
+
+
+def _loop(name, kv_bucket, bucketed_drafter=False):
+    """The serve loop's tokens, stats and every target forward's (logits, final, layer outputs)."""
+    target, make, gamma = _setup(name)
+    prov = None if make is None else (_bucketed_drafter(make) if bucketed_drafter else make())
+    forwards, forward = [], serve.targets.forward
+
+    def recorded(*args, **kwargs):
+        t = forward(*args, **kwargs)
+        forwards.append([t.logits, t.final, *t.hidden[1:]])
+        return t
+
+    serve.targets.forward = recorded
+    try:
+        tokens, stats = serve.generate(target, PROMPT, TOKENS, prov, gamma=gamma, eos=set(), kv_bucket=kv_bucket)
+    finally:
+        serve.targets.forward = forward
+    return tokens, stats, forwards
+
+
+@functools.cache
+def _default(name):
+    """The default loop's run (read only)."""
+    return _loop(name, None)
+
+
+def _within_fp32(fast, plain) -> list:
+    """The forwards (same count, same shapes) whose tensors leave the fp32 budget."""
+    assert len(fast) == len(plain)
+    return [(r, i, m.get("max_abs")) for r, (f, p) in enumerate(zip(fast, plain)) for i, (a, b) in enumerate(zip(f, p))
+            if not (m := compare.tensor_metrics(a, b, FP32))["ok"]]
+
+
+@pytest.mark.parametrize("name", [*LOOPS, "gemma4"], ids=IDS)
+def test_bucketed_loop_emits_the_targets_greedy_stream(name):
+    """Bucketed drafter and bucketed verify: the target's own greedy stream (mlx-lm's caches, one
+    token per call), an agreeing drafter still accepted, the default loop's drafts proposed (a
+    weak check of the drafters' inputs; the assistant's chains are compared below)."""
+    target, _, _ = _setup(name)
+    greedy, _ = targets.greedy(target, mx.array([PROMPT]), TOKENS, eos=set())
+    tokens, stats, _ = _loop(name, BUCKET, bucketed_drafter=True)
+    assert tokens == greedy and (name in PLAIN or stats.accepted > 0)
+    assert stats.proposals == _default(name)[1].proposals
+
+
+@pytest.mark.parametrize("name", LOOPS, ids=IDS)
+def test_bucketed_verify_within_fp32_of_default(name):
+    """Every target forward of the loop (prefill and each verify): logits, final hidden and every
+    layer's output within the fp32 budget of the default loop's; bit for bit on the CPU. DFlash's
+    loop rejects drafts: its trims leave stale rows past the offset, which the mask must hide."""
+    plain_tokens, _, plain = _default(name)
+    tokens, stats, fast = _loop(name, BUCKET)
+    assert tokens == plain_tokens and len(fast) > 5
+    assert name != "dflash" or stats.drafted > stats.accepted
+    assert not _within_fp32(fast, plain)
+    if mx.default_device().type == mx.DeviceType.cpu:
+        assert all(_bits_equal(a, b) for f, p in zip(fast, plain) for a, b in zip(f, p))
+
+
+@pytest.mark.parametrize("name", LOOPS, ids=IDS)
+def test_planted_mask_off_by_one_fails_the_comparison(name, monkeypatch):
+    """Negative control: the mask letting the first padded key through is caught (the prefill
+    already: 12 prompt rows in a buffer of 16)."""
+    _, _, plain = _default(name)
+    monkeypatch.setattr(compiled.VerifyCache, "extra", 1)
+    _, _, planted = _loop(name, BUCKET)
+    bad = _within_fp32(planted[: len(plain)], plain[: len(planted)])
+    assert bad and bad[0][0] == 0
+
+
+@pytest.mark.parametrize("name", ["dspark", "assistant-tied"])
+def test_planted_window_off_by_one_fails_the_comparison(name, monkeypatch):
+    """Negative control: the sliding layers' window one row too wide on the bucketed verify is
+    caught (Gemma-4 targets; the prompt is past the window)."""
+    _, _, plain = _default(name)
+    tm = _setup(name)[0].model.model
+    monkeypatch.setattr(tm, "window_size", tm.window_size + 1)
+    _, _, planted = _loop(name, BUCKET)
+    bad = _within_fp32(planted[: len(plain)], plain[: len(planted)])
+    assert bad and bad[0][0] == 0
+
+
+@pytest.mark.parametrize("name", [None, "dflash", "assistant-tied"], ids=IDS)
+def test_attention_sees_only_bucket_lengths(name, monkeypatch):
+    """The key lengths mx.fast.scaled_dot_product_attention gets in the target's forwards: only
+    multiples of the bucket on the bucketed verify (a few over the request), many on the default."""
+    seen, inside, sdpa, forward = [], [False], mx.fast.scaled_dot_product_attention, serve.targets.forward
+
+    def recorded(q, k, v, **kwargs):
+        if inside[0]:
+            seen.append(k.shape[2])
+        return sdpa(q, k, v, **kwargs)
+
+    def flagged(*args, **kwargs):
+        inside[0] = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
+    monkeypatch.setattr(serve.targets, "forward", flagged)
+    target, make, gamma = _setup(name)
+    lengths = {}
+    for kv_bucket in (BUCKET, None):
+        seen.clear()
+        serve.generate(target, PROMPT, TOKENS, make and make(), gamma=gamma, eos=set(), kv_bucket=kv_bucket)
+        lengths[kv_bucket] = set(seen)
+    assert lengths[BUCKET] and all(s % BUCKET == 0 for s in lengths[BUCKET])
+    assert len(lengths[BUCKET]) <= -(-(len(PROMPT) + TOKENS + 8) // BUCKET) < len(lengths[None])
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_assistant_bucketed_chains_over_the_bucketed_verify(planted, monkeypatch):
+    """The bucketed assistant's donors over the bucketed verify's buffers (the sliding layer's:
+    every row in time order, the window found from the offset): every draft chain within fp32 of
+    the default assistant's over the same caches, the same tokens; the window one entry too wide
+    (the control) is caught."""
+    if planted:
+        buffers = assistant.donor_buffers
+
+        def wider(*args):
+            out = buffers(*args)
+            k, v, where = out["sliding_attention"]["kv"]
+            out["sliding_attention"]["kv"] = (k, v, where + mx.array([0, -1, 0], mx.int32))
+            return out
+
+        monkeypatch.setattr(assistant, "donor_buffers", wider)
+    _, _, _, fast, plain = _assistant_loop("assistant-tied", BUCKET)
+    ok, bad = _chains_within_fp32(fast, plain)
+    assert len(fast) > 10 and ok != planted, bad
+
+
+def test_gemma4_one_token_decoding_equals_an_uncached_recompute():
+    """Plain decoding on a Gemma-4 target is held to mlx-lm's uncached forward over the whole sequence
+    (its sliding mask over time-ordered keys) instead of the default loop: one-token decoding over
+    mlx-lm's wrapped RotatingKVCache sums the window in ring order (measured: the default 1.7e-5 off
+    the recompute on logits of |~12|, past the fp32 budget; the bucketed verify 0 on the CPU)."""
+    target = _setup("gemma4")[0]
+    tokens, _, fast = _loop("gemma4", BUCKET)
+    for r in (1, 2, 5):   # the prompt (12) is past the window (8) from the start
+        full = targets.forward(target, mx.array([PROMPT + tokens[:r]]))
+        got = fast[r]
+        assert compare.tensor_metrics(got[0][:, -1], full.logits[:, -1], FP32)["ok"]
+        if mx.default_device().type == mx.DeviceType.cpu:
+            assert _bits_equal(got[0][:, -1], full.logits[:, -1]) and _bits_equal(got[1][:, -1], full.final[:, -1])
+
+
+def test_other_caches_and_bad_buckets_are_refused(monkeypatch):
+    qwen, _, _ = _setup(None)
+    for bad in (0, -8, 8.0, True):
+        with pytest.raises(ValueError, match="kv_bucket"):
+            serve.generate(qwen, PROMPT, 4, None, kv_bucket=bad)
+    monkeypatch.setattr(targets, "make_prompt_cache", lambda model: [RotatingKVCache(8, keep=4)])
+    with pytest.raises(ValueError, match="keep=4.*kv_bucket=None"):
+        serve.generate(qwen, PROMPT, 4, None, kv_bucket=BUCKET)
