@@ -263,8 +263,7 @@ class Model(nn.Module):
     def _step_bucketed(self, emb, hidden_in, position, donors):
         """The whole step over donor buffers {layer type: (k, v, seen [S] bool)}."""
         self._bucketed.traces += 1
-        masks = {t: mx.where(seen, mx.array(0, emb.dtype), mx.array(-mx.inf, emb.dtype)) for t, (_, _, seen) in
-                 donor_seen(donors).items()}
+        masks = {t: compiled_pieces.additive_mask(seen, emb.dtype) for t, (_, _, seen) in donor_seen(donors).items()}
         h, q = self._enter(emb, hidden_in, position)
         for i, layer in enumerate(self.model.layers):
             k, v, _ = donors[layer.layer_type]

@@ -127,7 +127,12 @@ class VerifyCache(BucketCache):
         j, pos = mx.arange(self.length_after(n))[None], mx.arange(self.offset, end)[:, None]
         seen = (j <= pos) if window is None else (j <= pos) & (j > pos - window)
         seen = seen | ((j >= end) & (j < end + self.extra))
-        return mx.where(seen, mx.array(0, dtype), mx.array(-mx.inf, dtype))[None, None]
+        return additive_mask(seen, dtype)[None, None]
+
+
+def additive_mask(seen, dtype: mx.Dtype) -> mx.array:
+    """0 where `seen` (bool), -inf elsewhere: the float mask mx.fast's attention adds to its scores."""
+    return mx.where(seen, mx.array(0, dtype), mx.array(-mx.inf, dtype))
 
 
 def two_segment_attention(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float):
@@ -163,7 +168,7 @@ def joined_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float)
     values = mx.concatenate([ctx_v, blk_v], axis=2)
     blk = mx.ones((L, L), mx.bool_) if blk_seen is None else mx.broadcast_to(blk_seen, (L, L))
     seen = mx.concatenate([mx.broadcast_to(ctx_seen, (L, S)), blk], axis=-1)
-    mask = mx.where(seen, mx.array(0, q.dtype), mx.array(-mx.inf, q.dtype))
+    mask = additive_mask(seen, q.dtype)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
