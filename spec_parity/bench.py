@@ -337,11 +337,14 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
     provider = provider or bench_sides.PortProvider(case)
     gamma = case.spec.gamma
 
-    def run(events, hook=None, split=False):
+    def run(events, hook=None, split=False, ids=prompt):
         t0 = time.perf_counter()
-        _, stats = serve.generate(target, prompt, max_tokens, _probe(provider, events, hook, split), gamma=gamma,
+        _, stats = serve.generate(target, ids, max_tokens, _probe(provider, events, hook, split), gamma=gamma,
                                   eos=set(), kv_bucket=kv_bucket)
         return stats, t0, time.perf_counter()
+
+    def medians(rounds: list[dict]) -> dict:
+        return {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]} if rounds else {}
 
     run([])  # warm-up
     mx.reset_peak_memory()
@@ -365,7 +368,7 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
         stats, _, _ = run([], hook=lambda: mark.setdefault("at", hs.snapshot()))
     syncs0, ops0 = mark.get("at", (0, 0))
     n = max(len(stats.trace), 1)
-    med = {k: float(np.median([r[k] for r in steady])) for k in steady[0]} if steady else {}
+    med = medians(steady)
     cold_out = {}
     if cold:
         # A prompt of another length: every context length of this request is new to the drafter's
@@ -373,14 +376,10 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
         events = []
         short = prompt[: len(prompt) - COLD_SPACING * 8]
         with _timed_forward(events):
-            _, cstats = serve.generate(target, short, max_tokens, _probe(provider, events, split=True), gamma=gamma,
-                                       eos=set(), kv_bucket=kv_bucket)
-            t_end = time.perf_counter()
-        csplit = _rounds(events, t_end)[1:]
+            cstats, _, t_end = run(events, split=True, ids=short)
         first = next(e[1] for e in events if e[0] == "draft")
         cold_out = {"cold": {"prompt_len": len(short), "decode_tokens_per_s": (cstats.emitted - 1) / (t_end - first),
-                             "round_median_s": {k: float(np.median([r[k] for r in csplit])) for k in csplit[0]}
-                             if csplit else {}}}
+                             "round_median_s": medians(_rounds(events, t_end)[1:])}}
     return {**cold_out, "kv_bucket": kv_bucket, "gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
             "tau": stats.tau, "acceptance": stats.acceptance,
             "decode_tokens_per_s": summary(decode), "loop_tokens_per_s": summary(looped),
