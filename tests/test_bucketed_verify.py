@@ -18,8 +18,14 @@ import functools
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import RotatingKVCache
-from test_bucketed import BUCKET, FP32, _assistant_loop, _bucketed_provider
-from test_bucketed import _within_fp32 as _chains_within_fp32
+from test_bucketed import (
+    BUCKET,
+    FP32,
+    _assistant_loop,
+    _bucketed_provider,
+    _outside_fp32,
+    _within_fp32,
+)
 from test_speed import PROMPT, SOURCES, _bits_equal
 
 from port import assistant, compiled, serve, targets
@@ -90,13 +96,6 @@ def _default(name):
     return _loop(name, None)
 
 
-def _within_fp32(fast, plain) -> list:
-    """The forwards (same count, same shapes) whose tensors leave the fp32 budget."""
-    assert len(fast) == len(plain)
-    return [(r, i, m.get("max_abs")) for r, (f, p) in enumerate(zip(fast, plain)) for i, (a, b) in enumerate(zip(f, p))
-            if not (m := compare.tensor_metrics(a, b, FP32))["ok"]]
-
-
 @pytest.mark.parametrize("name", [*LOOPS, "gemma4"], ids=IDS)
 def test_bucketed_loop_emits_the_targets_greedy_stream(name):
     """Bucketed drafter and bucketed verify: the target's own greedy stream (mlx-lm's caches, one
@@ -118,7 +117,7 @@ def test_bucketed_verify_within_fp32_of_default(name):
     tokens, stats, fast = _loop(name, BUCKET)
     assert tokens == plain_tokens and len(fast) > 5
     assert name != "dflash" or stats.drafted > stats.accepted
-    assert not _within_fp32(fast, plain)
+    assert not _outside_fp32(fast, plain)
     if mx.default_device().type == mx.DeviceType.cpu:
         assert all(_bits_equal(a, b) for f, p in zip(fast, plain) for a, b in zip(f, p))
 
@@ -130,7 +129,7 @@ def test_planted_mask_off_by_one_fails_the_comparison(name, monkeypatch):
     _, _, plain = _default(name)
     monkeypatch.setattr(compiled.VerifyCache, "extra", 1)
     _, _, planted = _loop(name, BUCKET)
-    bad = _within_fp32(planted[: len(plain)], plain[: len(planted)])
+    bad = _outside_fp32(planted[: len(plain)], plain[: len(planted)])
     assert bad and bad[0][0] == 0
 
 
@@ -142,7 +141,7 @@ def test_planted_window_off_by_one_fails_the_comparison(name, monkeypatch):
     tm = _setup(name)[0].model.model
     monkeypatch.setattr(tm, "window_size", tm.window_size + 1)
     _, _, planted = _loop(name, BUCKET)
-    bad = _within_fp32(planted[: len(plain)], plain[: len(planted)])
+    bad = _outside_fp32(planted[: len(plain)], plain[: len(planted)])
     assert bad and bad[0][0] == 0
 
 
@@ -193,7 +192,7 @@ def test_assistant_bucketed_chains_over_the_bucketed_verify(planted, monkeypatch
 
         monkeypatch.setattr(assistant, "donor_buffers", wider)
     _, _, _, fast, plain = _assistant_loop("assistant-tied", BUCKET)
-    ok, bad = _chains_within_fp32(fast, plain)
+    ok, bad = _within_fp32(fast, plain)
     assert len(fast) > 10 and ok != planted, bad
 
 
