@@ -135,11 +135,13 @@ BITS = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64}
 
 
 def _bits_equal(a: mx.array, b: mx.array) -> bool:
-    """Same dtype, shape and bytes (floats compared as their bit patterns: NaN == NaN only if
-    identical, -0.0 != 0.0)."""
+    """Same dtype, shape and bytes (floats compared as their bit patterns: -0.0 != 0.0), and no
+    NaN or Inf in either: a non-finite value never compares equal, even to the same bits."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     if mx.issubdtype(a.dtype, mx.floating):
+        if not (mx.isfinite(a).all().item() and mx.isfinite(b).all().item()):
+            return False
         a, b = a.view(BITS[a.dtype.size]), b.view(BITS[b.dtype.size])
     return np.array(a).tobytes() == np.array(b).tobytes()
 
@@ -391,6 +393,9 @@ def test_bit_comparison_catches_one_ulp(dtype):
     nudged = mx.where(mx.arange(64) == 17, bits + 1, bits).view(a.dtype)
     assert _bits_equal(a, mx.array(a)) and not _bits_equal(a, nudged)
     assert not _bits_equal(a, a.astype(mx.float16)) and not _bits_equal(a[:63], a[1:])
+    for bad in (mx.nan, mx.inf, -mx.inf):
+        poisoned = mx.where(mx.arange(64) == 17, mx.array(bad, a.dtype), a)
+        assert not _bits_equal(poisoned, mx.array(poisoned))
 
 
 def test_observed_provider_keeps_the_loops_device_drafts():
