@@ -242,6 +242,89 @@ def count_step(stepper: bench_sides.Stepper, runs: int = COUNT_RUNS) -> dict:
             "op_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
 
 
+# ---- kernels per step (GPU) ---------------------------------------------------------------------
+
+KERNEL_STEPS = 10
+KERNEL_CLASSES = (  # first match wins; the names are MLX CUDA's, cuBLAS's and torch's kernels
+    ("matmul", ("gemm", "gemv", "xmma", "cutlass", "matmul", "qmv", "qmm", "splitk", "cublas")),
+    ("attention", ("sdpa", "attention", "flash", "fmha")),
+    ("norm", ("rms", "layer_norm", "layernorm")),
+    ("rope", ("rope",)),
+    ("reduce / softmax / argmax", ("reduce", "softmax", "arg_", "argmax", "logsumexp", "scan")),
+    ("copy / gather / concat", ("copy", "gather", "scatter", "concat", "slice", "memcpy", "memset")),
+    ("fused elementwise", ("compiled", "fused", "binary", "unary", "ternary")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "other")
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals: time the GPU ran at least one kernel
+    (overlapping kernels on two streams count once)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def kernel_summary(kernels: list[tuple[str, float, float]], steps: int, window_us: float) -> dict:
+    """Per call of the stepper (the assistant's: gamma chained steps): launches, summed kernel
+    time, GPU busy time (union), the profiled window's wall time, and the kernels grouped by name
+    and by class. `kernels` = (name, start_us, end_us)."""
+    by_name, by_class = Counter(), Counter()
+    count_name, count_class = Counter(), Counter()
+    for name, a, b in kernels:
+        by_name[name] += b - a
+        count_name[name] += 1
+        by_class[kernel_class(name)] += b - a
+        count_class[kernel_class(name)] += 1
+    total = sum(by_name.values())
+    return {"calls": steps, "launches_per_call": len(kernels) / steps, "kernel_us_per_call": total / steps,
+            "busy_us_per_call": busy_us([(a, b) for _, a, b in kernels]) / steps,
+            "window_us_per_call": window_us / steps,
+            "classes": [{"class": c, "launches_per_call": count_class[c] / steps, "us_per_call": t / steps}
+                        for c, t in by_class.most_common()],
+            "top": [{"kernel": n[:160], "launches_per_call": count_name[n] / steps, "us_per_call": t / steps}
+                    for n, t in by_name.most_common(12)]}
+
+
+def kernel_profile(stepper: bench_sides.Stepper, steps: int = KERNEL_STEPS) -> dict:
+    """Every GPU kernel `steps` synchronized calls launch, with its device time: CUPTI activity
+    records through torch.profiler, which sees every kernel of the process (MLX's too). Says why
+    not where there is no CUDA torch. Profiling adds host time per launch: the window figure is
+    above the timed loop's; the kernel and busy figures are the device's own."""
+    if not stepper.device.startswith("cuda") and mx.default_device().type != mx.DeviceType.gpu:
+        return {"status": "not run", "reason": "no GPU: kernels are profiled on CUDA only"}
+    try:
+        import torch
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+    except Exception as e:
+        return {"status": "not run", "reason": f"torch.profiler not importable ({type(e).__name__}: {e}); "
+                                               "it records the kernels (CUPTI)"}
+    if not torch.cuda.is_available():
+        return {"status": "not run", "reason": "torch sees no CUDA device: CUPTI through torch.profiler needs one"}
+    sync = _sync_fn(stepper)
+    sync(stepper.step())
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            sync(stepper.step())
+        window = (time.perf_counter() - t0) * 1e6
+    kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == DeviceType.CUDA]
+    if not kernels:
+        return {"status": "failed", "reason": "the profiler recorded no CUDA kernel"}
+    return {"status": "ok", **kernel_summary(kernels, steps, window)}
+
+
 # ---- the floor ---------------------------------------------------------------------------------
 
 def bandwidth(nbytes: int, iters: int = 10, warmup: int = 3) -> dict:
@@ -408,6 +491,7 @@ class Options:
     torch_device: str = "auto"
     cases: list[str] | None = None      # case names (default: every case of the sources)
     seed: int = 0
+    kernels: bool = False               # also record each side's GPU kernels per step (kernel_profile)
     argv: list[str] = field(default_factory=list)
 
 
@@ -522,6 +606,8 @@ def run_side(name: str, build, prep: bench_sides.Prep, opts: Options, index: int
             out.update(count_step(stepper))
         else:
             out["count_note"] = "host syncs / graph ops are counted on MLX sides only"
+        if opts.kernels:
+            out["kernels"] = kernel_profile(stepper)
     except Exception as e:
         out.update(status="failed", reason=_reason(e))
     torch_cuda = stepper.framework == "torch" and stepper.device.startswith("cuda")

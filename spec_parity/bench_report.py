@@ -124,6 +124,31 @@ def serve_table(doc: dict) -> list[str]:
     return out
 
 
+def kernel_tables(doc: dict) -> list[str]:
+    """`--kernels`: per side, launches and device time per step against its wall time and the floor."""
+    rows = [(c, s) for c in doc["cases"] for s in c.get("sides", []) if s.get("kernels")]
+    if not rows:
+        return []
+    out = ["", "## GPU kernels per step (`--kernels`)", "",
+           "CUPTI records of 10 synchronized calls (torch.profiler; MLX's kernels included), per step. busy = "
+           "the union of kernel intervals (the device's own time); wall = the timed loop's median; the rest of "
+           "the wall is the host building, dispatching and launching. Under the profiler each launch costs more "
+           "host time, so its window is not the wall.", "",
+           "| case | side | launches | Σ kernel ms | busy ms | wall ms | busy / floor | top classes (ms) |",
+           "|---|---|---|---|---|---|---|---|"]
+    for c, s in rows:
+        k, steps = s["kernels"], c.get("steps_per_call", 1)
+        if k.get("status") != "ok":
+            out.append(f"| {c['case']} | {s['side']} | {k.get('reason', '')} | | | | | |")
+            continue
+        floor_ms = c["floor"]["copy_floor_s"] / steps * 1e3
+        classes = ", ".join(f"{x['class']} {x['us_per_call'] / steps / 1e3:.3f}" for x in k["classes"][:4])
+        out.append(f"| {c['case']} | {s['side']} | {k['launches_per_call'] / steps:.0f} | "
+                   f"{k['kernel_us_per_call'] / steps / 1e3:.3f} | {k['busy_us_per_call'] / steps / 1e3:.3f} | "
+                   f"{s['per_step_s'] * 1e3:.3f} | {k['busy_us_per_call'] / steps / 1e3 / floor_ms:.2f}x | {classes} |")
+    return out
+
+
 def markdown(doc: dict) -> str:
     out = ["# spec-parity bench", "", header(doc), "",
            "## One draft call per side (a, c, e, f)", "",
@@ -142,6 +167,7 @@ def markdown(doc: dict) -> str:
             "draft (acceptance, cache trim, the source's commit). The timed requests repeat one warm-up request's "
             "context lengths; `cold` is one request of another prompt length (every length new).", ""]
     out += serve_table(doc)
+    out += kernel_tables(doc)
     skipped = [(c["case"], s) for c in doc["cases"] for s in c.get("sides", []) if s.get("status") != "ok"]
     if skipped:
         out += ["", "## Sides that did not run here", "", "| case | side | why |", "|---|---|---|"]

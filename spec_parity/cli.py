@@ -159,7 +159,8 @@ def cmd_bench(args) -> int:
         target_layers=args.target_layers, gamma=args.gamma,
         max_tokens=args.max_tokens or (32 if real else 16), serve_runs=args.serve_runs,
         bw_bytes=(args.bw_mib or (1024 if gpu else 256)) << 20, torch_device=args.torch_device,
-        cases=[c for c in (args.case or "").split(",") if c] or None, seed=args.seed, argv=list(args.argv))
+        cases=[c for c in (args.case or "").split(",") if c] or None, seed=args.seed, kernels=args.kernels,
+        argv=list(args.argv))
     if opts.iters < 1 or opts.warmup < 0 or opts.serve_runs < 1:
         sys.exit("--iters and --serve-runs must be >= 1 and --warmup >= 0")
     try:
@@ -235,6 +236,8 @@ def main(argv=None) -> int:
                     help="torch references: auto = on CUDA if torch sees one, else skipped with the reason")
     bp.add_argument("--chart", choices=("auto", "matplotlib", "numpy"), default="auto")
     bp.add_argument("--seed", type=int, default=0)
+    bp.add_argument("--kernels", action="store_true",
+                    help="also record every GPU kernel of each side's step (CUPTI through torch.profiler; CUDA only)")
     bp.add_argument("--out", required=True, help="directory for bench.json, bench.md, bench.png")
     bp.set_defaults(fn=cmd_bench)
     argv = list(sys.argv[1:] if argv is None else argv)

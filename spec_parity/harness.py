@@ -72,6 +72,39 @@ def port_run(case: Case, ref: dict) -> dict:
     return shared.once(("port", shared.case_key(case), shared.digest(ref)), lambda: run(case, ref))
 
 
+def params(cases: list[Case]) -> list:
+    """`cases` as pytest params (id: the case name) for a module's golden and live tests. The dev
+    loop (plain `pytest`) runs every module case, every control and its base case, and the first
+    serve-loop case of each checkpoint kind; the module's other serve-loop cases (the same loop on
+    another gamma, EOS, window, head or torch twin) are `slow`: `pytest --slow` and CI run them."""
+    import pytest
+
+    keep = {c.control["base"] for c in cases if c.control}
+    first: dict[str, str] = {}
+    for c in cases:
+        if c.params.get("loop") and not c.control:
+            first.setdefault(c.kind, c.name)
+    keep |= set(first.values())
+    return [pytest.param(c, id=c.name, marks=pytest.mark.slow)
+            if c.params.get("loop") and not c.control and c.name not in keep else pytest.param(c, id=c.name)
+            for c in cases]
+
+
+def slow_except(values, *keep) -> list:
+    """Parametrize values (plain, tuples or pytest.param) of a test whose every variant costs a
+    serve loop or more: those whose first value or whole tuple of values is in `keep` stay in the
+    dev loop, the others are marked `slow` (their own marks kept)."""
+    import pytest
+    from _pytest.mark import ParameterSet
+
+    out = []
+    for v in values:
+        ps = v if isinstance(v, ParameterSet) else pytest.param(*(v if isinstance(v, tuple) else (v,)))
+        out.append(ps if ps.values[0] in keep or tuple(ps.values) in keep else
+                   pytest.param(*ps.values, id=ps.id, marks=[*ps.marks, pytest.mark.slow]))
+    return out
+
+
 def oracle_name(case: Case) -> str:
     return case.oracle or pair(case.module).ORACLE
 

@@ -14,13 +14,13 @@ CASES = pair.cases()
 
 
 @pytest.mark.golden
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", harness.params(CASES))
 def test_assistant_vs_golden(case):
     harness.check(case, harness.evaluate(case, "golden"))
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", harness.params(CASES))
 def test_assistant_vs_live_reference(case, live_oracle):
     live_oracle("assistant", case.oracle)
     harness.check(case, harness.evaluate(case, "live"))

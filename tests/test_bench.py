@@ -211,6 +211,7 @@ def test_serve_loop_counts_a_planted_sync_per_round(tmp_path):
     assert planted["graph_ops_per_round"] > base["graph_ops_per_round"]
 
 
+@pytest.mark.slow
 def test_bench_real_path_runs_scaled_down(tmp_path):
     doc = _run(tmp_path, "--shapes", "real", "--scale", "64", "--sources", "dflash", "--peers", "none",
                "--target-layers", "8")
@@ -220,6 +221,7 @@ def test_bench_real_path_runs_scaled_down(tmp_path):
     assert [s["side"] for s in case["sides"]] == ["port"] and case["sides"][0]["status"] == "ok"
 
 
+@pytest.mark.slow
 def test_bench_serve_section_runs_the_port_bucketed_loop(tmp_path):
     """With port-bucketed among the sides, the serve section has a second row: the bucketed drafter
     and the bucketed verify (kv_bucket=BUCKET), on the Qwen3 and the Gemma-4 target alike."""
@@ -231,3 +233,21 @@ def test_bench_serve_section_runs_the_port_bucketed_loop(tmp_path):
         assert c["serve"]["kv_bucket"] is None and c["serve_bucketed"]["kv_bucket"] == bench_sides.BUCKET
         assert c["serve_bucketed"]["decode_tokens_per_s"]["median"] > 0
         assert f"| {name} (port-bucketed, verify kv_bucket=256) |" in md
+
+
+def test_kernel_busy_time_counts_overlap_once_and_gaps_not_at_all():
+    """busy = the union of kernel intervals: two overlapping kernels count once, a gap between
+    kernels is not GPU time. Control: a plain sum of durations over-counts the overlap."""
+    kernels = [("gemv_a", 0.0, 10.0), ("sdpa_b", 5.0, 12.0), ("rms_norm", 20.0, 21.0)]
+    k = bench.kernel_summary(kernels, steps=1, window_us=30.0)
+    assert k["busy_us_per_call"] == 13.0 and k["kernel_us_per_call"] == 18.0 and k["launches_per_call"] == 3
+    assert sum(b - a for _, a, b in kernels) != k["busy_us_per_call"]
+    assert {c["class"]: c["us_per_call"] for c in k["classes"]} == {"matmul": 10.0, "attention": 7.0, "norm": 1.0}
+    assert bench.kernel_summary(kernels * 2, steps=2, window_us=60.0)["launches_per_call"] == 3
+
+
+def test_bench_kernels_on_cpu_says_why_not(tmp_path):
+    doc = _run(tmp_path, "--sources", "dflash", "--peers", "none", "--kernels")
+    (port,) = doc["cases"][0]["sides"]
+    assert port["kernels"]["status"] == "not run" and "CUDA" in port["kernels"]["reason"]
+    assert "GPU kernels per step" in (tmp_path / "out" / "bench.md").read_text()

@@ -29,7 +29,7 @@ from test_speed import (
 )
 
 from port import assistant, compiled, dflash, dspark, serve, targets
-from spec_parity import budgets, checkpoints, compare
+from spec_parity import budgets, checkpoints, compare, harness
 
 BUCKET = 8
 FP32 = budgets.DTYPE_DEFAULTS["float32"]
@@ -165,7 +165,7 @@ def _bucketed_provider(make):
 LOOPS = {"dspark": True, "dspark-threshold": True, "dflash": True, "dflash-extras-thresholds": False}
 
 
-@pytest.mark.parametrize("name", LOOPS)
+@pytest.mark.parametrize("name", harness.slow_except(LOOPS, "dflash"))
 def test_serve_loop_with_bucketed_source_is_lossless(name, monkeypatch):
     """port.serve.generate with the bucketed source emits the target's own greedy stream (plain
     decoding through the same loop), an agreeing drafter's drafts are accepted, the block is
@@ -196,8 +196,9 @@ def test_bad_bucket_and_window_are_refused():
         m.draft_block(3, [dspark.KVCache() for _ in m.layers], 4)
 
 
-@pytest.mark.parametrize("source,variant", [pytest.param("dspark", "gemma4-rnn", marks=RNN_FUSION_ON_GPU),
-                                            ("dspark", "qwen3"), ("dflash", "qwen3-swa"), ("dflash", "qwen3-extras")])
+@pytest.mark.parametrize("source,variant", harness.slow_except(
+    [pytest.param("dspark", "gemma4-rnn", marks=RNN_FUSION_ON_GPU), ("dspark", "qwen3"), ("dflash", "qwen3-swa"),
+     ("dflash", "qwen3-extras")], ("dspark", "qwen3")))
 def test_compiled_bucketed_block_equals_uncompiled_after_a_weight_change(source, variant):
     """The one compiled block equals the same function uncompiled, bit for bit, also after a weight
     is replaced (the parameters are compile inputs, not constants traced in)."""
@@ -280,7 +281,7 @@ def _assistant_loop(name: str, kv_bucket=None):
     return target, prov, gamma, rounds(1), rounds(0)
 
 
-@pytest.mark.parametrize("name", ["assistant-centroid", "assistant-tied"])
+@pytest.mark.parametrize("name", harness.slow_except(["assistant-centroid", "assistant-tied"], "assistant-tied"))
 def test_assistant_bucketed_chains_within_fp32_and_lossless(name):
     """Every draft chain of a serve loop drafted on the bucketed path from the same target caches:
     logits and next hidden within fp32 of the default's, the same tokens; the loop with the
@@ -295,7 +296,7 @@ def test_assistant_bucketed_chains_within_fp32_and_lossless(name):
     assert prov.bucketed.drafter._bucketed.traces < stats.drafted / 4
 
 
-@pytest.mark.parametrize("layer", ["sliding_attention", "full_attention"])
+@pytest.mark.parametrize("layer", harness.slow_except(["sliding_attention", "full_attention"], "sliding_attention"))
 def test_assistant_planted_window_off_by_one_fails_the_comparison(layer, monkeypatch):
     """Negative control: one donor entry more than the window (sliding) or past the offset (full)
     let through on the bucketed path is caught."""
@@ -336,7 +337,7 @@ def _wrapped_ring_rounds(window: str):
     return writes, out[True], out[False]
 
 
-@pytest.mark.parametrize("window", ["optiq", "hf"])
+@pytest.mark.parametrize("window", harness.slow_except(["optiq", "hf"], "optiq"))
 def test_assistant_bucketed_over_a_wrapped_ring(window):
     """At every ring position, both window conventions: each chain on the bucketed path within fp32
     of the default's, the same tokens."""

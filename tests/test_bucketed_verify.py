@@ -29,7 +29,7 @@ from test_bucketed import (
 from test_speed import PROMPT, SOURCES, _bits_equal
 
 from port import assistant, compiled, serve, targets
-from spec_parity import checkpoints, compare
+from spec_parity import checkpoints, compare, harness
 
 TOKENS = 40
 PLAIN = {None: "qwen3-target", "gemma4": "gemma4-target"}   # plain decoding through the loop (one row per verify)
@@ -96,7 +96,7 @@ def _default(name):
     return _loop(name, None)
 
 
-@pytest.mark.parametrize("name", [*LOOPS, "gemma4"], ids=IDS)
+@pytest.mark.parametrize("name", harness.slow_except([*LOOPS, "gemma4"], None), ids=IDS)
 def test_bucketed_loop_emits_the_targets_greedy_stream(name):
     """Bucketed drafter and bucketed verify: the target's own greedy stream (mlx-lm's caches, one
     token per call), an agreeing drafter still accepted, the default loop's drafts proposed (a
@@ -108,7 +108,7 @@ def test_bucketed_loop_emits_the_targets_greedy_stream(name):
     assert stats.proposals == _default(name)[1].proposals
 
 
-@pytest.mark.parametrize("name", _loops(), ids=IDS)
+@pytest.mark.parametrize("name", harness.slow_except(_loops(), None, "dflash", "dspark"), ids=IDS)
 def test_bucketed_verify_within_fp32_of_default(name):
     """Every target forward of the loop (prefill and each verify): logits, final hidden and every
     layer's output within the fp32 budget of the default loop's; bit for bit on the CPU. DFlash's
@@ -122,7 +122,7 @@ def test_bucketed_verify_within_fp32_of_default(name):
         assert all(_bits_equal(a, b) for f, p in zip(fast, plain) for a, b in zip(f, p))
 
 
-@pytest.mark.parametrize("name", LOOPS, ids=IDS)
+@pytest.mark.parametrize("name", harness.slow_except(LOOPS, None, "dflash"), ids=IDS)
 def test_planted_mask_off_by_one_fails_the_comparison(name, monkeypatch):
     """Negative control: the mask letting the first padded key through is caught (the prefill
     already: 12 prompt rows in a buffer of 16)."""
@@ -133,7 +133,7 @@ def test_planted_mask_off_by_one_fails_the_comparison(name, monkeypatch):
     assert bad and bad[0][0] == 0
 
 
-@pytest.mark.parametrize("name", ["dspark", "assistant-tied"])
+@pytest.mark.parametrize("name", harness.slow_except(["dspark", "assistant-tied"], "dspark"))
 def test_planted_window_off_by_one_fails_the_comparison(name, monkeypatch):
     """Negative control: the sliding layers' window one row too wide on the bucketed verify is
     caught (Gemma-4 targets; the prompt is past the window)."""
@@ -145,7 +145,7 @@ def test_planted_window_off_by_one_fails_the_comparison(name, monkeypatch):
     assert bad and bad[0][0] == 0
 
 
-@pytest.mark.parametrize("name", [None, "dflash", "assistant-tied"], ids=IDS)
+@pytest.mark.parametrize("name", harness.slow_except([None, "dflash", "assistant-tied"], None), ids=IDS)
 def test_attention_sees_only_bucket_lengths(name, monkeypatch):
     """The key lengths mx.fast.scaled_dot_product_attention gets in the target's forwards: only
     multiples of the bucket on the bucketed verify (a few over the request), many on the default."""

@@ -21,7 +21,7 @@ CASES = pair.cases()
 
 
 @pytest.mark.golden
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", harness.params(CASES))
 def test_dflash_vs_golden(case):
     harness.check(case, harness.evaluate(case, "golden"))
 
@@ -31,7 +31,7 @@ TORCH_CASES = [c for c in CASES if c.oracle == pair.TORCH]
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("case", MLX_CASES, ids=[c.name for c in MLX_CASES])
+@pytest.mark.parametrize("case", harness.params(MLX_CASES))
 def test_dflash_vs_live_zlab_mlx(case, live_oracle):
     live_oracle("dflash", case.oracle)
     harness.check(case, harness.evaluate(case, "live"))
@@ -39,7 +39,7 @@ def test_dflash_vs_live_zlab_mlx(case, live_oracle):
 
 @pytest.mark.oracle
 @pytest.mark.tf515
-@pytest.mark.parametrize("case", TORCH_CASES, ids=[c.name for c in TORCH_CASES])
+@pytest.mark.parametrize("case", harness.params(TORCH_CASES))
 def test_dflash_vs_live_zlab_torch(case, live_oracle):
     live_oracle("dflash", case.oracle)
     harness.check(case, harness.evaluate(case, "live"))
@@ -83,7 +83,7 @@ def test_window_delta_vs_zlab_mlx(name):
 
 
 @pytest.mark.golden
-@pytest.mark.parametrize("name", ["mod-gemma4-torch", "mod-qwen3-swa-torch"])
+@pytest.mark.parametrize("name", harness.slow_except(["mod-gemma4-torch", "mod-qwen3-swa-torch"], "mod-qwen3-swa-torch"))
 def test_window_conventions_vs_zlab_torch(name):
     """z-lab torch keeps its sliding context in time order: the port's default window matches it
     (the case itself), z-lab MLX's convention departs from it on round 2, as from our recompute."""
@@ -107,7 +107,7 @@ def _fresh_logits(m, target, rows, anchor, n):
     return m.block(target, anchor, n, rows, m.make_caches()).logits
 
 
-@pytest.mark.parametrize("variant", ["gemma4", "qwen3-swa", "qwen3"])
+@pytest.mark.parametrize("variant", harness.slow_except(["gemma4", "qwen3-swa", "qwen3"], "qwen3-swa"))
 def test_positional_window_is_a_time_ordered_recompute(variant):
     """Each round of the cached source (default window) equals the drafter recomputed from scratch
     on the whole committed context, so only the window's own semantics decide what a block row sees;
@@ -144,8 +144,8 @@ def test_positional_window_is_a_time_ordered_recompute(variant):
         assert max(results["zlab-mlx"][:2]) < 1e-4 and results["zlab-mlx"][2] > 1e-2, results
 
 
-@pytest.mark.parametrize("variant", ["gemma4", "qwen3-swa", "qwen3-bs16"])
-@pytest.mark.parametrize("window", dflash.WINDOWS)
+@pytest.mark.parametrize("variant", harness.slow_except(["gemma4", "qwen3-swa", "qwen3-bs16"], "gemma4"))
+@pytest.mark.parametrize("window", harness.slow_except(dflash.WINDOWS, "positional"))
 def test_serve_loop_is_lossless(variant, window):
     """T=0 through the serve loop equals the target's greedy stream, whichever window convention
     and whether or not the last block is shrunk to the tokens left (z-lab's max_tokens rule)."""
@@ -264,6 +264,7 @@ def test_zero_draft_rounds_keep_the_context():
     assert tokens == plain and stats.drafted == 0
 
 
+@pytest.mark.slow
 def test_qwen3_loop_twins_share_a_run_that_is_each_twins_own():
     """The z-lab MLX and torch twins of a Qwen3 loop share one serve-loop run (pairs/dflash.py
     `run_loop`): it is, bit for bit, the torch twin's own embed="raw" run. On Gemma-4 (embed scale

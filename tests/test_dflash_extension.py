@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from port import ab, calibration, dflash, serve, targets
-from spec_parity import checkpoints, shared
+from spec_parity import checkpoints, harness, shared
 from spec_parity.compare import kl, l3_metrics
 from spec_parity.pairs import dflash as pair
 
@@ -91,7 +91,7 @@ def calibrated(tmp_path_factory):
 # extras off == the L2 source
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gemma4"])
+@pytest.mark.parametrize("variant", harness.slow_except(["qwen3", "gemma4"], "qwen3"))
 def test_extras_off_is_the_l2_source(variant):
     """On the extras checkpoint with extras off (the default) the source ignores the extras: same
     tokens, trace and proposals as the plain checkpoint, bit-identical draft logits."""
@@ -147,8 +147,8 @@ def test_extras_on_a_plain_checkpoint_is_refused():
 # extras on
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gemma4"])
-@pytest.mark.parametrize("markov", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("variant", harness.slow_except(["qwen3", "gemma4"], "qwen3"))
+@pytest.mark.parametrize("markov", harness.slow_except(["vanilla", "gated", "rnn"], "rnn"))
 def test_extras_on_is_lossless(variant, markov):
     """T=0 with the Markov head and pruning on (one threshold for every position) emits the
     target's own greedy stream; some proposals are pruned below the block."""
@@ -164,7 +164,7 @@ def test_extras_on_is_lossless(variant, markov):
         assert any(len(t) < prov.trained_gamma for t, _ in rounds)
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "gemma4"])
+@pytest.mark.parametrize("variant", harness.slow_except(["qwen3", "gemma4"], "qwen3"))
 def test_kl_base_vs_extended_draft(variant, record_property):
     """KL(base draft || extended draft) per draft position over the rounds of one request
     (pruning off): reported, and non-zero (the Markov head moves the distribution)."""
@@ -233,6 +233,7 @@ def test_calibrated_pruning_is_applied_and_lossless(calibrated):
     assert pruned > 0
 
 
+@pytest.mark.slow
 def test_ab_verdict_base_vs_extension(calibrated, record_property):
     """Paired A/B at T=0 over a few prompts: A = the plain DFlash source, B = the extension with
     the calibration's thresholds. Reported (acceptance delta, speed ratio, verdict), not asserted:
@@ -266,6 +267,7 @@ def test_control_thresholds_ignored_is_caught(calibrated):
     assert any(len(t) > _first_below(b, cal.thresholds) for t, b in rounds)
 
 
+@pytest.mark.slow
 def test_control_markov_before_softcap_is_caught():
     """Gemma-4 (softcap 30): the bias inside the softcap changes the extended logits vs the
     extension's definition (bias after the softcap). The tiny drafter's logits (|x| <~ 2) sit in

@@ -15,13 +15,13 @@ CASES = pair.cases()
 
 
 @pytest.mark.golden
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", harness.params(CASES))
 def test_dspark_vs_golden(case):
     harness.check(case, harness.evaluate(case, "golden"))
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+@pytest.mark.parametrize("case", harness.params(CASES))
 def test_dspark_vs_live_deepspec(case, live_oracle):
     live_oracle("dspark")
     harness.check(case, harness.evaluate(case, "live"))

@@ -62,7 +62,7 @@ import numpy as np
 import pytest
 
 from port import assistant, dflash, dspark, sampling, serve, targets
-from spec_parity import checkpoints
+from spec_parity import checkpoints, harness
 
 scipy_stats = pytest.importorskip("scipy.stats", reason="pip install scipy (the dev extra)")
 
@@ -275,6 +275,7 @@ def test_statistics_detect_a_planted_bias_and_hold_their_false_alarm_rate():
     assert 0.02 <= alarms <= 0.09, alarms
 
 
+@pytest.mark.slow
 def test_pit_detects_its_planted_bias_and_holds_its_false_alarm_rate():
     """The PIT test on exact draws from arbitrary conditionals: it rejects its planted bias (a
     share delta of the tokens replaced by their conditional's most likely one) at the power it
@@ -392,7 +393,7 @@ CHAIN_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CHAIN_CASES))
+@pytest.mark.parametrize("name", harness.slow_except(CHAIN_CASES, "match-T1", "rejection-T1"))
 def test_acceptance_rule_is_lossless_on_a_chain(name):
     sampler, mode, draft = CHAIN_CASES[name]
     t0 = time.perf_counter()
@@ -577,6 +578,7 @@ def test_speculative_output_has_the_targets_distribution(setup_name, source, mod
     assert_lossless(res, E2E_MAX_BIAS, label)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES)
 def test_speculative_output_distribution_smoke(source):
     """The cheap version of the test above (default set): agreeing pair, rejection mode."""
@@ -593,6 +595,7 @@ def test_loop_controls_are_rejected(bug, setup_name, source, N):
     assert_rejected(res, f"{label} control {bug}")
 
 
+@pytest.mark.slow
 def test_loop_control_temperature_smoke():
     """One control end to end in the default set: the loop's own verify-sampler path."""
     res, _, label = e2e_tests("agreeing", "dspark", "rejection", 150, seed0=3000, bugs={"target_no_temperature"})
@@ -640,6 +643,7 @@ def _ban_runs(setup_name: str, seeds: int, max_tokens: int):
     assert hits_without > 0, "the banned tokens never occur without the ban: the test would be vacuous"
 
 
+@pytest.mark.slow
 def test_banned_tokens_are_never_emitted_with_or_without_drafting():
     _ban_runs("agreeing", seeds=3, max_tokens=10)
 
@@ -718,7 +722,7 @@ def test_seeded_requests_are_reproducible():
         assert runs[0][0] != runs[2][0]
 
 
-@pytest.mark.parametrize("setup_name", ["agreeing", "random"])
+@pytest.mark.parametrize("setup_name", harness.slow_except(["agreeing", "random"], "agreeing"))
 def test_temperature_zero_sampling_paths_equal_the_default_greedy_loop(setup_name):
     target, providers, k = setup(setup_name)
     for source in (*SOURCES, "dspark-deterministic", "dflash-deterministic"):

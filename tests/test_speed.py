@@ -15,7 +15,7 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from port import assistant, dflash, dspark, serve, targets
-from spec_parity import checkpoints
+from spec_parity import checkpoints, harness
 
 SYNC_METHODS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "__array__", "__repr__")
 PROMPT = list(range(3, 15))
@@ -87,7 +87,9 @@ SOURCES = [
 ]
 
 
-@pytest.mark.parametrize("name,kind,overrides,make,gamma,bound", SOURCES, ids=[s[0] for s in SOURCES])
+@pytest.mark.parametrize("name,kind,overrides,make,gamma,bound",
+                         harness.slow_except([pytest.param(*s, id=s[0]) for s in SOURCES], "assistant-centroid",
+                                             "dspark-threshold", "dflash"))
 def test_syncs_per_round_at_t0(name, kind, overrides, make, gamma, bound, monkeypatch):
     """At T=0 a round syncs once: the drafts and the verify's greedy tokens reach the host
     together (twice with confidence thresholds: the proposal's length). Within the issue's 2."""
@@ -121,7 +123,7 @@ class _PlantedSync:
 
 
 @pytest.mark.parametrize("how", ["item", "eval"])
-@pytest.mark.parametrize("name", ["assistant-centroid", "dspark-threshold", "dflash"])
+@pytest.mark.parametrize("name", harness.slow_except(["assistant-centroid", "dspark-threshold", "dflash"], "dflash"))
 def test_planted_extra_sync_is_counted(name, how, monkeypatch):
     _, kind, overrides, make, gamma, bound = next(s for s in SOURCES if s[0] == name)
     target = targets.load(checkpoints.build(kind, 0, overrides))
@@ -221,6 +223,7 @@ def _replay_matches(m, rounds) -> list[bool]:
     return same
 
 
+@pytest.mark.slow
 def test_dspark_preallocated_context_equals_concatenation(monkeypatch):
     """DeepspecSource keeps the context K/V in preallocated buffers (mlx-lm KVCache, grown in
     steps of 256 rows; the block's rows written after the context and trimmed off). Every round's
