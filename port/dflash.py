@@ -455,9 +455,11 @@ class Model(nn.Module):
                 h, q, bk, bv = between[i](h, o, at[i + 1])
         hidden = leave(h, o)
         logits = self.logits(target, hidden)
+        # x[k, ...], not x[k]: MLX makes a lone integer index a Gather (on MLX CUDA one over a block's
+        # logits costs 22-257 us of device time), the slice is a view (tests/test_bench.py)
         if self.extras:
-            return self.extend(target, anchor, hidden[0], logits[0])
-        return Block(hidden[0], logits[0], mx.argmax(logits[0], axis=-1))
+            return self.extend(target, anchor, hidden[0, ...], logits[0, ...])
+        return Block(hidden[0, ...], logits[0, ...], mx.argmax(logits[0, ...], axis=-1))
 
     def _block_bucketed(self, target: targets.Target, ids, c, caches) -> Block:
         """`block` on the bucketed path: the new context rows c join the buffers (plain ops: their
@@ -490,8 +492,8 @@ class Model(nn.Module):
         hidden = self._exit(h, o)
         logits = self.logits(target, hidden)
         if not self.extras:
-            return hidden[0], logits[0], mx.argmax(logits[0], axis=-1)
-        b = self.extend(target, ids[0, :1].astype(mx.uint32), hidden[0], logits[0])
+            return hidden[0, ...], logits[0, ...], mx.argmax(logits[0, ...], axis=-1)
+        b = self.extend(target, ids[0, :1].astype(mx.uint32), hidden[0, ...], logits[0, ...])
         return (b.hidden, b.logits, b.token_ids, b.base_logits) + ((b.confidence,) if b.confidence is not None else ())
 
 

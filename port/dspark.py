@@ -254,13 +254,13 @@ def markov_chain(head: MarkovHead | None, hidden, base, anchor: mx.array, pick=N
     before the cap. Returns (rows [n, V], tokens [n] uint32, on the device)."""
     if head is None and pick is None:
         return base, mx.argmax(base, axis=-1)
-    rows, tokens, prev, state = [], [], anchor, None
+    rows, tokens, prev, state = [], [], anchor, None  # rows: base[k, ...], see port/dflash.py Model.block
     for k in range(hidden.shape[0]):
         if head is not None:
             bias, state = head.step(prev, hidden[k:k + 1], state)
-            row = before_softcap(hidden[k:k + 1], bias)[0] if before_softcap else base[k] + bias[0]
+            row = before_softcap(hidden[k:k + 1], bias)[0, ...] if before_softcap else base[k, ...] + bias[0, ...]
         else:
-            row = base[k]
+            row = base[k, ...]
         rows.append(row)
         prev = mx.argmax(row, keepdims=True) if pick is None else mx.array([int(pick(row))])
         tokens.append(prev.astype(mx.uint32))
@@ -358,7 +358,7 @@ class Model(nn.Module):
     def _exit(self, h, o):
         """The last layer's output -> final norm -> per-slot hidden and base logits."""
         a = self.args
-        full = self.norm(self.layers[-1].finish(h, o))[0]
+        full = self.norm(self.layers[-1].finish(h, o))[0, ...]
         hidden = full[1:] if "anchor_not_predicting" in a.bugs else full
         if "anchor_not_predicting" in a.bugs:
             hidden = mx.concatenate([hidden, hidden[-1:]], axis=0)

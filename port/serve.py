@@ -241,7 +241,7 @@ class _Sampled:
         if not self.processors:
             return logits
         toks = history + drafts
-        return mx.stack([sampling.process(self.processors, mx.array(toks[: len(history) + i], mx.int32), logits[i])
+        return mx.stack([sampling.process(self.processors, mx.array(toks[: len(history) + i], mx.int32), logits[i, ...])
                          for i in range(logits.shape[0])])
 
     def _target_probs(self, rows):
@@ -361,7 +361,8 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
         drafts = drafts[:gamma]
         trace = targets.forward(target, _verify_ids(pending, drafts), caches=caches)
         stats.target_calls += 1
-        k, nxt, drafts = verifier.verify(drafts, q, trace.logits[0], prompt + committed)
+        # trace.logits[0, ...]: a view, where [0] would be a Gather (see port/dflash.py Model.block)
+        k, nxt, drafts = verifier.verify(drafts, q, trace.logits[0, ...], prompt + committed)
         stats.proposals.append(list(drafts))
         stats.drafted += len(drafts)
         stats.accepted += k

@@ -189,7 +189,7 @@ def greedy(target: Target, prompt: mx.array, n: int, eos: set[int] | None = None
     tokens, steps = [], []
     eos = eos_ids(target) if eos is None else eos
     for _ in range(n):
-        steps.append(logits[0])
+        steps.append(logits[0, ...])
         tok = mx.argmax(logits, axis=-1)
         tokens.append(int(tok.item()))
         if tokens[-1] in eos:

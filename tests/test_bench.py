@@ -251,3 +251,17 @@ def test_bench_kernels_on_cpu_says_why_not(tmp_path):
     (port,) = doc["cases"][0]["sides"]
     assert port["kernels"]["status"] == "not run" and "CUDA" in port["kernels"]["reason"]
     assert "GPU kernels per step" in (tmp_path / "out" / "bench.md").read_text()
+
+
+def test_port_blocks_index_without_gathers(tmp_path, monkeypatch):
+    """MLX makes a lone integer index (`logits[0]`) a Gather; on MLX CUDA one over a block's logits
+    costs 22-257 us of device time (H200, docs/benchmarks.md), a slice (`logits[0, ...]`) is free. The
+    DFlash block's one Gather is its embedding lookup. Control: a planted `[0]` on the logits adds one."""
+    from port import dflash
+
+    spec = next(s for s in bench_shapes.tiny_specs() if s.name == "dflash-qwen3")
+    prep = bench._prepare(bench_shapes.build(spec, "tiny", "float32", tmp_path), (None, "off"), 0)
+    assert bench.count_step(bench_sides.port_side(prep))["op_kinds"].get("Gather") == 1
+    plain = dflash.Model.logits
+    monkeypatch.setattr(dflash.Model, "logits", lambda self, target, h: plain(self, target, h)[None][0])
+    assert bench.count_step(bench_sides.port_side(prep))["op_kinds"].get("Gather") == 2
