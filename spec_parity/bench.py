@@ -277,13 +277,14 @@ def kernel_summary(kernels: list[tuple[str, float, float]], steps: int, window_u
     """Per call of the stepper (the assistant's: gamma chained steps): launches, summed kernel
     time, GPU busy time (union), the profiled window's wall time, and the kernels grouped by name
     and by class. `kernels` = (name, start_us, end_us)."""
-    by_name, by_class = Counter(), Counter()
-    count_name, count_class = Counter(), Counter()
+    by_name, count_name = Counter(), Counter()
     for name, a, b in kernels:
         by_name[name] += b - a
         count_name[name] += 1
-        by_class[kernel_class(name)] += b - a
-        count_class[kernel_class(name)] += 1
+    by_class, count_class = Counter(), Counter()
+    for name, t in by_name.items():
+        by_class[kernel_class(name)] += t
+        count_class[kernel_class(name)] += count_name[name]
     total = sum(by_name.values())
     return {"calls": steps, "launches_per_call": len(kernels) / steps, "kernel_us_per_call": total / steps,
             "busy_us_per_call": busy_us([(a, b) for _, a, b in kernels]) / steps,

@@ -79,15 +79,12 @@ def params(cases: list[Case]) -> list:
     another gamma, EOS, window, head or torch twin) are `slow`: `pytest --slow` and CI run them."""
     import pytest
 
-    keep = {c.control["base"] for c in cases if c.control}
+    loops = [c for c in cases if c.params.get("loop") and not c.control]
     first: dict[str, str] = {}
-    for c in cases:
-        if c.params.get("loop") and not c.control:
-            first.setdefault(c.kind, c.name)
-    keep |= set(first.values())
-    return [pytest.param(c, id=c.name, marks=pytest.mark.slow)
-            if c.params.get("loop") and not c.control and c.name not in keep else pytest.param(c, id=c.name)
-            for c in cases]
+    for c in loops:
+        first.setdefault(c.kind, c.name)
+    slow = {c.name for c in loops} - set(first.values()) - {c.control["base"] for c in cases if c.control}
+    return [pytest.param(c, id=c.name, marks=pytest.mark.slow if c.name in slow else ()) for c in cases]
 
 
 def slow_except(values, *keep) -> list:
