@@ -337,7 +337,10 @@ def donor_buffers(target, caches: list, window: str | int = "optiq") -> dict:
             rot, total = (c._idx, S) if c._idx < c.offset and c._idx != S else (0, S if c._idx == S else c._idx)
             seen = min(c.offset, total, window_keep(target.config["sliding_window"], window))
             where, ring = [rot, total - seen, total], True
-        out[f"{name}_attention"] = {"kv": (c.keys, c.values, mx.array(where, mx.int32)), "ring": ring}
+        # one scalar array per bound, not mx.array(where): a host-filled 12-byte buffer is one the GPU
+        # page-faults on (targets.block_ids), and where[0] of it a Gather
+        out[f"{name}_attention"] = {"kv": (c.keys, c.values, tuple(mx.array(w, mx.int32) for w in where)),
+                                    "ring": ring}
     return out
 
 
@@ -346,7 +349,7 @@ def donor_seen(donors: dict) -> dict:
     out = {}
     for t, (k, v, where) in donors.items():
         j = mx.arange(k.shape[2])
-        if where.shape[0] == 1:
+        if len(where) == 1:
             seen = j < where[0]
         else:
             rank = (j + k.shape[2] - where[0]) % k.shape[2]

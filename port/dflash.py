@@ -436,7 +436,7 @@ class Model(nn.Module):
         """Draft n tokens after `anchor`: block [anchor, MASK x n]; `ctx_rows` are the raw taps of the
         context rows not yet in `caches` (they are projected and appended there)."""
         a = self.args
-        ids = mx.array([[anchor] + [a.mask_token_id] * n])
+        ids = targets.block_ids(anchor, a.mask_token_id, n)
         if ctx_rows is None or ctx_rows.shape[1] == 0:
             raise DFlashError("a draft needs the new context rows (the prompt's or the last verify's taps): "
                               "commit the previous verify first")

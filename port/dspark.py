@@ -423,7 +423,7 @@ class Model(nn.Module):
         Markov-corrected row, or `pick(row)` (the serve loop's sampler: DeepSpec's T > 0 draws it
         from softmax(row / T)), and the next slot's Markov head reads that token."""
         a = self.args
-        ids = mx.array([[anchor] + [a.mask_token_id] * (a.block_size - 1)])
+        ids = targets.block_ids(anchor, a.mask_token_id, a.block_size - 1)
         if self.kv_bucket is not None:
             return self._draft_bucketed(ids, mx.array([anchor], mx.uint32), ctx, start, pick)
         enter, between, leave, tail = self.pieces()

@@ -13,6 +13,7 @@ output of decoder layer i; `final` = the final-normed output.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
@@ -89,6 +90,20 @@ def embed_scaled(target: Target, tokens: mx.array) -> mx.array:
     tm = target.model.model
     e = tm.embed_tokens(tokens)
     return e * tm.embed_scale if hasattr(tm, "embed_scale") else e
+
+
+def block_ids(first: int, fill: int, n: int) -> mx.array:
+    """[[first, fill x n]] (int32), a draft block's input ids, built by the device: `first` as a 4-byte
+    scalar and the constant fill once per (fill, n). Not `mx.array` of the list: on MLX CUDA a
+    host-filled buffer over 8 bytes is managed memory the GPU page-faults on when the embedding Gather
+    reads it (H200: 100-280 us of device time per block instead of 3, docs/benchmarks.md); scalars
+    live in MLX's GPU-mapped scalar pool."""
+    return mx.concatenate([mx.array([[first]], mx.int32), _filled(fill, n, str(mx.default_device()))], axis=1)
+
+
+@lru_cache(maxsize=64)
+def _filled(fill: int, n: int, device: str) -> mx.array:
+    return mx.full((1, n), fill, mx.int32)
 
 
 def head(target: Target, h: mx.array) -> mx.array:

@@ -165,6 +165,57 @@ class HostSyncs:
         return False
 
 
+PORT_MODULES = ("port.assistant", "port.compiled", "port.dflash", "port.dspark", "port.sampling", "port.serve",
+                "port.targets")
+SCALAR_POOL_BYTES = 8  # MLX CUDA keeps buffers up to 8 bytes in a GPU-mapped scalar pool
+
+
+class HostBuffers:
+    """Counts, while active, the arrays the port's modules build from host data (`mx.array` of a
+    list, a number or numpy) over 8 bytes. Why: on MLX CUDA such a buffer is managed memory the host
+    has just written, and the first kernel that reads it page-faults (H200: the embedding Gather of
+    a block 100-280 us instead of 3, docs/benchmarks.md); buffers up to 8 bytes live in MLX's
+    GPU-mapped scalar pool and do not. The port modules' `mx` is swapped for the duration for one
+    whose `array` records (isinstance checks keep working); other code is not watched."""
+
+    def __init__(self):
+        self.sizes: list[int] = []
+        self._saved: list = []
+
+    def __enter__(self):
+        sizes = self.sizes
+
+        class _Meta(type):
+            def __instancecheck__(cls, obj):
+                return isinstance(obj, mx.array)
+
+            def __call__(cls, *args, **kwargs):
+                out = mx.array(*args, **kwargs)
+                if not (args and isinstance(args[0], mx.array)) and out.nbytes > SCALAR_POOL_BYTES:
+                    sizes.append(out.nbytes)
+                return out
+
+        class _Mx:
+            array = _Meta("array", (), {})
+
+            def __getattr__(self, name):
+                return getattr(mx, name)
+
+        proxy = _Mx()
+        for name in PORT_MODULES:
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, "mx", None) is mx:
+                self._saved.append(module)
+                module.mx = proxy
+        return self
+
+    def __exit__(self, *exc):
+        for module in self._saved:
+            module.mx = mx
+        self._saved.clear()
+        return False
+
+
 # ---- the one timing loop -----------------------------------------------------------------------
 
 def _sync_fn(stepper: bench_sides.Stepper):
@@ -228,18 +279,20 @@ COUNT_RUNS = 3
 
 
 def count_step(stepper: bench_sides.Stepper, runs: int = COUNT_RUNS) -> dict:
-    """Host syncs and graph ops of one step (the median over `runs` steps; MLX sides only)."""
+    """Host syncs, graph ops and the port's host-filled buffers (HostBuffers) of one step (the
+    median over `runs` steps; MLX sides only)."""
     per = []
     for _ in range(runs):
-        with HostSyncs(ops=True) as hs:
+        with HostSyncs(ops=True) as hs, HostBuffers() as hb:
             out = stepper.step()
             hs.finish(out)
         mx.eval(*[a for _, a in tree_flatten([out]) if isinstance(a, mx.array)] or [mx.array(0)])
-        per.append((hs.syncs, hs.ops, dict(hs.calls), dict(hs.kinds)))
+        per.append((hs.syncs, hs.ops, dict(hs.calls), dict(hs.kinds), hb.sizes))
     per.sort(key=lambda p: (p[0], p[1]))
-    syncs, ops, calls, kinds = per[len(per) // 2]
+    syncs, ops, calls, kinds, host = per[len(per) // 2]
     return {"host_syncs": syncs, "graph_ops": ops, "sync_calls": calls,
-            "op_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
+            "op_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "host_buffers": len(host),
+            "host_buffer_bytes": host}
 
 
 # ---- kernels per step (GPU) ---------------------------------------------------------------------

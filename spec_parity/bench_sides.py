@@ -71,23 +71,31 @@ def _draft_config(prep: Prep) -> dict:
 # ---- our port --------------------------------------------------------------------------------
 
 def port_side(prep: Prep, **bucketed) -> Stepper:
-    """Our port through the serve loop's seam: the source's `draft` (and `commit` of one row);
-    `bucketed` (kv_bucket, bucket_attention): its opt-in bucketed path (port/compiled.py)."""
+    """Our port through the serve loop's seam: the source's `draft_device` (what the loop drafts
+    with: the tokens stay on the device until the verify; and `commit` of one row); `bucketed`
+    (kv_bucket, bucket_attention): its opt-in bucketed path (port/compiled.py). No host read in
+    the step, as in the peers' steps: on MLX CUDA a host read of more than 8 bytes costs the next
+    step 0.2-0.4 ms of unified-memory faults (docs/benchmarks.md)."""
     from port import serve
 
     view = serve.TargetView(prep.target, prep.caches)
     src = open_port_source(prep.case, view, **bucketed)
     tok, hid, g = prep.anchor, prep.anchor_hidden, prep.gamma
+    notes = [f"{k}={v}" for k, v in bucketed.items()]
     if prep.case.spec.source == "assistant":
-        return Stepper(lambda: src.draft([tok], g, hid), keep=src)
+        return Stepper(lambda: src.draft_device([tok], g, hid), keep=src, tokens=_host_list, notes=notes)
     src.prefill(list(range(prep.ctx)), [prep.taps])
-    src.draft([tok], g, hid)
+    mx.eval(src.draft_device([tok], g, hid))
 
     def step():
         src.commit(g, 0, [prep.row])
-        return src.draft([tok], g, hid)
+        return src.draft_device([tok], g, hid)
 
-    return Stepper(step, keep=src, notes=[f"{k}={v}" for k, v in bucketed.items()])
+    return Stepper(step, keep=src, tokens=_host_list, notes=notes)
+
+
+def _host_list(tokens: mx.array) -> list[int]:
+    return tokens.tolist()
 
 
 BUCKET = 256  # mlx-lm KVCache's own growth step

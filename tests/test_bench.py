@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from spec_parity import bench, bench_shapes, bench_sides, cli
+from spec_parity import bench, bench_shapes, bench_sides, cli, harness
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -265,3 +265,25 @@ def test_port_blocks_index_without_gathers(tmp_path, monkeypatch):
     plain = dflash.Model.logits
     monkeypatch.setattr(dflash.Model, "logits", lambda self, target, h: plain(self, target, h)[None][0])
     assert bench.count_step(bench_sides.port_side(prep))["op_kinds"].get("Gather") == 2
+
+
+def _host_buffers(prep, side) -> int:
+    return bench.count_step(side(prep), runs=1)["host_buffers"]
+
+
+@pytest.mark.parametrize("name", harness.slow_except([s.name for s in bench_shapes.tiny_specs()], "dflash-qwen3",
+                                                     "dspark-qwen3"))
+def test_port_steps_build_no_host_filled_buffers(name, tmp_path, monkeypatch):
+    """A draft step / block (plain and bucketed) builds no array from host data over 8 bytes: on MLX
+    CUDA the GPU page-faults on such a buffer (H200: a block's embedding Gather 100-280 us instead of 3,
+    docs/benchmarks.md). Control (blocks): the ids built as one host list, as they were, must count."""
+    from port import targets
+
+    spec = next(s for s in bench_shapes.tiny_specs() if s.name == name)
+    prep = bench._prepare(bench_shapes.build(spec, "tiny", "float32", tmp_path), (None, "off"), 0)
+    for side in (bench_sides.port_side, bench_sides.port_bucketed_side):
+        assert _host_buffers(prep, side) == 0, side.__name__
+    if spec.source == "assistant":
+        return
+    monkeypatch.setattr(targets, "block_ids", lambda first, fill, n: targets.mx.array([[first] + [fill] * n]))
+    assert _host_buffers(prep, bench_sides.port_side) == 1
