@@ -299,7 +299,7 @@ def count_step(stepper: bench_sides.Stepper, runs: int = COUNT_RUNS) -> dict:
 
 KERNEL_STEPS = 10
 KERNEL_CLASSES = (  # first match wins; the names are MLX CUDA's, cuBLAS's and torch's kernels
-    ("matmul", ("gemm", "gemv", "xmma", "cutlass", "matmul", "qmv", "qmm", "splitk", "cublas")),
+    ("matmul", ("gemm", "gemv", "xmma", "cutlass", "matmul", "qmv", "qmm", "splitk", "cublas", "nvjet")),
     ("attention", ("sdpa", "attention", "flash", "fmha")),
     ("norm", ("rms", "layer_norm", "layernorm")),
     ("rope", ("rope",)),

@@ -246,6 +246,19 @@ def test_kernel_busy_time_counts_overlap_once_and_gaps_not_at_all():
     assert bench.kernel_summary(kernels * 2, steps=2, window_us=60.0)["launches_per_call"] == 3
 
 
+def test_kernel_classes_of_names_an_h200_run_recorded():
+    """Kernel names as CUPTI recorded them in run 9 (docs/bench-h200-run9.json): cuBLASLt's Hopper
+    GEMMs are `nvjet_*` (they read "other" until session 5), cuDNN's attention contains "wgmma"
+    (not a GEMM here). Control: a name no class names stays "other"."""
+    names = {"nvjet_sm90_tst_128x16_64x11_4x1_v_bz_TNT": "matmul",
+             "void mlx::core::cu::gemv_single<__nv_bfloat16, 8, 4>(__nv_bfloat16 const*)": "matmul",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128": "attention",
+             "void mlx::core::cu::gather<__nv_bfloat16, int, 1, 2, int>(__nv_bfloat16 const*)": "copy / gather / concat",
+             "void mlx::core::cu::rope<__nv_bfloat16, false, true>(__nv_bfloat16 const*)": "rope",
+             "void mlx::core::cu::kernel_launcher_of_something_new()": "other"}
+    assert {n: bench.kernel_class(n) for n in names} == names
+
+
 def test_bench_kernels_on_cpu_says_why_not(tmp_path):
     doc = _run(tmp_path, "--sources", "dflash", "--peers", "none", "--kernels")
     (port,) = doc["cases"][0]["sides"]
