@@ -121,15 +121,8 @@ class Attention(nn.Module):
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
         return self.rope(q, offset=position)
 
-    repeat_kv = True
-
     def attend(self, q, keys, values):
-        # GQA: K/V heads repeated onto the query heads, as optiq does. The kernel's own GQA mapping
-        # (repeat_kv False) is the same bits on the CPU but not on MLX CUDA (1 ulp on an H200,
-        # docs/benchmarks.md), which would break L1 with optiq there.
-        if self.repeat_kv and keys.shape[1] != q.shape[1]:
-            n = q.shape[1] // keys.shape[1]
-            keys, values = mx.repeat(keys, n, axis=1), mx.repeat(values, n, axis=1)
+        """Over the donor K/V as Model.views cut them (their heads repeated onto q's, or GQA)."""
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
 
     def output(self, o):
@@ -212,8 +205,7 @@ class Model(nn.Module):
         self.bucketed = bucketed
         self._bucketed = compiled_pieces.Bucketed()
         self.model = Inner(args)
-        for layer in self.model.layers:
-            layer.self_attn.repeat_kv = repeat_kv
+        self.repeat_kv = repeat_kv
         self.pre_projection = nn.Linear(2 * args.backbone_hidden_size, args.hidden_size, bias=False)
         self.post_projection = nn.Linear(args.hidden_size, args.backbone_hidden_size, bias=False)
         if args.use_ordered_embeddings:
@@ -272,10 +264,26 @@ class Model(nn.Module):
                 h, q = self._between(i, h, o, position)
         return self._exit(h, o)
 
-    def step(self, emb, hidden_in, donors, position: int, window: str = "optiq", pick=None) -> Step:
+    def views(self, donors: dict, window: str | int = "optiq") -> dict:
+        """What each layer type's attention reads: the sliding donor's window (sliding_view) and,
+        with repeat_kv, the K/V heads repeated onto the query heads, as optiq repeats them (the
+        kernel's own GQA mapping, repeat_kv=False, is the same bits on the CPU but 1 ulp off on MLX
+        CUDA: docs/benchmarks.md). A chain cuts them once: the donors are frozen for the chain,
+        and optiq's repeat per layer per step is 6 copies of 8 MiB a 12B step on the H200."""
+        views = dict(donors)
+        views["sliding_attention"] = sliding_view(*donors["sliding_attention"], self.args.sliding_window, window)
+        if self.repeat_kv:
+            heads = self.args.num_attention_heads
+            views = {t: (k, v) if k.shape[1] == heads else
+                     (mx.repeat(k, heads // k.shape[1], axis=1), mx.repeat(v, heads // v.shape[1], axis=1))
+                     for t, (k, v) in views.items()}
+        return views
+
+    def step(self, emb, hidden_in, donors, position: int, window: str = "optiq", pick=None,
+             views: dict | None = None) -> Step:
         """One draft step; the token is the argmax (left on the device), or `pick(logits)` (the
-        serve loop's sampler, a host int). `bucketed`: donors are `donor_buffers` (the window is
-        in them)."""
+        serve loop's sampler, a host int). `views`: self.views(donors, window), cut once per chain
+        (default: cut here). `bucketed`: donors are `donor_buffers` (the window is in them)."""
         if self.bucketed:
             if not isinstance(donors.get("sliding_attention"), dict):
                 raise DrafterError("bucketed: the donors must be assistant.donor_buffers(target, caches, window), "
@@ -283,8 +291,7 @@ class Model(nn.Module):
             fn = self._bucketed.get(self, "step", self._step_bucketed, [self.state])
             out = fn(emb, hidden_in, mx.array(position, mx.int32), {t: d["kv"] for t, d in donors.items()})
         else:
-            views = dict(donors)
-            views["sliding_attention"] = sliding_view(*donors["sliding_attention"], self.args.sliding_window, window)
+            views = views or self.views(donors, window)
             enter, between, leave = self.pieces()
             pos = compiled_pieces.position(self, position)
             h, q = enter(emb, hidden_in, pos)
@@ -411,10 +418,11 @@ def draft_chain(drafter: Model, target, donors: dict, token: int, hidden, positi
     positions: "optiq" = position + k, "hf" = position for every step. `pick` (logits -> token)
     replaces the argmax, e.g. to sample drafts from q. Greedy, the chain never leaves the device."""
     steps, token_id = [], mx.array([[token]])
+    views = None if drafter.bucketed or n == 0 else drafter.views(donors, window)
     for k in range(n):
         emb = targets.embed_scaled(target, token_id)
         pos = position + k if positions == "optiq" else position
-        s = drafter.step(emb, hidden, donors, pos, window, pick)
+        s = drafter.step(emb, hidden, donors, pos, window, pick, views)
         steps.append(s)
         token_id, hidden = s.token_id, s.next_hidden
     return steps
