@@ -295,11 +295,9 @@ def _scale(module, name: str, factor: float = 1.5):
 LONG_PROMPT = list(range(3, 25))   # past the tiny targets' sliding window (8)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("head", ["centroid", "tied"])
-def test_assistant_compiled_step_equals_plain(head, dtype):
-    """A 4-step chain (donors past the sliding window): tokens, logits, next hidden, candidates."""
-    dt = getattr(mx, dtype)
+def _assistant_chain(head: str, dt):
+    """The drafter and a 4-step chain of it past the sliding window: run() -> tokens, logits, next
+    hidden, candidates of every step."""
     target = targets.load(checkpoints.build("gemma4-target", 0, {}), dt)
     drafter = assistant.load(checkpoints.build("gemma4-assistant", 0, {"use_ordered_embeddings": head == "centroid"}),
                              dt)
@@ -312,6 +310,15 @@ def test_assistant_compiled_step_equals_plain(head, dtype):
         return [x for s in steps for x in (s.token_id, s.logits, s.next_hidden) + (
             (s.candidates,) if s.candidates is not None else ())]
 
+    return drafter, run
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head", ["centroid", "tied"])
+def test_assistant_compiled_step_equals_plain(head, dtype):
+    """A 4-step chain (donors past the sliding window): tokens, logits, next hidden, candidates."""
+    drafter, run = _assistant_chain(head, getattr(mx, dtype))
+
     _compiled_matches_plain(drafter, run, _scale(drafter.model.layers[1].pre_feedforward_layernorm, "weight"))
 
 
@@ -320,24 +327,17 @@ def test_assistant_fp32_norm_weights_are_the_bf16_path_bit_for_bit(head):
     """bf16 drafter: its RMSNorm weights held in fp32 (assistant.norms_in_fp32, one cast kernel fewer
     per norm per step on MLX CUDA) give the bits of the bf16 weights mx.fast.rms_norm casts itself
     (as optiq's). Control: one norm's weight 1% off is caught."""
-    dt = mx.bfloat16
-    target = targets.load(checkpoints.build("gemma4-target", 0, {}), dt)
-    drafter = assistant.load(checkpoints.build("gemma4-assistant", 0, {"use_ordered_embeddings": head == "centroid"}),
-                             dt)
-    caches = make_prompt_cache(target.model)
-    trace = targets.forward(target, mx.array([LONG_PROMPT]), caches=caches)
-    donors, hidden = targets.donor_view(target, caches), trace.final[:, -1:, :]
+    drafter, chain = _assistant_chain(head, mx.bfloat16)
     norms = [m for _, m in drafter.named_modules() if isinstance(m, assistant.RMSNorm)]
     assert norms and all(m.weight.dtype == mx.float32 for m in norms)
 
     def run(weights):
         for m, w in zip(norms, weights):
             m.weight = w
-        steps = assistant.draft_chain(drafter, target, donors, 5, hidden, len(LONG_PROMPT), 4)
-        return [x for st in steps for x in (st.token_id, st.logits, st.next_hidden)]
+        return chain()
 
     fp32 = [m.weight for m in norms]
-    bf16 = [w.astype(dt) for w in fp32]
+    bf16 = [w.astype(mx.bfloat16) for w in fp32]
     assert all(_bits_equal(a, b) for a, b in zip(run(fp32), run(bf16)))
     nudged = bf16[:1] + [bf16[1] * 1.01] + bf16[2:]
     assert not all(_bits_equal(a, b) for a, b in zip(run(fp32), run(nudged)))
