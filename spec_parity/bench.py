@@ -658,6 +658,8 @@ def run_side(name: str, build, prep: bench_sides.Prep, opts: Options, index: int
         out.update(time_loop(stepper, opts.warmup, opts.iters))
         if stepper.framework == "mlx":
             out.update(count_step(stepper))
+            if not name.startswith("port"):  # HostBuffers watches the port's modules only
+                del out["host_buffers"], out["host_buffer_bytes"]
         else:
             out["count_note"] = "host syncs / graph ops are counted on MLX sides only"
         if opts.kernels:

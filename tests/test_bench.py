@@ -175,8 +175,10 @@ def test_bench_tiny_writes_every_figure(tmp_path):
     assert set(port["wall_s"]) >= {"median", "p10", "p90"} and port["wall_s"]["n"] == 2
     assert port["host_syncs"] >= 1 and port["graph_ops"] > 0 and port["memory"]["peak_bytes"] > 0
     assert port["x_floor"] > 0 and port["agrees_with_port"]
+    assert port["host_buffers"] == 0
     if sides["zlab-mlx"]["status"] == "ok":  # z-lab installed: same weights, same first block
         assert sides["zlab-mlx"]["agrees_with_port"] and port["x_best_peer"] > 0
+        assert "host_buffers" not in sides["zlab-mlx"]  # HostBuffers watches the port's modules only
     else:
         assert sides["zlab-mlx"]["reason"]
     serve = case["serve"]
