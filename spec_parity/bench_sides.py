@@ -75,7 +75,7 @@ def port_side(prep: Prep, **bucketed) -> Stepper:
     with: the tokens stay on the device until the verify; and `commit` of one row); `bucketed`
     (kv_bucket, bucket_attention): its opt-in bucketed path (port/compiled.py). No host read in
     the step, as in the peers' steps: on MLX CUDA a host read of more than 8 bytes costs the next
-    step 0.2-0.56 ms of unified-memory faults (docs/benchmarks.md)."""
+    step 0.1-0.56 ms of unified-memory faults (docs/benchmarks.md)."""
     from port import serve
 
     view = serve.TargetView(prep.target, prep.caches)
