@@ -278,9 +278,10 @@ def time_loop(stepper: bench_sides.Stepper, warmup: int, iters: int) -> dict:
 COUNT_RUNS = 3
 
 
-def count_step(stepper: bench_sides.Stepper, runs: int = COUNT_RUNS) -> dict:
-    """Host syncs, graph ops and the port's host-filled buffers (HostBuffers) of one step (the
-    median over `runs` steps; MLX sides only)."""
+def count_step(stepper: bench_sides.Stepper, runs: int = COUNT_RUNS, port: bool = True) -> dict:
+    """Host syncs and graph ops of one step (the median over `runs` steps; MLX sides only), and for
+    a `port` side its host-filled buffers (HostBuffers watches the port's modules only: a peer's
+    count would read 0 unmeasured)."""
     per = []
     for _ in range(runs):
         with HostSyncs(ops=True) as hs, HostBuffers() as hb:
@@ -290,9 +291,9 @@ def count_step(stepper: bench_sides.Stepper, runs: int = COUNT_RUNS) -> dict:
         per.append((hs.syncs, hs.ops, dict(hs.calls), dict(hs.kinds), hb.sizes))
     per.sort(key=lambda p: (p[0], p[1]))
     syncs, ops, calls, kinds, host = per[len(per) // 2]
-    return {"host_syncs": syncs, "graph_ops": ops, "sync_calls": calls,
-            "op_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "host_buffers": len(host),
-            "host_buffer_bytes": host}
+    figures = {"host_syncs": syncs, "graph_ops": ops, "sync_calls": calls,
+               "op_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1]))}
+    return {**figures, "host_buffers": len(host), "host_buffer_bytes": host} if port else figures
 
 
 # ---- kernels per step (GPU) ---------------------------------------------------------------------
@@ -336,8 +337,9 @@ def kernel_summary(kernels: list[tuple[str, float, float]], steps: int, window_u
         count_name[name] += 1
     by_class, count_class = Counter(), Counter()
     for name, t in by_name.items():
-        by_class[kernel_class(name)] += t
-        count_class[kernel_class(name)] += count_name[name]
+        c = kernel_class(name)
+        by_class[c] += t
+        count_class[c] += count_name[name]
     total = sum(by_name.values())
     return {"calls": steps, "launches_per_call": len(kernels) / steps, "kernel_us_per_call": total / steps,
             "busy_us_per_call": busy_us([(a, b) for _, a, b in kernels]) / steps,
@@ -657,9 +659,7 @@ def run_side(name: str, build, prep: bench_sides.Prep, opts: Options, index: int
     try:
         out.update(time_loop(stepper, opts.warmup, opts.iters))
         if stepper.framework == "mlx":
-            out.update(count_step(stepper))
-            if not name.startswith("port"):  # HostBuffers watches the port's modules only
-                del out["host_buffers"], out["host_buffer_bytes"]
+            out.update(count_step(stepper, port=name.startswith("port")))
         else:
             out["count_note"] = "host syncs / graph ops are counted on MLX sides only"
         if opts.kernels:
