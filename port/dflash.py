@@ -65,11 +65,12 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.qwen3 import MLP
@@ -627,10 +628,20 @@ class DflashSource:
 
 def prune_length(confidence: mx.array, thresholds: list[float]) -> int:
     """Draft tokens kept: up to the first position k whose sigmoid(confidence_k) < thresholds[k]
-    (one threshold: every position; past the list's end: never pruned)."""
-    p = mx.sigmoid(confidence).tolist()
-    th = thresholds * len(p) if len(thresholds) == 1 else thresholds
-    return next((k for k, (c, t) in enumerate(zip(p, th)) if c < t), len(p))
+    (one threshold: every position; past the list's end: never pruned). Compared on the device
+    against the thresholds rounded up to float32, which for a float32 confidence decides c < t
+    exactly as the float64 threshold does; one 4-byte read."""
+    n = confidence.shape[0]
+    return targets.first_true(mx.sigmoid(confidence) < _cuts(tuple(float(t) for t in thresholds), n), n)
+
+
+@lru_cache(maxsize=64)
+def _cuts(thresholds: tuple[float, ...], n: int) -> mx.array:
+    """Per position the smallest float32 >= its threshold (-inf past the list's end), built once
+    per (thresholds, n): a host-filled array is managed memory on MLX CUDA."""
+    th = thresholds * n if len(thresholds) == 1 else thresholds[:n]
+    up = [np.nextafter(np.float32(t), np.float32(np.inf)) if float(np.float32(t)) < t else np.float32(t) for t in th]
+    return mx.array(np.array(up + [-np.inf] * (n - len(up)), np.float32))
 
 
 def parse_thresholds(text: str, what: str = EXTRAS_ENV) -> list[float]:

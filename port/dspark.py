@@ -446,8 +446,7 @@ class Model(nn.Module):
         p = mx.sigmoid(confidence)
         if "cumulative_truncation" in self.args.bugs:
             p = mx.cumprod(p)
-        below = (p < threshold).tolist()
-        return below.index(True) if True in below else self.args.block_size
+        return targets.first_true(p < threshold, self.args.block_size)
 
 
 def load(path: str | Path, bugs=(), compiled: bool = True, kv_bucket: int | None = None,

@@ -18,9 +18,11 @@ arguments (no sampler, no processors, mode "match") the loop is the greedy one, 
 
 Host synchronizations at T=0: a source with the optional `draft_device` keeps its drafts on the
 device (argmax chained into the next step's embedding without leaving it), the verify input is
-built on the device, and the round syncs once: the drafts and the target's greedy tokens come to
-the host together. (DSpark / the DFlash extension with confidence thresholds sync once more, for
-the proposal length the verify's shape needs.)
+built on the device, the accept runs there, and the round syncs once, for one 8-byte verdict
+(accepted count, first EOS, last token); the drafts and the committed tokens reach the host in one
+read when the request ends (`read_at_end`). On MLX CUDA a host read of more than 8 bytes would cost
+the next round page faults. (DSpark / the DFlash extension with confidence thresholds sync once
+more, for the proposal length the verify's shape needs.)
 """
 
 from __future__ import annotations
@@ -199,7 +201,15 @@ class _ObservedSource:
 
 class _Greedy:
     """The seed's verify: greedy drafts, accept while draft == the target's argmax. Drafts may be a
-    device array (draft_device): they reach the host with the greedy tokens, in one sync."""
+    device array (draft_device). The accept runs on the device and the host reads one 8-byte
+    verdict per round (`_verdict`); the round's tokens stay there until the request ends."""
+
+    reads_history = False
+
+    def __init__(self, eos: set[int], bonus: bool):
+        self.bonus = bonus
+        # built once per request; an array the host filled is CUDA managed memory (faults once)
+        self.eos = mx.array(sorted(eos), mx.int32) if eos else None
 
     def first(self, logits, history: list[int]) -> int:
         return int(mx.argmax(logits).item())
@@ -212,25 +222,49 @@ class _Greedy:
         mx.async_eval(drafts)  # the drafts run while the host builds the verify graph
         return drafts, None
 
-    def verify(self, drafts, q, logits, history: list[int]) -> tuple[int, int, list[int]]:
+    def verify(self, drafts, q, logits, history: list[int]) -> tuple[int, int, int, mx.array]:
         greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
-        n = len(drafts)
-        if isinstance(drafts, mx.array):
-            both = mx.concatenate([drafts, greedy]).tolist()
-            drafts, greedy = both[:n], both[n:]
-        else:
-            greedy = greedy.tolist()
-        k = 0
-        while k < n and drafts[k] == greedy[k]:
-            k += 1
-        return k, greedy[k], drafts
+        if not isinstance(drafts, mx.array):
+            drafts = mx.array(drafts, mx.int32)
+        v = _verdict(drafts, greedy, self.eos, self.bonus).item()
+        return v & _FIELD, (v >> _BITS) & _FIELD, v >> (2 * _BITS), greedy
+
+
+_BITS = 10
+_FIELD = (1 << _BITS) - 1
+
+
+def _verdict(drafts: mx.array, greedy: mx.array, eos: mx.array | None, bonus: bool) -> mx.array:
+    """A greedy round's outcome as ONE int64 scalar: on MLX CUDA a host read of more than 8 bytes
+    puts the buffer in managed memory and the next round's kernels page-fault on it (0.1-0.56 ms,
+    docs/benchmarks.md "Unified memory"); an 8-byte scalar costs nothing. Fields: k, the accepted
+    drafts (the prefix where drafts == greedy); the index of the first EOS in greedy (n + 1: none);
+    the round's last new token, greedy[k] (greedy[k - 1] when a full accept drops the bonus, the
+    control). The round's new tokens are greedy[:k + 1]: the accepted drafts equal the target's."""
+    n = drafts.shape[0]
+    if n:
+        k = mx.cumprod((drafts == greedy[:n]).astype(mx.int32)).sum()
+    else:
+        k = mx.zeros((), mx.int32)
+    at = mx.arange(n + 1)
+    if eos is None:
+        stop = mx.full((), n + 1, mx.int32)
+    else:
+        hit = (greedy[:, None] == eos[None, :]).any(axis=1)
+        stop = mx.where(hit, at, n + 1).min()
+    last = k - (k == n).astype(mx.int32) if (not bonus and n) else k
+    tok = mx.take(greedy, last)
+    return (k.astype(mx.int64) + (stop.astype(mx.int64) << _BITS) + (tok.astype(mx.int64) << (2 * _BITS)))
 
 
 class _Sampled:
     """Verify with the request's sampler and processors, in either acceptance mode."""
 
-    def __init__(self, sampler: sampling.Sampler, processors, mode: str, draft_sampler, bugs: frozenset):
-        self.processors, self.mode, self.bugs = list(processors), mode, bugs
+    reads_history = True
+
+    def __init__(self, sampler: sampling.Sampler, processors, mode: str, draft_sampler, bugs: frozenset,
+                 eos: set[int], bonus: bool):
+        self.processors, self.mode, self.bugs, self.eos, self.bonus = list(processors), mode, bugs, eos, bonus
         self.keys = sampling.Keys(sampler.seed)
         self.sampler = sampler
         self.target_sampler = sampling.verify_sampler(sampler, bugs)
@@ -284,7 +318,8 @@ class _Sampled:
         n = next((i for i, m in enumerate(mass) if m < 0.5), len(drafts))   # a row with no allowed token
         return drafts[:n], q[:n]
 
-    def verify(self, drafts: list[int], q, logits, history: list[int]) -> tuple[int, int, list[int]]:
+    def verify(self, drafts: list[int], q, logits, history: list[int]) -> tuple[int, int, int, list[int]]:
+        """As `_Greedy.verify`: (accepted, first EOS in the new tokens, last new token, new tokens)."""
         n = len(drafts)
         p = self._target_probs(self._rows(logits[: n + 1], history, drafts))[None]
         d = mx.array(drafts, mx.int32).reshape(1, n)
@@ -295,7 +330,16 @@ class _Sampled:
                 q = (mx.arange(p.shape[-1])[None, :] == d.reshape(n, 1)).astype(mx.float32)
             k, nxt = sampling.accept_rejection(d, q[None], p, self.keys.uniform((1, n)), self.keys.uniform((1,)),
                                                self.bugs)
-        return int(k.item()), int(nxt.item()), drafts
+        k = int(k.item())
+        new = drafts[:k] + [int(nxt.item())]
+        stop = next((i for i, t in enumerate(new) if t in self.eos), n + 1)
+        return k, stop, new[_kept(self.bonus, n, k) - 1], new
+
+
+def _kept(bonus: bool, n: int, k: int) -> int:
+    """How many new tokens a round of n drafts with k accepted commits: the accepted drafts and the
+    correction / bonus token (k + 1), or k when the control drops the bonus on a full accept."""
+    return k if (not bonus and n and k == n) else k + 1
 
 
 def _verify_ids(pending: int, drafts) -> mx.array:
@@ -303,6 +347,23 @@ def _verify_ids(pending: int, drafts) -> mx.array:
     if isinstance(drafts, mx.array):
         return mx.concatenate([mx.array([pending], mx.int32), drafts])[None]
     return mx.array([[pending] + drafts])
+
+
+def read_at_end(groups: list[list]) -> list[list[list[int]]]:
+    """Each group's pieces (host lists or device int arrays) as host lists, every device piece in
+    ONE read: the request's tokens and proposals reach the host once, at its end."""
+    device = [p for g in groups for p in g if isinstance(p, mx.array)]
+    flat = mx.concatenate([p.astype(mx.int32) for p in device]).tolist() if device else []
+    out, at = [], 0
+    for g in groups:
+        out.append([])
+        for p in g:
+            if isinstance(p, mx.array):
+                out[-1].append(flat[at:at + p.size])
+                at += p.size
+            else:
+                out[-1].append(list(p))
+    return out
 
 
 def _request_bytes(caches: list, source) -> tuple[int, int]:
@@ -336,11 +397,11 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
         raise sampling.SamplingError(f"unknown acceptance mode {mode!r}; known: {sampling.MODES}")
     bugs = sampling.check_bugs(bugs)
     processors = list(processors)
-    if sampler is None and not processors and mode == "match" and not bugs:
-        verifier = _Greedy()
-    else:
-        verifier = _Sampled(sampler or sampling.Sampler(), processors, mode, draft_sampler, bugs)
     eos = targets.eos_ids(target) if eos is None else eos
+    if sampler is None and not processors and mode == "match" and not bugs:
+        verifier = _Greedy(eos, bonus)
+    else:
+        verifier = _Sampled(sampler or sampling.Sampler(), processors, mode, draft_sampler, bugs, eos, bonus)
     caches = targets.make_caches(target, kv_bucket)
     source = provider.open(TargetView(target, caches)) if provider is not None else None
     stats = Stats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma,
@@ -353,41 +414,47 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
         source.prefill(prompt, _taps(trace, taps, slice(None)))
     pending = verifier.first(trace.logits[0, -1], prompt)
     anchor = trace.final[:, -1:, :]
-    committed = [pending]
+    pieces, count = [[pending]], 1   # the committed tokens: host lists, or device slices (_Greedy)
+    proposals = []
+
+    def history() -> list[int]:
+        return prompt + [t for p in pieces for t in p] if verifier.reads_history else prompt
+
     if record:
         stats.logits.append(trace.logits[0, -1])
-    while pending not in eos and len(committed) < max_tokens:
-        drafts, q = verifier.draft(source, pending, gamma, anchor, prompt + committed) if source is not None else ([], None)
+    while pending not in eos and count < max_tokens:
+        drafts, q = verifier.draft(source, pending, gamma, anchor, history()) if source is not None else ([], None)
         drafts = drafts[:gamma]
+        n = len(drafts)
         trace = targets.forward(target, _verify_ids(pending, drafts), caches=caches)
         stats.target_calls += 1
         # trace.logits[0, ...]: a view, where [0] would be a Gather (see port/dflash.py Model.block)
-        k, nxt, drafts = verifier.verify(drafts, q, trace.logits[0, ...], prompt + committed)
-        stats.proposals.append(list(drafts))
-        stats.drafted += len(drafts)
+        k, stop, last, new = verifier.verify(drafts, q, trace.logits[0, ...], history())
+        proposals.append(drafts)
+        stats.drafted += n
         stats.accepted += k
-        for i in range(len(drafts)):
+        for i in range(n):
             stats.drafted_by_position[i] += 1
             stats.accepted_by_position[i] += i < k
-        dropped = not bonus and drafts and k == len(drafts)
-        new = drafts[:k] if dropped else drafts[:k] + [nxt]
-        room = max_tokens - len(committed)
-        stop_at = next((i for i, t in enumerate(new) if t in eos), None)
-        emitted = new[: min(room, stop_at + 1 if stop_at is not None else len(new))]
-        committed += emitted
+        kept = _kept(bonus, n, k)
+        emitted = min(max_tokens - count, stop + 1 if stop < kept else kept)
+        pieces.append(new[:emitted])
+        count += emitted
         if record:
-            stats.logits += [trace.logits[0, i] for i in range(len(emitted))]
-        stats.trace.append((len(drafts), k, len(emitted)))
-        trim_caches(caches, len(drafts) - k - trim_bias + (1 if dropped else 0))
+            stats.logits += [trace.logits[0, i] for i in range(emitted)]
+        stats.trace.append((n, k, emitted))
+        trim_caches(caches, n - kept + 1 - trim_bias)
         if source is not None:
-            source.commit(len(drafts), k, _taps(trace, taps, slice(None)))
+            source.commit(n, k, _taps(trace, taps, slice(None)))
         cache_bytes, source_bytes = _request_bytes(caches, source)
         stats.target_cache_bytes = max(stats.target_cache_bytes, cache_bytes)
         stats.source_bytes = max(stats.source_bytes, source_bytes)
-        if len(emitted) < len(new):
+        if emitted < kept:
             break
-        pending = emitted[-1]
-        anchor = trace.final[:, k - 1:k, :] if dropped else trace.final[:, k:k + 1, :]
+        pending = last
+        anchor = trace.final[:, kept - 1:kept, :]
+    pieces, stats.proposals = read_at_end([pieces, proposals])
+    committed = [t for p in pieces for t in p]
     stats.elapsed_s = time.perf_counter() - t0
     cache_bytes, source_bytes = _request_bytes(caches, source)
     stats.target_cache_bytes = max(stats.target_cache_bytes, cache_bytes)

@@ -70,7 +70,11 @@ class HostSyncs:
     nodes of the not-yet-evaluated graph behind its arrays (`mx.export_to_dot`), minus those an
     earlier `async_eval` already scheduled. `finish(outputs)` does the same for outputs the caller
     evaluates afterwards. A primitive is one graph node: a fused `Compiled` block counts one, and
-    the CPU backend splits some `mx.fast` ops into several (so CPU and GPU counts differ)."""
+    the CPU backend splits some `mx.fast` ops into several (so CPU and GPU counts differ).
+
+    `reads` holds (sync number, bytes) of every array the host read (the methods and numpy): on
+    MLX CUDA a read of more than 8 bytes moves the buffer into managed memory, where the next
+    kernels that touch it fault (docs/benchmarks.md "Unified memory")."""
 
     METHODS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
     FUNCS = ("eval", "synchronize")
@@ -78,6 +82,7 @@ class HostSyncs:
     def __init__(self, ops: bool = False):
         self.count_ops = ops
         self.calls: Counter = Counter()
+        self.reads: list[tuple[int, int]] = []
         self.ops = 0
         self.kinds: Counter = Counter()
         self._scheduled: set[str] = set()
@@ -90,6 +95,10 @@ class HostSyncs:
 
     def snapshot(self) -> tuple[int, int]:
         return self.syncs, self.ops
+
+    def largest_read(self, after: int, upto: int) -> int:
+        """Bytes of the largest array read by syncs after+1 .. upto (0: none)."""
+        return max((b for i, b in self.reads if after < i <= upto), default=0)
 
     def _graph(self, roots: list) -> set[str]:
         arrays = [a for a in roots if isinstance(a, mx.array)]
@@ -112,6 +121,7 @@ class HostSyncs:
         def method(name, orig):
             def wrapped(a, *args, **kwargs):
                 self.calls[name] += 1
+                self.reads.append((self.syncs, a.nbytes))
                 self._graph([a])
                 return orig(a, *args, **kwargs)
             return wrapped
@@ -133,6 +143,7 @@ class HostSyncs:
                 obj = args[0] if args else kwargs.get("object", kwargs.get("a"))
                 if isinstance(obj, mx.array):
                     self.calls["numpy"] += 1
+                    self.reads.append((self.syncs, obj.nbytes))
                     self._graph([obj])
                 return orig(*args, **kwargs)
             return wrapped
@@ -503,9 +514,14 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
     split = _rounds(events, t_end)
     steady = split[1:] or split
     mark = {}
+    read = serve.read_at_end
     with HostSyncs(ops=True) as hs:
-        stats, _, _ = run([], hook=lambda: mark.setdefault("at", hs.snapshot()))
-    syncs0, ops0 = mark.get("at", (0, 0))
+        serve.read_at_end = lambda groups: (mark.setdefault("end", hs.snapshot()), read(groups))[1]
+        try:
+            stats, _, _ = run([], hook=lambda: mark.setdefault("at", hs.snapshot()))
+        finally:
+            serve.read_at_end = read
+    (syncs0, ops0), (syncs1, ops1) = mark.get("at", (0, 0)), mark.get("end", hs.snapshot())
     n = max(len(stats.trace), 1)
     med = medians(steady)
     cold_out = {}
@@ -523,7 +539,8 @@ def serve_loop(case: bench_shapes.Case, target, prompt: list[int], max_tokens: i
             "tau": stats.tau, "acceptance": stats.acceptance,
             "decode_tokens_per_s": summary(decode), "loop_tokens_per_s": summary(looped),
             "round_median_s": med, "first_round_s": split[0] if split else {},
-            "host_syncs_per_round": (hs.syncs - syncs0) / n, "graph_ops_per_round": (hs.ops - ops0) / n,
+            "host_syncs_per_round": (syncs1 - syncs0) / n, "graph_ops_per_round": (ops1 - ops0) / n,
+            "host_read_max_bytes_per_round": hs.largest_read(syncs0, syncs1), "host_syncs_at_end": hs.syncs - syncs1,
             "sync_calls": dict(hs.calls), "memory": {"active_before_bytes": int(active), "peak_bytes": int(peak)}}
 
 

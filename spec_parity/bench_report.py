@@ -108,20 +108,25 @@ def _serve_rows(doc: dict):
 
 
 def serve_table(doc: dict) -> list[str]:
-    out = ["| case | γ | round ms | draft | verify | accept+trim | host syncs / round | graph ops / round | "
-           "decode tok/s | loop tok/s (with prefill) | τ | peak MiB (+ rise) | cold round ms (draft / verify) | cold decode tok/s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| case | γ | round ms | draft | verify | accept+trim | host syncs / round | largest host read / round | "
+           "graph ops / round | decode tok/s | loop tok/s (with prefill) | τ | peak MiB (+ rise) | "
+           "cold round ms (draft / verify) | cold decode tok/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, sv in _serve_rows(doc):
         if "round_median_s" not in sv:
-            out.append(f"| {name} | – | failed: {sv.get('reason', '')} ||||||||||")
+            out.append(f"| {name} | – | failed: {sv.get('reason', '')} |||||||||||")
             continue
         r = sv["round_median_s"]
         out.append(f"| {name} | {sv['gamma']} | {_ms(r.get('round_s'))} | {_ms(r.get('draft_s'))} | "
                    f"{_ms(r.get('verify_s'))} | {_ms(r.get('accept_trim_s'))} | {sv['host_syncs_per_round']:.1f} | "
-                   f"{sv['graph_ops_per_round']:.0f} | {sv['decode_tokens_per_s']['median']:.1f} | "
+                   f"{_bytes(sv.get('host_read_max_bytes_per_round'))} | {sv['graph_ops_per_round']:.0f} | {sv['decode_tokens_per_s']['median']:.1f} | "
                    f"{sv['loop_tokens_per_s']['median']:.1f} | {sv['tau']:.2f} | {_mib(sv.get('memory'))} | "
                    f"{_cold_round(sv)} |")
     return out
+
+
+def _bytes(n) -> str:
+    return "–" if n is None else f"{n} B"
 
 
 def kernel_tables(doc: dict) -> list[str]:

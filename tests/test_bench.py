@@ -184,11 +184,13 @@ def test_bench_tiny_writes_every_figure(tmp_path):
     serve = case["serve"]
     assert set(serve["round_median_s"]) >= {"draft_s", "verify_s", "accept_trim_s"}
     assert serve["host_syncs_per_round"] >= 1 and serve["graph_ops_per_round"] > 0
+    assert serve["host_read_max_bytes_per_round"] <= 8 and serve["host_syncs_at_end"] == 1
     assert serve["decode_tokens_per_s"]["median"] > 0
 
 
 def test_serve_loop_counts_a_planted_sync_per_round(tmp_path):
-    """The per-round counter must move when a source makes one more host round trip per draft."""
+    """The per-round counters must move when a source makes one more host round trip per draft,
+    one that reads its drafts (4 bytes each: over the 8-byte scalars a round reads)."""
     spec = next(s for s in bench_shapes.tiny_specs() if s.name == "dflash-qwen3")
     case = bench_shapes.build(spec, "tiny", "float32", tmp_path)
     prep = bench._prepare(case, (None, "off"), 0)
@@ -201,7 +203,7 @@ def test_serve_loop_counts_a_planted_sync_per_round(tmp_path):
 
             def extra(*args):
                 out = draft(*args)
-                out.sum().item()   # planted
+                out.tolist()   # planted
                 return out
 
             src.draft_device = extra
@@ -210,6 +212,7 @@ def test_serve_loop_counts_a_planted_sync_per_round(tmp_path):
     base = bench.serve_loop(case, prep.target, prompt, 6, 1)
     planted = bench.serve_loop(case, prep.target, prompt, 6, 1, provider=Planted(case))
     assert planted["host_syncs_per_round"] == base["host_syncs_per_round"] + 1
+    assert base["host_read_max_bytes_per_round"] <= 8 < planted["host_read_max_bytes_per_round"]
     assert planted["graph_ops_per_round"] > base["graph_ops_per_round"]
 
 

@@ -1,12 +1,10 @@
 """Speed work that must not change a bit: host syncs per round at T=0, and every fast path equal
 to the plain one bit for bit.
 
-Syncs are counted by wrapping every Python entry point of MLX that waits for values (`item`,
-`tolist`, `__int__`/`__float__`/`__bool__`/`__index__`, `__array__`, `__repr__`, `mx.eval`); a
-planted extra sync in a source must push a round over the bound (the counter's negative control).
+Syncs are counted by bench.HostSyncs (every Python entry point of MLX that waits for values); a
+planted extra sync in a source must push a round over the bound, a planted `tolist` a round's
+largest read over 8 bytes (the counter's negative controls).
 """
-
-import contextlib
 
 import mlx.core as mx
 import numpy as np
@@ -15,47 +13,28 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from port import assistant, dflash, dspark, serve, targets
-from spec_parity import checkpoints, harness
+from spec_parity import bench, checkpoints, harness
 
-SYNC_METHODS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "__array__", "__repr__")
 PROMPT = list(range(3, 15))
 
 
-@contextlib.contextmanager
-def counting_syncs():
-    """Counts host syncs (calls that wait for array values) while active."""
-    box = {"n": 0}
-
-    def counted(f):
-        def call(*a, **k):
-            box["n"] += 1
-            return f(*a, **k)
-        return call
-
-    saved, saved_eval = {m: getattr(mx.array, m) for m in SYNC_METHODS}, mx.eval
-    for m, f in saved.items():
-        setattr(mx.array, m, counted(f))
-    mx.eval = counted(saved_eval)
-    try:
-        yield box
-    finally:
-        for m, f in saved.items():
-            setattr(mx.array, m, f)
-        mx.eval = saved_eval
-
-
-def round_syncs(target, provider, max_tokens: int, gamma: int, monkeypatch) -> tuple[list[int], serve.Stats]:
-    """Syncs per round of serve.generate at T=0: round r runs from its draft's start to the next
-    round's (draft, verify forward, accept, trim, commit); the prefill is in none."""
+def round_syncs(target, provider, max_tokens: int, gamma: int, monkeypatch):
+    """Syncs per round of serve.generate at T=0 (counted by bench.HostSyncs), the largest buffer
+    the host read in each round, and the syncs of the request's end (`serve.read_at_end`). Round r
+    runs from its draft's start to the next round's (draft, verify forward, accept, trim, commit);
+    the prefill is in none."""
     marks = []
-    draft = serve._Greedy.draft
-    with counting_syncs() as box:
-        monkeypatch.setattr(serve._Greedy, "draft", lambda *a: (marks.append(box["n"]), draft(*a))[1])
+    draft, read = serve._Greedy.draft, serve.read_at_end
+    with bench.HostSyncs() as hs:
+        monkeypatch.setattr(serve._Greedy, "draft", lambda *a: (marks.append(hs.syncs), draft(*a))[1])
+        monkeypatch.setattr(serve, "read_at_end", lambda groups: (marks.append(hs.syncs), read(groups))[1])
         _, stats = serve.generate(target, PROMPT, max_tokens, provider, gamma=gamma, eos=set())
-        marks.append(box["n"])
+        end = hs.syncs - marks[-1]
     monkeypatch.setattr(serve._Greedy, "draft", draft)
+    monkeypatch.setattr(serve, "read_at_end", read)
     assert len(marks) == 1 + len(stats.trace)
-    return [b - a for a, b in zip(marks, marks[1:])], stats
+    largest = [hs.largest_read(lo, hi) for lo, hi in zip(marks, marks[1:])]
+    return [b - a for a, b in zip(marks, marks[1:])], stats, largest, end
 
 
 def _dflash(kind: str, overrides: dict, **kw):
@@ -94,9 +73,24 @@ def test_syncs_per_round_at_t0(name, kind, overrides, make, gamma, bound, monkey
     """At T=0 a round syncs once: the drafts and the verify's greedy tokens reach the host
     together (twice with confidence thresholds: the proposal's length). Within the issue's 2."""
     target = targets.load(checkpoints.build(kind, 0, overrides))
-    per_round, stats = round_syncs(target, make(), 30, gamma, monkeypatch)
+    per_round, stats, largest, end = round_syncs(target, make(), 30, gamma, monkeypatch)
     assert len(per_round) >= 3 and stats.drafted > 0
     assert max(per_round) <= bound <= 2, per_round
+    assert end == 1, f"the request's tokens and proposals must reach the host in one read, not {end}"
+
+
+@pytest.mark.parametrize("name,kind,overrides,make,gamma,bound",
+                         harness.slow_except([pytest.param(*s, id=s[0]) for s in SOURCES], "assistant-centroid",
+                                             "dspark-threshold", "dflash"))
+def test_rounds_read_only_8_byte_scalars(name, kind, overrides, make, gamma, bound, monkeypatch):
+    """A round's host reads are scalars of at most 8 bytes: on MLX CUDA a larger buffer the host
+    read lives in managed memory and the next round's kernels fault on it (docs/benchmarks.md
+    "Unified memory"). The control plants a `tolist` of the drafts, which must be seen."""
+    target = targets.load(checkpoints.build(kind, 0, overrides))
+    _, _, largest, _ = round_syncs(target, make(), 30, gamma, monkeypatch)
+    assert max(largest) <= 8, largest
+    _, _, planted, _ = round_syncs(target, _PlantedSync(make(), "tolist"), 30, gamma, monkeypatch)
+    assert max(planted) > 8, planted
 
 
 class _PlantedSync:
@@ -112,7 +106,12 @@ class _PlantedSync:
 
         def planted(feed, n, anchor_hidden):
             tokens = device(feed, n, anchor_hidden)
-            mx.eval(tokens) if self.how == "eval" else tokens.sum().item()
+            if self.how == "eval":
+                mx.eval(tokens)
+            elif self.how == "tolist":
+                tokens.tolist()
+            else:
+                tokens.sum().item()
             return tokens
 
         src.draft_device = planted
@@ -127,8 +126,8 @@ class _PlantedSync:
 def test_planted_extra_sync_is_counted(name, how, monkeypatch):
     _, kind, overrides, make, gamma, bound = next(s for s in SOURCES if s[0] == name)
     target = targets.load(checkpoints.build(kind, 0, overrides))
-    clean, _ = round_syncs(target, make(), 30, gamma, monkeypatch)
-    planted, _ = round_syncs(target, _PlantedSync(make(), how), 30, gamma, monkeypatch)
+    clean = round_syncs(target, make(), 30, gamma, monkeypatch)[0]
+    planted = round_syncs(target, _PlantedSync(make(), how), 30, gamma, monkeypatch)[0]
     assert max(clean) <= bound
     assert planted == [n + 1 for n in clean] and max(planted) > bound
 
