@@ -83,6 +83,27 @@ def test_syncs_per_round_at_t0(name, kind, overrides, make, gamma, bound, monkey
     assert max(largest) <= 8, f"a round read a {max(largest)}-byte buffer: {largest}"
 
 
+def test_device_verdict_stops_at_an_eos_inside_the_accepted_drafts():
+    """The greedy round's EOS is found on the device (serve._verdict). An EOS that first appears
+    among a round's accepted drafts ends the content there, as the host-side accept of the
+    sampling path at T=0 ends it; ignoring it would emit the rest of the round."""
+    target = targets.load(checkpoints.build("qwen3-target-agreeing", 0, AGREE_128))
+    make = _dflash("dflash-drafter-agreeing", {"agree_frac": 0.8})
+    stream, stats = serve.generate(target, PROMPT, 30, make(), gamma=7, eos=set())
+    ends, at = [], 1
+    for _, k, emitted in stats.trace:
+        ends.append((at, at + k))   # this round's accepted drafts sit at stream[at:at + k]
+        at += emitted
+    i = next((a + j for a, b in ends for j in range(b - a) if stream[a + j] not in stream[:a + j]), None)
+    assert i is not None, f"no round accepted a token new to the stream: {stats.trace}"
+    eos = {stream[i]}
+    for kw in ({}, {"sampler": serve.sampling.Sampler(0.0)}):   # device verdict, host accept
+        content, st = serve.generate(target, PROMPT, 30, make(), gamma=7, eos=eos, **kw)
+        assert content == stream[:i] and st.stop == "eos", (kw, i, content, stream)
+        with_eos, _ = serve.generate(target, PROMPT, 30, make(), gamma=7, eos=eos, emit_eos=True, **kw)
+        assert with_eos == stream[:i + 1]
+
+
 class _PlantedSync:
     """Negative control: a provider whose source syncs once more per draft (`how`)."""
 
