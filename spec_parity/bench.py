@@ -263,7 +263,9 @@ def summary(samples: list[float]) -> dict:
 
 def time_loop(stepper: bench_sides.Stepper, warmup: int, iters: int) -> dict:
     """One first run (its draft tokens are kept: every side's first step sees the same state), then
-    `warmup` synchronized runs, then `iters` timed ones (wall and CPU seconds each)."""
+    `warmup` synchronized runs, then `iters` timed ones (wall and CPU seconds each, and `graph_build_s`:
+    the wall time until `step()` returns, before the sync: for MLX the Python that builds the lazy
+    graph, for torch its eager launches; the rest of the wall is MLX's eval / the wait)."""
     sync = _sync_fn(stepper)
     first = stepper.step()
     sync(first)
@@ -274,13 +276,16 @@ def time_loop(stepper: bench_sides.Stepper, warmup: int, iters: int) -> dict:
     if mem:
         mem[0]()
         active = int(mem[1]())
-    wall, cpu = [], []
+    wall, cpu, graph = [], [], []
     for _ in range(iters):
         t0, c0 = time.perf_counter(), time.process_time()
-        sync(stepper.step())
+        out = stepper.step()
+        graph.append(time.perf_counter() - t0)
+        sync(out)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
-    out = {"wall_s": summary(wall), "cpu_s": summary(cpu), "samples_s": wall, "first_tokens": tokens}
+    out = {"wall_s": summary(wall), "cpu_s": summary(cpu), "graph_build_s": summary(graph), "samples_s": wall,
+           "first_tokens": tokens}
     if mem:
         out["memory"] = {"active_before_bytes": active, "peak_bytes": int(mem[2]())}
     return out

@@ -173,6 +173,7 @@ def test_bench_tiny_writes_every_figure(tmp_path):
     port = sides["port"]
     assert port["status"] == "ok"
     assert set(port["wall_s"]) >= {"median", "p10", "p90"} and port["wall_s"]["n"] == 2
+    assert 0 < port["graph_build_s"]["median"] <= port["wall_s"]["median"]  # the graph, then its eval
     assert port["host_syncs"] >= 1 and port["graph_ops"] > 0 and port["memory"]["peak_bytes"] > 0
     assert port["x_floor"] > 0 and port["agrees_with_port"]
     assert port["host_buffers"] == 0
