@@ -395,6 +395,9 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     sampling bugs): the tests show the suite catches each."""
     if mode not in sampling.MODES:
         raise sampling.SamplingError(f"unknown acceptance mode {mode!r}; known: {sampling.MODES}")
+    if not 0 <= gamma < _FIELD:
+        raise ValueError(f"gamma={gamma}: expected 0..{_FIELD - 1} draft tokens per round (the round's verdict "
+                         f"packs counts up to {_FIELD} in {_BITS} bits)")
     bugs = sampling.check_bugs(bugs)
     processors = list(processors)
     eos = targets.eos_ids(target) if eos is None else eos

@@ -104,6 +104,12 @@ def test_device_verdict_stops_at_an_eos_inside_the_accepted_drafts():
         assert with_eos == stream[:i + 1]
 
 
+def test_gamma_beyond_the_verdicts_fields_is_refused():
+    target = targets.load(checkpoints.build("qwen3-target", 0, {}))
+    with pytest.raises(ValueError, match=r"gamma=1023: expected 0\.\.1022"):
+        serve.generate(target, PROMPT, 4, None, gamma=1023)
+
+
 class _PlantedSync:
     """Negative control: a provider whose source syncs once more per draft (`how`)."""
 
