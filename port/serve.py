@@ -246,12 +246,10 @@ def _verdict(drafts: mx.array, greedy: mx.array, eos: mx.array | None, bonus: bo
         k = mx.cumprod((drafts == greedy[:n]).astype(mx.int32)).sum()
     else:
         k = mx.zeros((), mx.int32)
-    at = mx.arange(n + 1)
     if eos is None:
         stop = mx.full((), n + 1, mx.int32)
     else:
-        hit = (greedy[:, None] == eos[None, :]).any(axis=1)
-        stop = mx.where(hit, at, n + 1).min()
+        stop = targets.first_index((greedy[:, None] == eos[None, :]).any(axis=1), n + 1)
     last = k - (k == n).astype(mx.int32) if (not bonus and n) else k
     tok = mx.take(greedy, last)
     return (k.astype(mx.int64) + (stop.astype(mx.int64) << _BITS) + (tok.astype(mx.int64) << (2 * _BITS)))

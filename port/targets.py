@@ -106,10 +106,17 @@ def _filled(fill: int, n: int, device: str) -> mx.array:
     return mx.full((1, n), fill, mx.int32)
 
 
+def first_index(mask: mx.array, default: int) -> mx.array:
+    """The index of the first True of a 1-D bool mask, else `default`: an int32 scalar, on the device."""
+    if not mask.shape[0]:
+        return mx.array(default, mx.int32)
+    return mx.where(mask, mx.arange(mask.shape[0]), default).min()
+
+
 def first_true(mask: mx.array, default: int) -> int:
-    """The index of the first True of a 1-D bool mask, else `default`, found on the device and read
-    as one 4-byte scalar (a `tolist` of the mask would put it in managed memory, see block_ids)."""
-    return int(mx.where(mask, mx.arange(mask.shape[0]), default).min().item()) if mask.shape[0] else default
+    """first_index read as one 4-byte scalar (a `tolist` of the mask would put it in managed
+    memory, see block_ids)."""
+    return int(first_index(mask, default).item())
 
 
 def head(target: Target, h: mx.array) -> mx.array:
