@@ -5,6 +5,8 @@
   controls (whose bugs are the drafter's or the loop's, never the target's), its torch twin and the
   loop tests. Keyed by the checkpoint's files (resolved path, size, mtime) and the exact arguments;
   the target is loaded here from its directory, so a caller's modified model never enters it.
+  It is also kept on disk, under $SPEC_PARITY_CACHE/greedy, keyed by the checkpoint's bytes, the
+  arguments and the code that decodes it (`_memo`): the next run of the suite reads it back.
 - A live reference run is keyed by the case's manifest, the same fields a golden must agree with:
   a negative control's manifest is its base's (the planted bug is the port's), so they share one
   run as they share one golden.
@@ -19,15 +21,18 @@ change what the next one gets.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-from .checkpoints import FILES
+from .checkpoints import FILES, cache_root
 
 _STORE: dict = {}
 
@@ -88,7 +93,8 @@ def stamp(path: str | Path) -> tuple:
 
 def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = None):
     """`port.targets.greedy` of the target in `checkpoint` on `prompt` ([1, T] or a token list):
-    the new tokens (a fresh list) and the logits each was chosen from [len, V]."""
+    the new tokens (a fresh list) and the logits each was chosen from [len, V]. Also kept on disk
+    (`_memo`): every serve-loop test reads one, and each run of the suite would decode them anew."""
     key = stamp(checkpoint)
     ids = [int(t) for t in np.asarray(prompt).reshape(-1)]
     eos = None if eos is None else frozenset(eos)
@@ -98,9 +104,66 @@ def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = N
 
         from port import targets
 
-        tokens, logits = targets.greedy(targets.load(key[0]), mx.array([ids], dtype=mx.int32), n,
+        target = targets.load(key[0])
+        memo = _memo(target, ids, n, eos)
+        if memo is not None and memo.exists():
+            with np.load(memo) as z:
+                return [int(t) for t in z["tokens"]], mx.array(z["bits"]).view(getattr(mx, str(z["dtype"])))
+        tokens, logits = targets.greedy(target, mx.array([ids], dtype=mx.int32), n,
                                         None if eos is None else set(eos))
         mx.eval(logits)
+        if memo is not None:
+            bits = logits.view({2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[logits.dtype.size])
+            _write_atomic(memo, tokens=np.array(tokens, np.int64), bits=np.array(bits),
+                          dtype=np.array(str(logits.dtype).split(".")[-1]))
         return tokens, logits
 
     return once(("greedy", key, tuple(ids), int(n), eos), compute)
+
+
+MEMO_MAX_BYTES = 64 << 20
+
+
+def _memo(target, ids: list[int], n: int, eos) -> Path | None:
+    """Where a greedy stream is kept across processes: keyed by the checkpoint's bytes, the
+    arguments, the code that decodes it (port/targets.py, mlx-lm's models, the mlx and mlx-lm
+    versions) and what else moves its logits (the device, MLX_ENABLE_TF32). None for a
+    checkpoint over MEMO_MAX_BYTES (a real one: hashing it would cost more than decoding)."""
+    import mlx.core as mx
+
+    files = [target.path / f for f in FILES]
+    if sum(f.stat().st_size for f in files) > MEMO_MAX_BYTES:
+        return None
+    h = hashlib.sha256(_code_digest().encode())
+    for f in files:
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    h.update(json.dumps([ids, int(n), None if eos is None else sorted(eos), str(mx.default_device()),
+                         os.environ.get("MLX_ENABLE_TF32")]).encode())
+    return cache_root() / "greedy" / f"{h.hexdigest()[:24]}.npz"
+
+
+@functools.cache
+def _code_digest() -> str:
+    import mlx.core as mx
+    import mlx_lm
+
+    from port import targets
+
+    models = Path(mlx_lm.__file__).parent / "models"
+    h = hashlib.sha256(f"{mx.__version__}|{getattr(mlx_lm, '__version__', '')}".encode())
+    for f in [Path(targets.__file__)] + sorted(models.glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, **arrays) -> None:
+    """A temp file in the same folder, then a rename: a reader sees the whole file or none."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -11,36 +11,12 @@ import json
 
 import pytest
 from deepdiff import DeepDiff
-from hypothesis import Phase, find, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from port import ab
 
-CONTROL_SETTINGS = settings(database=None, deadline=None, derandomize=True,
-                            max_examples=settings.get_profile("ci").max_examples, phases=[Phase.generate])
-
-
-def must_fail(prop, strategy=None, fixed=()):
-    """Planted-bug control: `prop(example)` must raise AssertionError on one of `fixed` or on an
-    example `find` draws from the property's strategy (default example count, derandomized)."""
-
-    def fails(ex) -> bool:
-        try:
-            prop(ex)
-        except AssertionError:
-            return True
-        return False
-
-    hits = [ex for ex in fixed if fails(ex)]
-    if hits:
-        found = hits[0]
-    else:
-        assert strategy is not None, "no fixed example fails and no strategy to search"
-        found = find(strategy, fails, settings=CONTROL_SETTINGS)
-    with pytest.raises(AssertionError):
-        prop(found)
-    return found
-
+from controls import must_fail
 
 # --- strategies ----------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from port import assistant, targets
-from spec_parity import checkpoints, harness
+from spec_parity import checkpoints, harness, shared
 from spec_parity.pairs import assistant as pair
 
 CASES = pair.cases()
@@ -87,7 +87,7 @@ def test_plain_serve_loop_is_greedy_decoding():
     target = targets.load(_load("gemma4-target"))
     prompt = list(range(3, 15))
     tokens, stats = serve.generate(target, prompt, 20, None, eos=set())
-    plain, _ = targets.greedy(target, mx.array([prompt]), 20, set())
+    plain, _ = shared.greedy(target.path, prompt, 20, set())
     assert tokens == plain and stats.target_calls == 20 and stats.drafted == 0
 
 

@@ -29,7 +29,7 @@ from test_bucketed import (
 from test_speed import PROMPT, SOURCES, _bits_equal
 
 from port import assistant, compiled, serve, targets
-from spec_parity import checkpoints, compare, harness
+from spec_parity import checkpoints, compare, harness, shared
 
 TOKENS = 40
 PLAIN = {None: "qwen3-target", "gemma4": "gemma4-target"}   # plain decoding through the loop (one row per verify)
@@ -102,7 +102,7 @@ def test_bucketed_loop_emits_the_targets_greedy_stream(name):
     token per call), an agreeing drafter still accepted, the default loop's drafts proposed (a
     weak check of the drafters' inputs; the assistant's chains are compared below)."""
     target, _, _ = _setup(name)
-    greedy, _ = targets.greedy(target, mx.array([PROMPT]), TOKENS, eos=set())
+    greedy, _ = shared.greedy(target.path, PROMPT, TOKENS, set())
     tokens, stats, _ = _loop(name, BUCKET, bucketed_drafter=True)
     assert tokens == greedy and (name in PLAIN or stats.accepted > 0)
     assert stats.proposals == _default(name)[1].proposals

@@ -19,38 +19,12 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 from deepdiff import DeepDiff
-from hypothesis import Phase, find, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from port import calibration as cal
 
-CONTROL_SETTINGS = settings(database=None, deadline=None, derandomize=True,
-                            max_examples=settings.get_profile("ci").max_examples, phases=[Phase.generate])
-
-
-def must_fail(prop, strategy=None, fixed=()):
-    """Planted-bug control: `prop(example)` must raise AssertionError on some example: one of
-    `fixed`, or one that hypothesis `find` draws from the property's own strategy within the
-    default example count (no database, derandomized, no shrinking: the same search every run).
-    Returns the counterexample."""
-
-    def fails(ex) -> bool:
-        try:
-            prop(ex)
-        except AssertionError:
-            return True
-        return False
-
-    hits = [ex for ex in fixed if fails(ex)]
-    if hits:
-        found = hits[0]
-    else:
-        assert strategy is not None, "no fixed example fails and no strategy to search"
-        found = find(strategy, fails, settings=CONTROL_SETTINGS)
-    with pytest.raises(AssertionError):
-        prop(found)
-    return found
-
+from controls import must_fail
 
 # ================================================================================================
 # Thresholds

@@ -260,7 +260,7 @@ def test_zero_draft_rounds_keep_the_context():
     prov = dflash.DflashProvider(case.drafter_dir())
     p = pair.prompt(case)[0].tolist()
     tokens, stats = serve.generate(target, p, 10, prov, gamma=0, eos=set())
-    plain, _ = targets.greedy(target, mx.array([p]), 10, set())
+    plain, _ = shared.greedy(target.path, p, 10, set())
     assert tokens == plain and stats.drafted == 0
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from port import dspark, targets
-from spec_parity import checkpoints, harness
+from spec_parity import checkpoints, harness, shared
 from spec_parity.pairs import dspark as pair
 
 CASES = pair.cases()
@@ -96,14 +96,13 @@ def test_not_a_dspark_checkpoint_is_named():
 
 def test_zero_token_proposal_runs_the_loop():
     """Threshold 1.0 keeps no draft: every round verifies the pending token alone, losslessly."""
-    import mlx.core as mx
 
     from port import serve
 
     target = targets.load(checkpoints.build("gemma4-target", 0, {}))
     prov = dspark.DeepspecProvider(_drafter(), threshold=1.0)
     tokens, stats = serve.generate(target, list(range(3, 15)), 10, prov, gamma=prov.trained_gamma, eos=set())
-    plain, _ = targets.greedy(target, mx.array([list(range(3, 15))]), 10, set())
+    plain, _ = shared.greedy(target.path, list(range(3, 15)), 10, set())
     assert tokens == plain and stats.drafted == 0 and all(d == 0 for d, _, _ in stats.trace)
 
 

@@ -64,7 +64,13 @@ import pytest
 from port import assistant, dflash, dspark, sampling, serve, targets
 from spec_parity import checkpoints, harness
 
-scipy_stats = pytest.importorskip("scipy.stats", reason="pip install scipy (the dev extra)")
+
+@functools.cache
+def scipy_stats():
+    """scipy.stats on first use: its import takes ~1 s, paid by each xdist worker that collects this
+    file, and the dev loop's tests here mostly do not need it."""
+    return pytest.importorskip("scipy.stats", reason="pip install scipy (the dev extra)")
+
 
 ALPHA_FAMILY = 1e-3
 MAX_TESTS = 200
@@ -112,7 +118,7 @@ def gof(samples: np.ndarray, probs: np.ndarray) -> dict:
     P, obs = P[P > 0], obs[P > 0]
     df = len(P) - 1
     stat = float(((obs - N * P) ** 2 / (N * P)).sum()) if df > 0 else 0.0
-    pvalue = 0.0 if impossible else (float(scipy_stats.chi2.sf(stat, df)) if df > 0 else 1.0)
+    pvalue = 0.0 if impossible else (float(scipy_stats().chi2.sf(stat, df)) if df > 0 else 1.0)
     return {"N": N, "cells": len(P), "df": df, "stat": stat, "p": pvalue, "impossible": impossible,
             "P": P}
 
@@ -126,7 +132,7 @@ def power(P: np.ndarray, N: int, delta: float, alpha: float = ALPHA) -> float:
         return 0.0
     pc = float(np.max(P))
     lam = N * delta ** 2 * (1 - pc) / pc
-    return float(scipy_stats.ncx2.sf(scipy_stats.chi2.isf(alpha, df), df, lam))
+    return float(scipy_stats().ncx2.sf(scipy_stats().chi2.isf(alpha, df), df, lam))
 
 
 def detectable(P: np.ndarray, N: int, alpha: float = ALPHA, target: float = POWER) -> float:
@@ -164,7 +170,7 @@ def pit_gof(u: np.ndarray, pmax: np.ndarray, impossible: int = 0) -> dict:
     N, B = len(u), PIT_BINS
     obs = np.bincount(np.minimum((u * B).astype(np.int64), B - 1), minlength=B)
     stat = float(((obs - N / B) ** 2 / (N / B)).sum())
-    pvalue = 0.0 if impossible else float(scipy_stats.chi2.sf(stat, B - 1))
+    pvalue = 0.0 if impossible else float(scipy_stats().chi2.sf(stat, B - 1))
     return {"N": N, "cells": B, "df": B - 1, "stat": stat, "p": pvalue, "impossible": impossible,
             "pmax": pmax.reshape(-1)}
 
@@ -180,7 +186,7 @@ def pit_power(pmax: np.ndarray, N: int, delta: float, alpha: float = ALPHA) -> f
     inside = np.clip(np.minimum(edges[1:], pm) - edges[:-1], 0.0, None) / pm
     P = (1 - delta) / B + delta * inside.mean(axis=0)
     lam = N * float(((P - 1 / B) ** 2 * B).sum())
-    return float(scipy_stats.ncx2.sf(scipy_stats.chi2.isf(alpha, B - 1), B - 1, lam))
+    return float(scipy_stats().ncx2.sf(scipy_stats().chi2.isf(alpha, B - 1), B - 1, lam))
 
 
 def bias_detected(r: dict, alpha: float = ALPHA, target: float = POWER) -> float:
@@ -879,7 +885,7 @@ def two_sample(a: np.ndarray, b: np.ndarray) -> dict:
     t = np.stack(cols, axis=1)
     if t.shape[1] < 2:
         return {"p": 1.0, "df": 0, "table": t, "power_delta": float("inf")}
-    stat, p, df, _ = scipy_stats.chi2_contingency(t, correction=False)
+    stat, p, df, _ = scipy_stats().chi2_contingency(t, correction=False)
     pooled = t.sum(axis=0) / t.sum()
     n_eff = t[0].sum() * t[1].sum() / t.sum()
     return {"p": float(p), "df": int(df), "table": t,
