@@ -15,8 +15,9 @@ For our port, through port.serve.generate (the loop itself, wrapped, never forke
   (c) host synchronizations and graph ops per round;
   (d) tokens/s on a fixed prompt.
 The floor of a step = the bytes it must read (bench_shapes.step_bytes) / the bandwidth measured in
-the same run on the same device (a large copy, and a large sum). Figures are reported, never
-asserted: this is a benchmark, not a test.
+the same run on the same device (a large copy, and a large sum). The launch cost (`launch_cost`),
+measured in the same run too, is the other floor: what one kernel launch costs through MLX however
+few bytes it reads. Figures are reported, never asserted: this is a benchmark, not a test.
 
 One code path for CPU and GPU: mx.default_device() decides. The module imports without torch,
 transformers, optiq or dflash present: every peer is imported when its side is built.
@@ -422,6 +423,50 @@ def bandwidth(nbytes: int, iters: int = 10, warmup: int = 3) -> dict:
             "read_samples_s": read_ts, "copy": "y = x + 1 over the buffer (read + write)", "read": "x.sum()"}
 
 
+_ADD_ONE = """
+    auto i = cooperative_groups::this_grid().thread_rank();
+    if (i < NEL) y[i] = x[i] + T(1.0f);
+"""
+
+
+def launch_cost(n: int = 200, reps: int = 15, elements: int = 3840) -> dict:
+    """The least a kernel launch costs through MLX on this device: the wall per op of a chain of
+    n dependent `y + 1` on a small bf16 vector (the median of reps chains; the device's own work is
+    ~1 us) and the part of it spent building the graph in Python. On CUDA also the same chain as a
+    custom kernel (`mx.fast.cuda_kernel`), which a fused path would launch: it pays the same.
+    A step's launches times this is its launch floor, what it costs however few bytes it reads."""
+    x = mx.random.uniform(shape=(elements,), dtype=mx.bfloat16)
+    mx.eval(x)
+
+    def per_op(step) -> tuple[float, float]:
+        def chain():
+            y = x
+            for _ in range(n):
+                y = step(y)
+            return y
+        mx.eval(chain())
+        runs = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            y = chain()
+            t1 = time.perf_counter()
+            mx.eval(y)
+            runs.append((time.perf_counter() - t0, t1 - t0))
+        wall, build = sorted(runs)[len(runs) // 2]
+        return wall / n, build / n
+
+    out = {"chain": f"{n} dependent y = y + 1 on {elements} bf16, median of {reps}"}
+    out["primitive_s"], out["primitive_build_s"] = per_op(lambda y: y + 1)
+    if mx.default_device().type != mx.DeviceType.gpu or not mx.cuda.is_available():
+        out["custom_kernel"] = "not run: custom CUDA kernels need MLX CUDA"
+        return out
+    kernel = mx.fast.cuda_kernel(name="spec_parity_add_one", input_names=["x"], output_names=["y"], source=_ADD_ONE)
+    out["custom_kernel_s"], out["custom_kernel_build_s"] = per_op(lambda y: kernel(
+        inputs=[y], template=[("T", y.dtype), ("NEL", y.size)], grid=(y.size, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[y.shape], output_dtypes=[y.dtype])[0])
+    return out
+
+
 # ---- the serve loop, wrapped ---------------------------------------------------------------------
 
 def _probe(provider, events: list, hook=None, split: bool = False):
@@ -811,6 +856,8 @@ def run(opts: Options, progress=None) -> dict:
         raise ValueError(f"no case named {opts.cases} among the {opts.shapes} shapes of {list(opts.sources)}")
     say(f"bandwidth ({opts.bw_bytes >> 20} MiB)")
     bw = bandwidth(opts.bw_bytes)
+    say("launch cost")
+    launch = launch_cost()
     cases = []
     with tempfile.TemporaryDirectory(prefix="spec-parity-bench-") as tmp:
         for spec in specs:
@@ -820,8 +867,9 @@ def run(opts: Options, progress=None) -> dict:
     process = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
     return {"command": cmd, "process": process, "cwd": os.getcwd(), "argv": opts.argv, "options": {k: v for k, v in vars(opts).items() if k != "argv"},
             "git": _git(), "machine": machine(), "versions": versions(), "torch_sides": torch[0] or torch[1],
-            "bandwidth": bw, "cases": cases, "wall_s": time.perf_counter() - t0,
+            "bandwidth": bw, "launch": launch, "cases": cases, "wall_s": time.perf_counter() - t0,
             "what": {"a": "one draft call: assistant = gamma chained steps, blocks = one block after one "
                           "committed row; per_step_s = a / steps_per_call",
                      "c": HostSyncs.__doc__.split("\n\n")[0], "f": "primitives evaluated per step (graph nodes)",
-                     "floor": bench_shapes.step_bytes.__doc__.split("\n")[0] + " / copy bandwidth"}}
+                     "floor": bench_shapes.step_bytes.__doc__.split("\n")[0] + " / copy bandwidth",
+                     "launch": "wall per op of a chain of dependent tiny ops: the least one launch costs"}}

@@ -56,7 +56,18 @@ def header(doc: dict) -> str:
             f"whole run {doc['wall_s']:.0f} s.\n\n"
             f"Bandwidth measured in this run ({bw['bytes'] / MIB:.0f} MiB buffer): copy {_gbs(bw['copy_bytes_per_s'])} "
             f"({bw['copy']}), read {_gbs(bw['read_bytes_per_s'])} ({bw['read']}). Floor = bytes a step must read / "
-            "copy bandwidth.")
+            "copy bandwidth." + _launch(doc.get("launch")))
+
+
+def _launch(launch: dict | None) -> str:
+    if not launch:
+        return ""
+    custom = (f"; {launch['custom_kernel_s'] * 1e6:.2f} µs per custom CUDA kernel (build "
+              f"{launch['custom_kernel_build_s'] * 1e6:.2f})" if "custom_kernel_s" in launch
+              else f"; custom kernel {launch['custom_kernel']}")
+    return (f" Launch cost measured in this run ({launch['chain']}): {launch['primitive_s'] * 1e6:.2f} µs per MLX "
+            f"primitive (Python graph build {launch['primitive_build_s'] * 1e6:.2f}){custom}. Launch floor = "
+            "launches per step × the primitive's cost.")
 
 
 def step_table(doc: dict) -> list[str]:
@@ -141,18 +152,20 @@ def kernel_tables(doc: dict) -> list[str]:
            "the union of kernel intervals (the device's own time); wall = the timed loop's median; the rest of "
            "the wall is the host building, dispatching and launching. Under the profiler each launch costs more "
            "host time, so its window is not the wall.", "",
-           "| case | side | launches | Σ kernel ms | busy ms | wall ms | busy / floor | top classes (ms) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "| case | side | launches | Σ kernel ms | busy ms | wall ms | busy / floor | launch floor ms | top classes (ms) |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    per_launch = (doc.get("launch") or {}).get("primitive_s")
     for c, s in rows:
         k, steps = s["kernels"], c.get("steps_per_call", 1)
         if k.get("status") != "ok":
-            out.append(f"| {c['case']} | {s['side']} | {k.get('reason', '')} | | | | | |")
+            out.append(f"| {c['case']} | {s['side']} | {k.get('reason', '')} | | | | | | |")
             continue
         floor_ms = c["floor"]["copy_floor_s"] / steps * 1e3
         classes = ", ".join(f"{x['class']} {x['us_per_call'] / steps / 1e3:.3f}" for x in k["classes"][:4])
         out.append(f"| {c['case']} | {s['side']} | {k['launches_per_call'] / steps:.0f} | "
                    f"{k['kernel_us_per_call'] / steps / 1e3:.3f} | {k['busy_us_per_call'] / steps / 1e3:.3f} | "
-                   f"{s['per_step_s'] * 1e3:.3f} | {k['busy_us_per_call'] / steps / 1e3 / floor_ms:.2f}x | {classes} |")
+                   f"{s['per_step_s'] * 1e3:.3f} | {k['busy_us_per_call'] / steps / 1e3 / floor_ms:.2f}x | "
+                   f"{_ms(k['launches_per_call'] / steps * per_launch) if per_launch else '–'} | {classes} |")
     return out
 
 

@@ -166,6 +166,8 @@ def test_bench_tiny_writes_every_figure(tmp_path):
     doc = _run(tmp_path, "--sources", "dflash", "--peers", "zlab-mlx", "--chart", "numpy")
     assert "bench" in doc["command"] and doc["machine"]["mlx_default_device"] and doc["versions"]["mlx"]
     assert doc["bandwidth"]["copy_bytes_per_s"] > 0 and doc["bandwidth"]["read_bytes_per_s"] > 0
+    assert 0 < doc["launch"]["primitive_build_s"] < doc["launch"]["primitive_s"]
+    assert "custom_kernel_s" in doc["launch"] or doc["launch"]["custom_kernel"].startswith("not run")
     (case,) = doc["cases"]
     assert case["case"] == "dflash-qwen3" and case["status"] == "ok"
     assert case["floor"]["total"] > 0 and case["floor"]["copy_floor_s"] > 0
@@ -250,6 +252,22 @@ def test_kernel_busy_time_counts_overlap_once_and_gaps_not_at_all():
     assert sum(b - a for _, a, b in kernels) != k["busy_us_per_call"]
     assert {c["class"]: c["us_per_call"] for c in k["classes"]} == {"matmul": 10.0, "attention": 7.0, "norm": 1.0}
     assert bench.kernel_summary(kernels * 2, steps=2, window_us=60.0)["launches_per_call"] == 3
+
+
+def test_launch_floor_is_the_steps_launches_times_the_measured_launch_cost():
+    """The kernel table's launch floor: launches per step x the run's per-primitive cost (400
+    launches per call of 4 steps at 5 us: 0.5 ms). A run without the launch figure says so ('–')."""
+    from spec_parity import bench_report
+
+    side = {"side": "port", "per_step_s": 1e-3, "kernels": {"status": "ok", "launches_per_call": 400,
+                                                           "kernel_us_per_call": 100.0, "busy_us_per_call": 80.0,
+                                                           "classes": []}}
+    doc = {"launch": {"primitive_s": 5e-6}, "cases": [{"case": "c", "steps_per_call": 4,
+                                                      "floor": {"copy_floor_s": 1e-4}, "sides": [side]}]}
+    row = bench_report.kernel_tables(doc)[-1].split(" | ")
+    assert row[2:4] == ["100", "0.025"] and row[7] == "0.5", row
+    del doc["launch"]
+    assert bench_report.kernel_tables(doc)[-1].split(" | ")[7] == "–"
 
 
 def test_kernel_classes_of_names_an_h200_run_recorded():
