@@ -789,8 +789,9 @@ def bucketed_loop(case: bench_shapes.Case) -> dict:
 
 
 def _ratios(case: dict) -> None:
-    """Each side's time / the best peer's and / the floor; whether its first draft equals the port's
-    (same weights, same inputs: a side that disagrees is not computing the same drafter)."""
+    """Each side's time / the best peer's and / the floor, and / the port's (the port's speed-up over
+    that side: the "≥ 3× every peer" figure); whether its first draft equals the port's (same
+    weights, same inputs: a side that disagrees is not computing the same drafter)."""
     ran = [s for s in case["sides"] if s.get("status") == "ok"]
     port = next((s for s in ran if s["side"] == "port"), None)
     for s in ran:
@@ -806,6 +807,7 @@ def _ratios(case: dict) -> None:
         s["per_step_s"] = t / case["steps_per_call"]
         s["x_floor"] = t / case["floor"]["copy_floor_s"]
         s["x_best_peer"] = t / best["wall_s"]["median"] if best else None
+        s["port_speedup"] = t / port["wall_s"]["median"] if port else None
         if best and "graph_ops" in s and "graph_ops" in best and best["graph_ops"]:
             s["ops_x_best_peer"] = s["graph_ops"] / best["graph_ops"]
 

@@ -71,13 +71,13 @@ def _launch(launch: dict | None) -> str:
 
 
 def step_table(doc: dict) -> list[str]:
-    out = ["| case | side | ms / call | p10–p90 | CPU ms / call | graph build ms / call | ms / step | × best peer | × floor | "
-           "floor ms / step | host syncs / call | graph ops / call | peak MiB (+ rise) | first draft = port's | "
-           "cold ms / call |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| case | side | ms / call | p10–p90 | CPU ms / call | graph build ms / call | ms / step | × best peer | "
+           "port's speed-up over it | × floor | floor ms / step | host syncs / call | graph ops / call | peak MiB (+ rise) | "
+           "first draft = port's | cold ms / call |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in doc["cases"]:
         if c.get("status") != "ok":
-            out.append(f"| {c['case']} | – | failed: {c.get('reason', '')} |||||||||||")
+            out.append(f"| {c['case']} | – | failed: {c.get('reason', '')} ||||||||||||")
             continue
         n = c["steps_per_call"]
         floor_step = c["floor"]["copy_floor_s"] / n
@@ -90,7 +90,8 @@ def step_table(doc: dict) -> list[str]:
                 name += " (best peer)"
             out.append(f"| {c['case']} | {name} | {_ms(w['median'])} | {_ms(w['p10'])}–{_ms(w['p90'])} | "
                        f"{_ms(s['cpu_s']['median'])} | {_ms(s['graph_build_s']['median']) if 'graph_build_s' in s else '–'} | "
-                       f"{_ms(s['per_step_s'])} | {_x(s.get('x_best_peer'))} | {_x(s['x_floor'])} | {_ms(floor_step)} | "
+                       f"{_ms(s['per_step_s'])} | {_x(s.get('x_best_peer'))} | {_x(s.get('port_speedup'))} | {_x(s['x_floor'])} | "
+                       f"{_ms(floor_step)} | "
                        f"{_num(s.get('host_syncs'))} | {_num(s.get('graph_ops'))} | {_mib(s.get('memory'))} | "
                        f"{'yes' if s.get('agrees_with_port') else 'NO ' + s.get('agreement', '')} | "
                        f"{_ms(s['cold_wall_s']['median']) if 'cold_wall_s' in s else '–'} |")

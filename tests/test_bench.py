@@ -181,6 +181,8 @@ def test_bench_tiny_writes_every_figure(tmp_path):
     assert port["host_buffers"] == 0
     if sides["zlab-mlx"]["status"] == "ok":  # z-lab installed: same weights, same first block
         assert sides["zlab-mlx"]["agrees_with_port"] and port["x_best_peer"] > 0
+        z = sides["zlab-mlx"]
+        assert z["port_speedup"] == z["wall_s"]["median"] / port["wall_s"]["median"]
         assert "host_buffers" not in sides["zlab-mlx"]  # HostBuffers watches the port's modules only
     else:
         assert sides["zlab-mlx"]["reason"]
@@ -252,6 +254,21 @@ def test_kernel_busy_time_counts_overlap_once_and_gaps_not_at_all():
     assert sum(b - a for _, a, b in kernels) != k["busy_us_per_call"]
     assert {c["class"]: c["us_per_call"] for c in k["classes"]} == {"matmul": 10.0, "attention": 7.0, "norm": 1.0}
     assert bench.kernel_summary(kernels * 2, steps=2, window_us=60.0)["launches_per_call"] == 3
+
+
+def test_ratios_to_the_best_peer_the_floor_and_the_port():
+    """Per side: / the fastest peer (our opt-in paths are never a peer), / the floor, and the port's
+    speed-up over it (its time / the port's). A 1 ms port against peers at 3 and 2 ms: the port is
+    3x and 2x faster, 0.5x the best peer; the bucketed path at 0.5 ms is not the best peer."""
+    def side(name, ms):
+        return {"side": name, "status": "ok", "wall_s": {"median": ms / 1e3}, "first_tokens": [1, 2]}
+    case = {"steps_per_call": 1, "floor": {"copy_floor_s": 0.25e-3},
+            "sides": [side("port", 1.0), side("port-bucketed", 0.5), side("optiq", 3.0), side("hf-torch", 2.0)]}
+    bench._ratios(case)
+    got = {s["side"]: (s["port_speedup"], s["x_best_peer"], s["x_floor"]) for s in case["sides"]}
+    assert case["best_peer"] == "hf-torch"
+    assert got == {"port": (1.0, 0.5, 4.0), "port-bucketed": (0.5, 0.25, 2.0), "optiq": (3.0, 1.5, 12.0),
+                   "hf-torch": (2.0, 1.0, 8.0)}, got
 
 
 def test_launch_floor_is_the_steps_launches_times_the_measured_launch_cost():
