@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .goldens import atomic_write
+
 MIB = 1 << 20
 
 
@@ -276,17 +278,6 @@ def chart_numpy(doc: dict, path: Path) -> None:
     write_png(path, img)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write(doc: dict, out: Path, matplotlib: bool | None = None) -> list[Path]:
     """bench.json, bench.md and bench.png in `out`, each written atomically. matplotlib None: use
     it if importable."""
@@ -300,8 +291,8 @@ def write(doc: dict, out: Path, matplotlib: bool | None = None) -> list[Path]:
         except ImportError:
             matplotlib = False
     doc["chart"] = "matplotlib" if matplotlib else "numpy"
-    _atomic_write(paths[0], (json.dumps(doc, indent=1, default=str) + "\n").encode())
-    _atomic_write(paths[1], markdown(doc).encode())
+    atomic_write(paths[0], (json.dumps(doc, indent=1, default=str) + "\n").encode())
+    atomic_write(paths[1], markdown(doc).encode())
     fd, tmp = tempfile.mkstemp(prefix=".bench.", suffix=".png", dir=out)
     os.close(fd)
     try:

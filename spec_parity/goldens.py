@@ -27,6 +27,20 @@ class GoldenError(RuntimeError):
     pass
 
 
+def atomic_write(path: Path, data: bytes) -> None:
+    """A temp file in the same folder, then os.replace: a reader sees the old file or the new one,
+    never half of one (goldens, the bench's files, the greedy memo)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def root() -> Path:
     return Path(os.environ.get("SPEC_PARITY_FIXTURES", Path(__file__).resolve().parents[1] / "fixtures"))
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import io
 import json
 import os
-import tempfile
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .checkpoints import FILES, cache_root
+from .goldens import atomic_write
 
 _STORE: dict = {}
 
@@ -106,16 +108,18 @@ def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = N
 
         target = targets.load(key[0])
         memo = _memo(target, ids, n, eos)
-        if memo is not None and memo.exists():
-            with np.load(memo) as z:
-                return [int(t) for t in z["tokens"]], mx.array(z["bits"]).view(getattr(mx, str(z["dtype"])))
+        kept = _read_memo(memo)
+        if kept is not None:
+            return kept
         tokens, logits = targets.greedy(target, mx.array([ids], dtype=mx.int32), n,
                                         None if eos is None else set(eos))
         mx.eval(logits)
         if memo is not None:
             bits = logits.view({2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[logits.dtype.size])
-            _write_atomic(memo, tokens=np.array(tokens, np.int64), bits=np.array(bits),
-                          dtype=np.array(str(logits.dtype).split(".")[-1]))
+            buf = io.BytesIO()
+            np.savez(buf, tokens=np.array(tokens, np.int64), bits=np.array(bits),
+                     dtype=np.array(str(logits.dtype).split(".")[-1]))
+            atomic_write(memo, buf.getvalue())
         return tokens, logits
 
     return once(("greedy", key, tuple(ids), int(n), eos), compute)
@@ -126,8 +130,8 @@ MEMO_MAX_BYTES = 64 << 20
 
 def _memo(target, ids: list[int], n: int, eos) -> Path | None:
     """Where a greedy stream is kept across processes: keyed by the checkpoint's bytes, the
-    arguments, the code that decodes it (port/targets.py, mlx-lm's models, the mlx and mlx-lm
-    versions) and what else moves its logits (the device, MLX_ENABLE_TF32). None for a
+    arguments, the code that decodes and keeps it (port/targets.py, mlx-lm's models, this file, the
+    mlx and mlx-lm versions) and what else moves its logits (the device, MLX_ENABLE_TF32). None for a
     checkpoint over MEMO_MAX_BYTES (a real one: hashing it would cost more than decoding)."""
     import mlx.core as mx
 
@@ -142,6 +146,20 @@ def _memo(target, ids: list[int], n: int, eos) -> Path | None:
     return cache_root() / "greedy" / f"{h.hexdigest()[:24]}.npz"
 
 
+def _read_memo(memo: Path | None):
+    """A kept stream, or None when there is none or it cannot be read (then it is decoded and
+    written anew)."""
+    import mlx.core as mx
+
+    if memo is None or not memo.exists():
+        return None
+    try:
+        with np.load(memo) as z:
+            return [int(t) for t in z["tokens"]], mx.array(z["bits"]).view(getattr(mx, str(z["dtype"])))
+    except (OSError, KeyError, ValueError, AttributeError, zipfile.BadZipFile):
+        return None
+
+
 @functools.cache
 def _code_digest() -> str:
     import mlx.core as mx
@@ -151,19 +169,6 @@ def _code_digest() -> str:
 
     models = Path(mlx_lm.__file__).parent / "models"
     h = hashlib.sha256(f"{mx.__version__}|{getattr(mlx_lm, '__version__', '')}".encode())
-    for f in [Path(targets.__file__)] + sorted(models.glob("*.py")):
+    for f in [Path(__file__), Path(targets.__file__)] + sorted(models.glob("*.py")):
         h.update(f.name.encode() + f.read_bytes())
     return h.hexdigest()
-
-
-def _write_atomic(path: Path, **arrays) -> None:
-    """A temp file in the same folder, then a rename: a reader sees the whole file or none."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".npz")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

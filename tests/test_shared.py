@@ -105,3 +105,19 @@ def test_greedy_kept_on_disk_is_read_back_only_under_its_own_key(tmp_path, monke
     monkeypatch.setattr(shared, "_code_digest", lambda: "another port/targets.py")
     others.add(shared._memo(target, prompt, 12, frozenset()))
     assert len(others) == 6 and key not in others
+
+
+def test_an_unreadable_kept_stream_is_decoded_and_written_anew(tmp_path, monkeypatch):
+    """A memo file that is not a whole npz (a truncated copy, another format) is not an error: the
+    stream is decoded again and the file replaced."""
+    src = checkpoints.build("qwen3-target", 0, {})
+    prompt = list(range(3, 15))
+    monkeypatch.setattr(shared, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(shared, "_STORE", {})
+    tokens, _ = shared.greedy(src, prompt, 8, set())
+    (memo,) = (tmp_path / "greedy").iterdir()
+    whole = memo.read_bytes()
+    memo.write_bytes(whole[: len(whole) // 2])
+    monkeypatch.setattr(shared, "_STORE", {})
+    assert shared.greedy(src, prompt, 8, set())[0] == tokens
+    assert shared._read_memo(memo)[0] == tokens    # whole again (npz bytes carry a timestamp)
