@@ -29,7 +29,8 @@ class GoldenError(RuntimeError):
 
 def atomic_write(path: Path, data: bytes) -> None:
     """A temp file in the same folder, then os.replace: a reader sees the old file or the new one,
-    never half of one (goldens, the bench's files, the greedy memo)."""
+    never half of one (the bench's files, the greedy memo). `save` keeps its own pair of temps: its
+    manifest is written before the tensors are replaced."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

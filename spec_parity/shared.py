@@ -106,12 +106,11 @@ def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = N
 
         from port import targets
 
-        target = targets.load(key[0])
-        memo = _memo(target, ids, n, eos)
+        memo = _memo(Path(key[0]), ids, n, eos)
         kept = _read_memo(memo)
         if kept is not None:
             return kept
-        tokens, logits = targets.greedy(target, mx.array([ids], dtype=mx.int32), n,
+        tokens, logits = targets.greedy(targets.load(key[0]), mx.array([ids], dtype=mx.int32), n,
                                         None if eos is None else set(eos))
         mx.eval(logits)
         if memo is not None:
@@ -128,14 +127,14 @@ def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = N
 MEMO_MAX_BYTES = 64 << 20
 
 
-def _memo(target, ids: list[int], n: int, eos) -> Path | None:
+def _memo(checkpoint: Path, ids: list[int], n: int, eos) -> Path | None:
     """Where a greedy stream is kept across processes: keyed by the checkpoint's bytes, the
     arguments, the code that decodes and keeps it (port/targets.py, mlx-lm's models, this file, the
     mlx and mlx-lm versions) and what else moves its logits (the device, MLX_ENABLE_TF32). None for a
     checkpoint over MEMO_MAX_BYTES (a real one: hashing it would cost more than decoding)."""
     import mlx.core as mx
 
-    files = [target.path / f for f in FILES]
+    files = [checkpoint / f for f in FILES]
     if sum(f.stat().st_size for f in files) > MEMO_MAX_BYTES:
         return None
     h = hashlib.sha256(_code_digest().encode())

@@ -71,53 +71,53 @@ def test_port_runs_are_shared_only_for_the_same_case_and_reference_bytes(monkeyp
     assert runs == [case.name, control.name, case.name]
 
 
-def test_greedy_kept_on_disk_is_read_back_only_under_its_own_key(tmp_path, monkeypatch):
-    """The disk memo of shared.greedy: a second process (here: an emptied store) reads the same
-    tokens and logit bits without decoding; another prompt, length, EOS set, checkpoint byte or
-    decoding code is another file."""
+def _kept_once(tmp_path, monkeypatch, n: int):
+    """One shared.greedy of the qwen3 target with the memo under tmp_path, then an emptied store
+    (what a second process sees): (checkpoint, prompt, tokens, logits, the memo file)."""
     src = checkpoints.build("qwen3-target", 0, {})
     prompt = list(range(3, 15))
     monkeypatch.setattr(shared, "cache_root", lambda: tmp_path)
     monkeypatch.setattr(shared, "_STORE", {})
-    tokens, logits = shared.greedy(src, prompt, 12, set())
+    tokens, logits = shared.greedy(src, prompt, n, set())
     (memo,) = (tmp_path / "greedy").iterdir()
+    monkeypatch.setattr(shared, "_STORE", {})
+    return src, prompt, tokens, logits, memo
+
+
+def test_greedy_kept_on_disk_is_read_back_only_under_its_own_key(tmp_path, monkeypatch):
+    """The disk memo of shared.greedy: a second process (here: an emptied store) reads the same
+    tokens and logit bits without decoding; another prompt, length, EOS set, checkpoint byte or
+    decoding code is another file."""
+    src, prompt, tokens, logits, memo = _kept_once(tmp_path, monkeypatch, 12)
 
     def no_decoding(*args, **kwargs):
         raise AssertionError("a kept stream was decoded again")
 
-    monkeypatch.setattr(shared, "_STORE", {})
     monkeypatch.setattr(targets, "greedy", no_decoding)
     again, again_logits = shared.greedy(src, prompt, 12, set())
     assert again == tokens and again_logits.dtype == logits.dtype
     assert np.array(again_logits).tobytes() == np.array(logits).tobytes()
 
-    target = targets.load(src)
-    key = shared._memo(target, prompt, 12, frozenset())
+    key = shared._memo(src, prompt, 12, frozenset())
     assert key == memo
-    others = {shared._memo(target, prompt[1:], 12, frozenset()), shared._memo(target, prompt, 11, frozenset()),
-              shared._memo(target, prompt, 12, frozenset({5})), shared._memo(target, prompt, 12, None)}
+    others = {shared._memo(src, prompt[1:], 12, frozenset()), shared._memo(src, prompt, 11, frozenset()),
+              shared._memo(src, prompt, 12, frozenset({5})), shared._memo(src, prompt, 12, None)}
     ck = tmp_path / "ck"
     shutil.copytree(src, ck)
     raw = bytearray((ck / "model.safetensors").read_bytes())
     raw[-1] ^= 1
     (ck / "model.safetensors").write_bytes(bytes(raw))
-    others.add(shared._memo(targets.load(ck), prompt, 12, frozenset()))
+    others.add(shared._memo(ck, prompt, 12, frozenset()))
     monkeypatch.setattr(shared, "_code_digest", lambda: "another port/targets.py")
-    others.add(shared._memo(target, prompt, 12, frozenset()))
+    others.add(shared._memo(src, prompt, 12, frozenset()))
     assert len(others) == 6 and key not in others
 
 
 def test_an_unreadable_kept_stream_is_decoded_and_written_anew(tmp_path, monkeypatch):
     """A memo file that is not a whole npz (a truncated copy, another format) is not an error: the
     stream is decoded again and the file replaced."""
-    src = checkpoints.build("qwen3-target", 0, {})
-    prompt = list(range(3, 15))
-    monkeypatch.setattr(shared, "cache_root", lambda: tmp_path)
-    monkeypatch.setattr(shared, "_STORE", {})
-    tokens, _ = shared.greedy(src, prompt, 8, set())
-    (memo,) = (tmp_path / "greedy").iterdir()
+    src, prompt, tokens, _, memo = _kept_once(tmp_path, monkeypatch, 8)
     whole = memo.read_bytes()
     memo.write_bytes(whole[: len(whole) // 2])
-    monkeypatch.setattr(shared, "_STORE", {})
     assert shared.greedy(src, prompt, 8, set())[0] == tokens
     assert shared._read_memo(memo)[0] == tokens    # whole again (npz bytes carry a timestamp)
