@@ -99,8 +99,9 @@ def cmd_measure(args) -> int:
         for seed in range(args.seeds):
             c = dataclasses.replace(case, seed=seed)
             ref, _, _ = harness.reference(c, "live")
-            port = harness.pair(c.module).run_port(c, ref)
-            for key, val in harness.pair(c.module).quantities(port, ref).items():
+            p = harness.pair(c.module)
+            sides = harness.sides(c, harness.port_run(c, ref), ref, p.plan(c, ref))
+            for key, val in p.quantities({**sides["port"], **sides["greedy"]}, ref).items():
                 worst[key] = max(worst.get(key, 0.0), float(np.max(val)))
     for k, v in sorted(worst.items()):
         print(f"{k:20s} {v:.2e}")
