@@ -41,9 +41,24 @@ def _header() -> str:
             f"python {platform.python_version()}, mlx {mx.__version__}")
 
 
+def _ports(args) -> None:
+    """--port MODULE=SPEC and --port-cmd CMD: who answers the cases (spec_parity.ports)."""
+    from . import exchange, ports
+
+    try:
+        ports.select(args.port or [])
+        if args.port_cmd:
+            cmd = exchange.command_port(args.port_cmd)
+            for module in ([args.module] if args.module else harness.PAIRS):
+                ports._SELECTED.setdefault(module, cmd)
+    except ports.PortError as e:
+        sys.exit(f"spec-parity: {e}")
+
+
 def cmd_run(args) -> int:
     if args.drafter:
         sys.exit("--drafter: no drafter module has landed yet (issues 3-5); only the target pair runs")
+    _ports(args)
     cases = _select(args)
     rows, t0 = [], time.time()
     for i, case in enumerate(cases):
@@ -54,7 +69,9 @@ def cmd_run(args) -> int:
             result = harness.Result(case.module, case.name, "-", case.tier, verdict="ERROR", reason=str(e))
         rows.append((result, case.expect))
     report.progress(len(cases), len(cases), "done")
-    header = f"{_header()}; {len(cases)} cases in {time.time() - t0:.1f} s"
+    from . import ports
+
+    header = f"{_header()}; ports: {ports.describe()}; {len(cases)} cases in {time.time() - t0:.1f} s"
     print(report.table(rows))
     out = Path(args.out)
     report.write(out, rows, header)
@@ -63,6 +80,30 @@ def cmd_run(args) -> int:
     for r in bad:
         print(r.message())
     return 1 if bad else 0
+
+
+def cmd_export(args) -> int:
+    """Each case as a folder for a port in any language (spec_parity.exchange): the checkpoints,
+    the inputs as safetensors, and in request.json the arrays to return with their shapes."""
+    from . import exchange
+
+    out = Path(args.out)
+    cases = [c for c in _select(args) if not c.control]
+    for i, case in enumerate(cases):
+        report.progress(i, len(cases), case.id)
+        ref, _, _ = harness.reference(case, args.source)
+        expected = harness.port_run(case, ref)
+        exchange.write_case(harness.request(case, ref), out / case.module / case.name, expected)
+    report.progress(len(cases), len(cases), "done")
+    print(f"{len(cases)} case folders in {out}/ (answer one with `CMD {{case}} {{out}}`, see docs/protocol.md)")
+    return 0
+
+
+def cmd_protocol(args) -> int:
+    from . import protocol
+
+    print(protocol.markdown())
+    return 0
 
 
 def cmd_list(args) -> int:
@@ -186,7 +227,19 @@ def main(argv=None) -> int:
                      help="reference outputs: live oracle, stored goldens, or live where available")
     run.add_argument("--target", help="a real target checkpoint directory: run the cases of its family on it")
     run.add_argument("--drafter", help="a real drafter checkpoint directory (drafter modules)")
+    run.add_argument("--port", action="append", metavar="MODULE=SPEC",
+                     help="run MODULE's cases on another port: SPEC is pkg.module:make_port or a name registered "
+                          "in the spec_parity.ports entry points (repeatable; default: our own ports)")
+    run.add_argument("--port-cmd", metavar="CMD", help='a port in any language: run CMD per case, e.g. '
+                     '"./my-port {case} {out}" (the file protocol, docs/protocol.md); with --module, that module only')
     run.set_defaults(fn=cmd_run)
+    ex = sub.add_parser("export", help="write each case as a folder for an out-of-process port (--port-cmd)")
+    ex.add_argument("--module")
+    ex.add_argument("--case")
+    ex.add_argument("--source", choices=("auto", "live", "golden"), default="golden")
+    ex.add_argument("--out", required=True, help="directory: OUT/<module>/<case>/")
+    ex.set_defaults(fn=cmd_export, target=None)
+    sub.add_parser("protocol", help="print the port protocol (docs/protocol.md)").set_defaults(fn=cmd_protocol)
     sub.add_parser("list", help="cases, goldens, and which oracles run here").set_defaults(fn=cmd_list)
     fx = sub.add_parser("fixtures", help="goldens")
     fxs = fx.add_subparsers(dest="fixtures_cmd", required=True)
