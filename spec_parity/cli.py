@@ -43,14 +43,10 @@ def _header() -> str:
 
 def _ports(args) -> None:
     """--port MODULE=SPEC and --port-cmd CMD: who answers the cases (spec_parity.ports)."""
-    from . import exchange, ports
+    from . import ports
 
     try:
-        ports.select(args.port or [])
-        if args.port_cmd:
-            cmd = exchange.command_port(args.port_cmd)
-            for module in ([args.module] if args.module else harness.PAIRS):
-                ports._SELECTED.setdefault(module, cmd)
+        ports.configure(args.port, args.port_cmd, [args.module] if args.module else None)
     except ports.PortError as e:
         sys.exit(f"spec-parity: {e}")
 

@@ -100,6 +100,19 @@ def select(assignments: list[str]) -> None:
         _SELECTED[module] = port
 
 
+def configure(assignments: list[str] | None, cmd: str | None = None, modules=None) -> None:
+    """What --port and --port-cmd say (the CLI's and pytest's): `cmd` answers `modules` (default
+    every module) that no --port names."""
+    select(assignments or [])
+    if cmd:
+        from .exchange import command_port
+        from .harness import PAIRS
+
+        port = command_port(cmd)
+        for module in modules or PAIRS:
+            _SELECTED.setdefault(module, port)
+
+
 def reset() -> None:
     _SELECTED.clear()
 
