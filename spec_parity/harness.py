@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from . import checks, goldens, ports, protocol, shared
+from . import checks, deltas, goldens, ports, protocol, shared
 from .case import Case
 from .compare import Result
 from .pairs import assistant, dflash, dspark, targets
@@ -81,10 +81,11 @@ def live(case: Case):
     return shared.once(("oracle", oracle_name(case), shared.manifest_key(case)), lambda: run(case))
 
 
-def port_run(case: Case, ref: dict) -> dict:
-    """The selected port on the case, once per process for each port identity, case and reference
-    bytes (spec_parity.shared). Only our own port takes a planted bug (case.control)."""
-    port = ports.for_module(case.module)
+def port_run(case: Case, ref: dict, port: ports.Port | None = None) -> dict:
+    """`port` (default: the one selected for the module) on the case, once per process for each
+    port identity, case and reference bytes (spec_parity.shared). Only our own port takes a planted
+    bug (case.control)."""
+    port = port or ports.for_module(case.module)
     run = port.runs[case.module]
 
     def go():
@@ -154,8 +155,16 @@ def evaluate(case: Case, source: str = "auto") -> Result:
     ref, label, versions = reference(case, source)
     result = Result(case.module, case.name, label, case.tier)
     result.metrics["reference"] = {"ok": True, "versions": versions}
-    result.metrics["port"] = {"ok": True, "identity": ports.for_module(case.module).identity}
-    judge(case, port_run(case, ref), ref, result)
+    port = ports.for_module(case.module)
+    result.metrics["port"] = {"ok": True, "identity": port.identity}
+    arrays = port_run(case, ref)
+    judge(case, arrays, ref, result)
+    if not result.ok and not port.ours and pair(case.module).kind(case) != "loop":
+        found = deltas.explain(case, arrays, lambda c: port_run(c, ref, ports.ours()), judge)
+        if found:
+            result.verdict = "DELTA"
+            result.note(deltas.describe(case, found[0]))
+            result.metrics["delta"] = {"ok": True, "deltas": [d.name for d in found[0]]}
     if case.control:
         result.note(f"negative control ({case.control['what']}): expected to fail")
     return result
