@@ -211,6 +211,14 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bisect(args) -> int:
+    """The first commit of a port's history that breaks one case (git bisect run). Exit 0 when
+    one is named, 2 on bad input."""
+    from . import bisect
+
+    return bisect.bisect(args.repo, args.good, args.bad, args.case, args.port, args.pythonpath)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="spec-parity", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -289,6 +297,14 @@ def main(argv=None) -> int:
                     help="also record every GPU kernel of each side's step (CUPTI through torch.profiler; CUDA only)")
     bp.add_argument("--out", required=True, help="directory for bench.json, bench.md, bench.png")
     bp.set_defaults(fn=cmd_bench)
+    bs = sub.add_parser("bisect", help="the first commit of a port's git history that breaks one case")
+    bs.add_argument("--repo", required=True, help="the port's git repository (its work tree and index are not touched)")
+    bs.add_argument("--good", required=True, help="a revision where the case's verdict is as expected")
+    bs.add_argument("--bad", required=True, help="a later revision where it is not")
+    bs.add_argument("--case", required=True, help="the case (see `spec-parity list`), judged against its golden")
+    bs.add_argument("--port", action="append", help="passed verbatim to `spec-parity run --port` (repeatable)")
+    bs.add_argument("--pythonpath", help="the repository's folder that goes first on PYTHONPATH (default: its root)")
+    bs.set_defaults(fn=cmd_bisect)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     args.argv = argv
