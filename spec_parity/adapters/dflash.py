@@ -14,7 +14,27 @@ def _bugs(control: dict | None) -> list[str]:
 
 
 def run(req: Request, control: dict | None = None) -> dict:
-    return run_loop(req, control) if req.kind == "loop" else run_modules(req, control)
+    return {"loop": run_loop, "extension": run_extension}.get(req.kind, run_modules)(req, control)
+
+
+def run_extension(req: Request, control: dict | None = None) -> dict:
+    """The DSpark-on-DFlash extension (extras on): the serve loop with pruning at the case's
+    thresholds, and one with pruning off for the distribution shift (every block's base and
+    extended rows)."""
+    from port import dflash, targets
+
+    o, target = req.options, targets.load(req.target)
+
+    def source(thresholds):
+        return dflash.DflashProvider(req.drafter, bugs=_bugs(control), max_tokens=o["max_tokens"], extras=True,
+                                     thresholds=thresholds)
+
+    pruned = source(o["thresholds"])
+    out = loop.run(target, req.prompt, o["max_tokens"], pruned, pruned.trained_gamma, set())
+    full = source([])
+    unpruned = loop.run(target, req.prompt, o["max_tokens"], full, full.trained_gamma, set())
+    out.update({"unpruned." + k[4:]: v for k, v in unpruned.items() if k in ("ext.base_logits", "ext.logits")})
+    return out
 
 
 def run_modules(req: Request, control: dict | None = None) -> dict:
