@@ -84,9 +84,13 @@ def run_steps(req: Request, control: dict | None = None) -> dict:
 def run_loop(req: Request, control: dict | None = None) -> dict:
     from port import assistant, targets
 
-    knobs = control["knobs"] if control else {}
-    return loop.run(targets.load(req.target), req.prompt, req.options["max_tokens"],
-                    assistant.AssistantProvider(req.drafter), req.options["gamma"], {req.options["eos"]}, **knobs)
+    knobs = control.get("knobs", {}) if control else {}
+    provider = assistant.AssistantProvider(req.drafter)
+    if control and control["bug"] == "scale":
+        for layer in provider.drafter.model.layers:
+            layer.self_attn.scale = layer.self_attn.head_dim ** -0.5
+    return loop.run(targets.load(req.target), req.prompt, req.options["max_tokens"], provider, req.options["gamma"],
+                    {req.options["eos"]}, **knobs)
 
 
 def _second_to_last_sliding(prompt: np.ndarray, target):

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..adapters.assistant import CONVENTIONS
 from ..case import Case
-from ..checks import P, Plan, R, Tensor, Tokens, serve_loop
+from ..checks import P, Plan, R, Round, Tensor, Tokens, serve_loop
 
 NAME = "assistant"
 ORACLE = "optiq"
@@ -77,6 +77,8 @@ LOOP_CONTROLS = {
     "trim": ("trim one too few", {"trim_bias": 1}),
     "eos": ("EOS emitted as content", {"emit_eos": True}),
     "bonus": ("bonus token dropped on a full accept", {"bonus": False}),
+    # a drafter bug that leaves a random drafter's acceptance as it is: only the drafts show it
+    "scale": (STEP_CONTROLS["scale"], {}),
 }
 
 
@@ -109,6 +111,7 @@ def cases() -> list[Case]:
     out.append(loop_case("centroid", 3, "agreeing", control="trim"))
     out.append(loop_case("centroid", 2, control="eos", eos=EOS))
     out.append(loop_case("centroid", 3, "agreeing", control="bonus"))
+    out.append(loop_case("centroid", 2, control="scale"))
     return out
 
 
@@ -163,7 +166,9 @@ def plan(case: Case, ref: dict) -> Plan:
         eos = {case.params["eos"]}
         return serve_loop("optiq", case.params["max_tokens"], eos, ref_drop=eos, greedy_drop=eos,
                           schedule=(P("stream.drafted"), P("stream.accepted"), P("stream.emitted")),
-                          ref_schedule=(R("stream.trace"),), proposals=False)
+                          ref_schedule=(R("stream.trace"),), draft_logits="loop_draft_logits",
+                          drafts=Round(R("stream.trace", col=0), R("stream.trace", col=2), R("stream.proposals"),
+                                       R("stream.draft_logits")))
     gamma = case.params["gamma"]
     checks = []
     if case.oracle == "optiq":
