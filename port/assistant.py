@@ -39,7 +39,7 @@ from . import checkpoint, targets
 from . import compiled as compiled_pieces
 
 MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
-HEADS = ("centroid", "tied")
+HEADS = ("centroid", "tied", "untied")
 
 
 class DrafterError(ValueError):
@@ -83,7 +83,8 @@ class ModelArgs:
             use_ordered_embeddings=bool(cfg.get("use_ordered_embeddings", False)),
             num_centroids=cfg.get("num_centroids", 0),
             centroid_intermediate_top_k=cfg.get("centroid_intermediate_top_k", 0),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", True),
+            # optiq reads the top level, then text_config (its GemmaAssistantConfig)
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", t.get("tie_word_embeddings", True))),
         )
 
 
@@ -210,17 +211,21 @@ class Model(nn.Module):
         self.post_projection = nn.Linear(args.hidden_size, args.backbone_hidden_size, bias=False)
         if args.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedding(args)
+        elif not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.compiled = compiled
         self._pieces = compiled_pieces.Pieces()
 
     @property
     def head(self) -> str:
-        return "centroid" if self.args.use_ordered_embeddings else "tied"
+        a = self.args
+        return "centroid" if a.use_ordered_embeddings else "tied" if a.tie_word_embeddings else "untied"
 
     def logits(self, h) -> tuple[mx.array, mx.array | None]:
         a = self.args
         if not a.use_ordered_embeddings:
-            return self.model.embed_tokens.as_linear(h)[0, 0], None
+            head = self.model.embed_tokens.as_linear if a.tie_word_embeddings else self.lm_head
+            return head(h)[0, 0], None
         scores = self.masked_embedding.centroids(h)[0, 0]
         k = a.centroid_intermediate_top_k
         top = mx.argpartition(-scores, kth=k - 1, axis=-1)[:k]
@@ -409,6 +414,10 @@ def check_pairing(drafter: Model, target) -> None:
                            f"{(c['head_dim'], c['global_head_dim'])}: it cannot read the target's K/V")
     if a.vocab_size != c["vocab_size"]:
         raise DrafterError(f"drafter vocab {a.vocab_size} != target vocab {c['vocab_size']}")
+    if a.sliding_window != c["sliding_window"]:
+        raise DrafterError(f"drafter sliding_window {a.sliding_window} != target's {c['sliding_window']}: optiq cuts "
+                           "the donor view at the target's window and the port at the drafter's; set the drafter's "
+                           "text_config.sliding_window to the target's")
 
 
 def draft_chain(drafter: Model, target, donors: dict, token: int, hidden, position: int, n: int,

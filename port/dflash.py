@@ -512,7 +512,8 @@ def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "sc
     checkpoint.load_into(model, path, checkpoint.read_tensors(path), DFlashError, lambda missing: (
         "does it carry the DSpark extras its config declares?"
         if extras and all(k.startswith(("markov_head.", "confidence_head.")) for k in missing)
-        else "is this a complete z-lab DFlash checkpoint?"))
+        else "is this a complete z-lab DFlash checkpoint?"),
+        unused=() if extras else ("markov_head.", "confidence_head."))  # extras off: z-lab's DFlash, as z-lab reads it
     mx.eval(model.parameters())
     return model
 
