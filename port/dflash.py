@@ -79,6 +79,11 @@ from mlx_lm.models.rope_utils import initialize_rope
 from . import checkpoint, targets
 from . import compiled as compiled_pieces
 
+# Where input_embedding_scale and output_multiplier are read: "either" (z-lab torch, the default):
+# dflash_config first, then the config's top level; "nested" (z-lab MLX): dflash_config only, a
+# top-level key is not read. The two agree on every checkpoint that nests them.
+SCALES = ("either", "nested")
+
 BUGS = {
     "own_head": "the drafter scores with its own (random) lm head instead of the target's",
     "ctx_input_layernorm": "the context rows pass through each layer's input_layernorm before K/V",
@@ -128,7 +133,10 @@ class ModelArgs:
     bugs: frozenset = field(default_factory=frozenset)
 
     @classmethod
-    def from_config(cls, c: dict, path: Path) -> ModelArgs:
+    def from_config(cls, c: dict, path: Path, scales: str = "either") -> ModelArgs:
+        """scales: where input_embedding_scale and output_multiplier are read (SCALES)."""
+        if scales not in SCALES:
+            raise DFlashError(f"unknown scales convention {scales!r}; known: {SCALES}")
         arch = c.get("architectures") or []
         if "DFlash2DraftModel" in arch:
             raise DFlashError(f"{path}: DFlash2DraftModel (grouped causal convolutions + candidate selector) "
@@ -156,6 +164,9 @@ class ModelArgs:
         def opt(name, default=None):  # z-lab torch: dflash_config first, then the top level
             return d.get(name, c.get(name, default))
 
+        def scale(name):
+            return float(d.get(name, c.get(name, 1.0) if scales == "either" else 1.0))
+
         cap = opt("final_logit_softcapping")
         return cls(
             hidden_size=c["hidden_size"], num_hidden_layers=n, num_attention_heads=c["num_attention_heads"],
@@ -168,8 +179,7 @@ class ModelArgs:
             num_target_layers=c["num_target_layers"], mask_token_id=int(d["mask_token_id"]),
             layer_types=layer_types, sliding_window=c.get("sliding_window"), is_causal=c.get("is_causal"),
             final_logit_softcapping=float(cap) if cap else None,
-            input_embedding_scale=float(opt("input_embedding_scale", 1.0)),
-            output_multiplier=float(opt("output_multiplier", 1.0)),
+            input_embedding_scale=scale("input_embedding_scale"), output_multiplier=scale("output_multiplier"),
             markov_rank=int(opt("markov_rank", 0) or 0), markov_head_type=str(opt("markov_head_type", "vanilla")),
             enable_confidence_head=bool(opt("enable_confidence_head", False)),
             confidence_head_with_markov=bool(opt("confidence_head_with_markov", False)),
@@ -499,11 +509,12 @@ class Model(nn.Module):
 
 
 def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "scaled", extras: bool = False,
-         compiled: bool = True, kv_bucket: int | None = None, bucket_attention: str = "sdpa") -> Model:
+         compiled: bool = True, kv_bucket: int | None = None, bucket_attention: str = "sdpa",
+         scales: str = "either") -> Model:
     path = Path(path)
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: no config.json")
-    a = ModelArgs.from_config(json.loads((path / "config.json").read_text()), path)
+    a = ModelArgs.from_config(json.loads((path / "config.json").read_text()), path, scales)
     a.bugs = frozenset(bugs)
     unknown = a.bugs - set(BUGS)
     if unknown:
@@ -681,10 +692,10 @@ class DflashProvider:
 
     def __init__(self, path: str | Path, window: str = "positional", bugs=(), max_tokens: int | None = None,
                  embed: str = "scaled", extras: bool = False, thresholds=None, collect_samples: bool = False,
-                 kv_bucket: int | None = None):
+                 kv_bucket: int | None = None, scales: str = "either"):
         self.path = Path(path)
         self.id = self.path.name
-        self.drafter = load(self.path, window, bugs, embed, extras, kv_bucket=kv_bucket)
+        self.drafter = load(self.path, window, bugs, embed, extras, kv_bucket=kv_bucket, scales=scales)
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.trained_gamma = self.drafter.args.block_size - 1
         self.max_tokens = max_tokens

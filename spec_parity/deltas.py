@@ -34,6 +34,8 @@ DELTAS = (
           "the block embedding: sqrt(H)-scaled (Gemma-4) vs the raw embedding rows"),
     Delta("prefill-split", "dflash", "prefill", ("split", "whole"), ("z-lab MLX", "z-lab torch"),
           "the prompt's last token prefilled on its own vs in one forward"),
+    Delta("scale-keys", "dflash", "scales", ("nested", "either"), ("z-lab MLX", "z-lab torch"),
+          "input_embedding_scale / output_multiplier at the config's top level: not read vs read"),
     Delta("draft-position", "assistant", "convention", ("optiq", "hfpos"), ("optiq", "transformers"),
           "draft step k at position P+k vs every step at P"),
     Delta("donor-window", "assistant", "convention", ("optiq", "hfwin"), ("optiq", "transformers"),
@@ -42,10 +44,12 @@ DELTAS = (
 
 
 def applicable(case) -> list[tuple[Delta, str]]:
-    """(delta, the other value) for each delta whose option the case sets to one of its values."""
-    out = []
+    """(delta, the other value) for each delta whose option the case runs with one of its values."""
+    from .harness import options
+
+    opts, out = options(case), []
     for d in DELTAS:
-        v = case.params.get(d.option)
+        v = opts.get(d.option)
         if d.module == case.module and v in d.values:
             out.append((d, d.values[1 - d.values.index(v)]))
     return out
@@ -70,9 +74,11 @@ def explain(case, port: dict, ours, judge) -> tuple[list[Delta], Result] | None:
 
 
 def describe(case, deltas: list[Delta]) -> str:
-    parts = []
+    from .harness import options
+
+    parts, opts = [], options(case)
     for d in deltas:
-        here = d.values.index(case.params[d.option])
+        here = d.values.index(opts[d.option])
         parts.append(f"differs from {d.references[here]}, matches {d.references[1 - here]}: delta {d.name} "
                      f"({d.what}; {d.option}={d.values[1 - here]})")
     return "; ".join(parts)

@@ -7,6 +7,7 @@ A pair is a module in `spec_parity.pairs`, registered in PAIRS below, exposing:
   oracle_status(oracle) -> str|None   None if that reference runs here, else what to install/set
   run_oracle(case) -> (arrays, provenance)
   kind(case) -> str        the protocol the case's port run follows (spec_parity.protocol)
+  conventions(case) -> dict  the reference's conventions the port is told (port options no case param sets)
   feeds(case, ref) -> dict the reference arrays the port is given (teacher-forced inputs)
   plan(case, ref) -> Plan  what to check (spec_parity.checks); a pair never compares
 
@@ -47,9 +48,15 @@ def prompt(case: Case) -> np.ndarray:
 def request(case: Case, ref: dict) -> protocol.Request:
     p = pair(case.module)
     drafter = case.drafter_dir() if ("drafter" in case.params or case.params.get("drafter_path")) else None
-    options = {k: v for k, v in case.params.items() if k not in ("drafter", "drafter_path", "loop")}
     return protocol.Request(case.module, case.name, p.kind(case), case.checkpoint_dir(), drafter, prompt(case),
-                            options, case.dtype, p.feeds(case, ref))
+                            options(case), case.dtype, p.feeds(case, ref))
+
+
+def options(case: Case) -> dict:
+    """What the port is told to run: the case's parameters (less the checkpoint specs) over the
+    pair's reference conventions for it (`conventions(case)`: ones no case parameter sets)."""
+    params = {k: v for k, v in case.params.items() if k not in ("drafter", "drafter_path", "loop")}
+    return {**pair(case.module).conventions(case), **params}
 
 
 def reference(case: Case, source: str = "auto"):

@@ -90,3 +90,44 @@ def test_a_sliding_window_other_than_the_targets_is_refused():
     drafter = assistant.load(checkpoints.build("gemma4-assistant", 0, {"text_config": {"sliding_window": 6}}))
     with pytest.raises(assistant.DrafterError, match="drafter sliding_window 6 != target's"):
         assistant.check_pairing(drafter, targets.load(checkpoints.build("gemma4-target", 0, {})))
+
+
+def _top_level_scales(tmp_path):
+    """The gemma4 DFlash drafter with its two scales moved from dflash_config to the top level."""
+    case = next(c for c in harness.all_cases(["dflash"]) if c.name == "mod-gemma4")
+    src = case.drafter_dir()
+    cfg = json.loads((src / "config.json").read_text())
+    nested = cfg["dflash_config"]
+    moved = {k: nested.pop(k) for k in ("input_embedding_scale", "output_multiplier")}
+    dst = _edit(src, tmp_path / "top-level", {**moved, "dflash_config": nested})
+    return replace(case, name="mod-gemma4-top-level-scales", params={**case.params, "drafter_path": str(dst)})
+
+
+def test_scale_keys_follow_each_reference():
+    """z-lab MLX reads the two scales from dflash_config only, z-lab torch from there or the top
+    level: the port's `scales` option says which (SCALES), and the case tells it its reference's."""
+    c = {"architectures": ["DFlashDraftModel"], "hidden_size": 8, "dflash_config": {"target_layer_ids": [0], "mask_token_id": 1}, "output_multiplier": 0.5}
+    base = {"num_hidden_layers": 1, "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 8,
+            "intermediate_size": 8, "vocab_size": 8, "num_target_layers": 2}
+    either = dflash.ModelArgs.from_config({**base, **c}, "cfg", "either")
+    nested = dflash.ModelArgs.from_config({**base, **c}, "cfg", "nested")
+    assert (either.output_multiplier, nested.output_multiplier) == (0.5, 1.0)
+    with pytest.raises(dflash.DFlashError, match="unknown scales convention"):
+        dflash.ModelArgs.from_config({**base, **c}, "cfg", "top")
+
+
+@pytest.mark.oracle
+def test_top_level_scales_match_zlab_mlx_and_the_other_reading_is_named(tmp_path, monkeypatch, live_oracle):
+    """On a checkpoint with top-level scales the port (told z-lab MLX's convention) matches live
+    z-lab MLX; a port that reads them as z-lab torch does is named by the delta scale-keys."""
+    from spec_parity import ports
+
+    live_oracle("dflash")
+    case = _top_level_scales(tmp_path)
+    assert harness.evaluate(case, "live").ok
+    ours = ports.ours().runs["dflash"]
+    torchlike = ports.Port("reads-top-level", "0", {"dflash": lambda req: ours(replace(req, options={
+        **req.options, "scales": "either"}))}, (__file__,))
+    monkeypatch.setitem(ports._SELECTED, "dflash", torchlike)
+    r = harness.evaluate(case, "live")
+    assert r.verdict == "DELTA" and r.metrics["delta"]["deltas"] == ["scale-keys"], r.message()

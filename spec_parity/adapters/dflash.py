@@ -49,7 +49,7 @@ def run_modules(req: Request, control: dict | None = None) -> dict:
 
     o = req.options
     target = targets.load(req.target)
-    m = dflash.load(req.drafter, o["window"], _bugs(control), o["embed"])
+    m = dflash.load(req.drafter, o["window"], _bugs(control), o["embed"], scales=o["scales"])
     caches = make_prompt_cache(target.model)
     src = dflash.DflashSource(m, serve.TargetView(target, caches))
     p = req.prompt
@@ -101,7 +101,7 @@ def run_loop(req: Request, control: dict | None = None) -> dict:
     target = targets.load(req.target)
     embed = o["embed"] if hasattr(target.model.model, "embed_scale") else "scaled"
     key = ("dflash-loop", shared.stamp(req.target), shared.stamp(req.drafter), req.prompt.tobytes(), o["max_tokens"],
-           tuple(sorted(o["eos"])), o["window"], tuple(_bugs(control)), embed)
+           tuple(sorted(o["eos"])), o["window"], tuple(_bugs(control)), embed, o["scales"])
     return shared.once(key, lambda: loop_uncached(req, control, target))
 
 
@@ -110,6 +110,6 @@ def loop_uncached(req: Request, control: dict | None = None, target=None) -> dic
 
     o = req.options
     provider = dflash.DflashProvider(req.drafter, o["window"], _bugs(control), max_tokens=o["max_tokens"],
-                                     embed=o["embed"])
+                                     embed=o["embed"], scales=o["scales"])
     return loop.run(target or targets.load(req.target), req.prompt, o["max_tokens"], provider, provider.trained_gamma,
                     set(o["eos"]))

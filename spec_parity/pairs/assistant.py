@@ -156,6 +156,10 @@ def kind(case: Case) -> str:
     return "loop" if case.params.get("loop") else "step"
 
 
+def conventions(case: Case) -> dict:
+    return {}
+
+
 def feeds(case: Case, ref: dict) -> dict:
     """transformers is fed our target's anchor, donors and embedding table; so is the port."""
     return {} if case.oracle == "optiq" else {k: v for k, v in ref.items() if k.startswith("in.")}

@@ -174,6 +174,11 @@ def kind(case: Case) -> str:
     return "loop" if case.params.get("loop") else "extension" if case.params.get("extension") else "modules"
 
 
+def conventions(case: Case) -> dict:
+    """Where the drafter's scales are read (port/dflash.py SCALES): as z-lab MLX, or as z-lab torch."""
+    return {"scales": "nested" if case.oracle == ORACLE else "either"}
+
+
 def feeds(case: Case, ref: dict) -> dict:
     return {}
 

@@ -101,6 +101,10 @@ def kind(case: Case) -> str:
     return "loop" if case.params.get("loop") else "modules"
 
 
+def conventions(case: Case) -> dict:
+    return {}
+
+
 def feeds(case: Case, ref: dict) -> dict:
     return {}
 

@@ -62,6 +62,10 @@ def kind(case: Case) -> str:
     return "forward"
 
 
+def conventions(case: Case) -> dict:
+    return {}
+
+
 def feeds(case: Case, ref: dict) -> dict:
     """The reference's input to each layer (the own-error run) and its greedy stream (teacher-forced)."""
     return {k: v for k, v in ref.items() if k.startswith("hidden.") or k == "stream.tokens"}
