@@ -18,20 +18,25 @@ from . import goldens, harness, ports, report
 def _select(args) -> list:
     modules = [args.module] if getattr(args, "module", None) else list(harness.PAIRS)
     cases = harness.all_cases(modules)
+    if getattr(args, "target", None):
+        from . import real
+
+        try:
+            cases = real.cases(args.target, getattr(args, "drafter", None), cases)
+        except real.RealError as e:
+            sys.exit(f"spec-parity: {e}")
+        runnable = [c for c in cases if c.tier == "L3" or harness.pair(c.module).oracle_status(harness.oracle_name(c)) is None]
+        for c in cases:
+            if c not in runnable:
+                print(f"skipped {c.id}: {harness.pair(c.module).oracle_status(harness.oracle_name(c))}", file=sys.stderr)
+        cases = runnable
+    elif getattr(args, "drafter", None):
+        sys.exit("spec-parity: --drafter DIR needs --target DIR (the target it drafts for)")
     if getattr(args, "case", None):
-        cases = [c for c in cases if c.name == args.case or c.golden_name == args.case]
+        cases = [c for c in cases if args.case in (c.name, c.golden_name)]
         if not cases:
             sys.exit(f"no case named {args.case!r}; see `spec-parity list`")
-    if getattr(args, "target", None):
-        cases = [c.on_path(args.target) for c in cases if not c.control and _fits(c, args.target)]
     return cases
-
-
-def _fits(case, path: str) -> bool:
-    """A real target runs the built-in cases of its own family."""
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    family = (cfg.get("text_config") or cfg).get("model_type", "")
-    return case.kind.split("-")[0] in family
 
 
 def _header() -> str:
@@ -50,8 +55,6 @@ def _ports(args) -> None:
 
 
 def cmd_run(args) -> int:
-    if args.drafter:
-        sys.exit("--drafter: no drafter module has landed yet (issues 3-5); only the target pair runs")
     _ports(args)
     cases = _select(args)
     rows, t0 = [], time.time()
@@ -228,8 +231,10 @@ def main(argv=None) -> int:
     run.add_argument("--out", default="parity-report")
     run.add_argument("--source", choices=("auto", "live", "golden"), default="auto",
                      help="reference outputs: live oracle, stored goldens, or live where available")
-    run.add_argument("--target", help="a real target checkpoint directory: run the cases of its family on it")
-    run.add_argument("--drafter", help="a real drafter checkpoint directory (drafter modules)")
+    run.add_argument("--target", help="a real target checkpoint directory: the cases that apply to it (and to "
+                     "--drafter), live references only (default: the built-in tiny checkpoints)")
+    run.add_argument("--drafter", help="a real drafter checkpoint directory: its family (assistant, DSpark, DFlash, "
+                     "DSpark-on-DFlash) is read off its config.json (default: none, the target's own cases)")
     run.add_argument("--port", action="append", metavar="MODULE=SPEC",
                      help="run MODULE's cases on another port: SPEC is pkg.module:make_port or a name registered "
                           "in the spec_parity.ports entry points (repeatable; default: our own ports)")

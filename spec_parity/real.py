@@ -1,0 +1,105 @@
+"""Real checkpoints by path: which cases apply to a (target, drafter) pair, labelled by what runs.
+
+The drafter's family comes from its config.json: a Gemma-4 assistant (model_type), DSpark
+(architectures Gemma4DSparkModel / Qwen3DSparkModel), DFlash (DFlashDraftModel), and
+DSpark-on-DFlash (a DFlash drafter whose config declares the extras). The cases are the built-in
+ones of that family, one per thing checked (the factory's variants of a family are one case on a
+real checkpoint: its config is what it is), on the two paths, against the live references.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from .case import Case
+
+ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
+DSPARK_ARCHS = ("Gemma4DSparkModel", "Qwen3DSparkModel")
+EXTRAS = ("markov_rank", "enable_confidence_head")
+
+
+class RealError(ValueError):
+    """A directory that is not a checkpoint of a family spec-parity checks; names the file and fix."""
+
+
+def _config(path: Path, what: str) -> dict:
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise RealError(f"{f}: no config.json; --{what} must be a checkpoint directory (config.json + *.safetensors)")
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise RealError(f"{f}: not readable JSON ({e}); fix or re-save the checkpoint") from e
+
+
+def target_family(path: Path) -> str:
+    cfg = _config(path, "target")
+    model_type = (cfg.get("text_config") or cfg).get("model_type", cfg.get("model_type", ""))
+    for family in ("gemma4", "qwen3"):
+        if str(model_type).startswith(family):
+            return family
+    raise RealError(f"{Path(path) / 'config.json'}: model_type {model_type!r} is not a target spec-parity "
+                    "checks (gemma4, qwen3)")
+
+
+def drafter_family(path: Path) -> str:
+    cfg = _config(path, "drafter")
+    arch = (cfg.get("architectures") or [""])[0]
+    if cfg.get("model_type") in ASSISTANT_TYPES:
+        return "assistant"
+    if arch in DSPARK_ARCHS:
+        return "dspark"
+    if arch == "DFlashDraftModel":
+        nested = cfg.get("dflash_config") or {}
+        return "dflash-extension" if any(nested.get(k, cfg.get(k)) for k in EXTRAS) else "dflash"
+    raise RealError(f"{Path(path) / 'config.json'}: not a drafter spec-parity checks (model_type "
+                    f"{cfg.get('model_type')!r}, architectures {cfg.get('architectures')}); expected a Gemma-4 "
+                    f"assistant ({', '.join(ASSISTANT_TYPES)}), DSpark ({', '.join(DSPARK_ARCHS)}) or DFlash "
+                    "(DFlashDraftModel)")
+
+
+# Per family: (module, built-in case to take its run parameters from, label of what it checks).
+PLAN = {
+    "targets": [("targets", "{t}", "forward, layers and greedy stream vs transformers")],
+    "assistant": [("assistant", "step-gemma4-tied-optiq", "draft steps vs optiq"),
+                  ("assistant", "step-gemma4-tied-transformers", "draft steps vs transformers"),
+                  ("assistant", "loop-random-tied-g4", "serve loop vs optiq's spec_generate")],
+    "dspark": [("dspark", "mod-{t}", "first round, module by module, vs DeepSpec"),
+               ("dspark", "loop-{t}-t0.0", "serve loop vs DeepSpec's")],
+    "dflash": [("dflash", "mod-{t}", "forced-commit rounds vs z-lab MLX"),
+               ("dflash", "mod-{t}-torch", "forced-commit rounds vs z-lab torch"),
+               ("dflash", "loop-{t}", "serve loop vs z-lab MLX's stream_generate")],
+    "dflash-extension": [("dflash", "ext-{t}", "the DSpark-on-DFlash extension (L3)")],
+}
+
+
+def cases(target: str | Path, drafter: str | Path | None, builtin: list[Case]) -> list[Case]:
+    """The cases that apply to the pair, on its paths, named `<module>/<what ran>`."""
+    t = target_family(target)
+    family = drafter_family(drafter) if drafter else "targets"
+    if family == "assistant" and t != "gemma4":
+        raise RealError(f"{drafter}: a Gemma-4 assistant drafts for a Gemma-4 target; {target} is {t}")
+    by_id = {c.id: c for c in builtin if not c.control}
+    out = []
+    for module, name, label in PLAN[family]:
+        base = by_id.get(f"{module}/{name.format(t=t)}")
+        if base is None:
+            continue
+        params = {k: v for k, v in base.params.items() if k != "drafter"}
+        if drafter:
+            params["drafter_path"] = str(drafter)
+        if module == "dflash" and "window" in params:
+            params["window"] = _dflash_window(drafter, base)
+        what = f"{label} on {Path(target).name}" + (f" + {Path(drafter).name}" if drafter else "")
+        out.append(replace(base, path=str(target), params=params, name=what))
+    return out
+
+
+def _dflash_window(drafter, base: Case) -> str:
+    """z-lab MLX's window convention where the drafter has sliding layers (pairs/dflash.py window)."""
+    if base.params["window"] == "positional" and base.oracle != "zlab-mlx":
+        return "positional"
+    cfg = _config(drafter, "drafter")
+    return "zlab-mlx" if "sliding_attention" in (cfg.get("layer_types") or []) else "positional"
