@@ -1,29 +1,13 @@
 """Gemma-4 assistant drafter: port/assistant.py vs optiq (L1) and transformers (L2).
 
-Every case runs against its golden and against the live reference; each planted bug must fail.
+The cases themselves (golden and live; each planted bug must fail) run in tests/test_parity.py.
 """
 
 import mlx.core as mx
 import pytest
 
 from port import assistant, targets
-from spec_parity import checkpoints, harness, shared
-from spec_parity.pairs import assistant as pair
-
-CASES = pair.cases()
-
-
-@pytest.mark.golden
-@pytest.mark.parametrize("case", harness.params(CASES))
-def test_assistant_vs_golden(case):
-    harness.check(case, harness.evaluate(case, "golden"))
-
-
-@pytest.mark.oracle
-@pytest.mark.parametrize("case", harness.params(CASES))
-def test_assistant_vs_live_reference(case, live_oracle):
-    live_oracle("assistant", case.oracle)
-    harness.check(case, harness.evaluate(case, "live"))
+from spec_parity import checkpoints, shared
 
 
 def _load(kind, overrides=None):

@@ -1,10 +1,10 @@
 """DFlash drafter: port/dflash.py vs z-lab dflash 0.1.0: `dflash.model_mlx` (module cases L1, loops
 L2) and `dflash.model` (torch, transformers 5.15 in its own environment; `-torch` cases, L2).
 
-Every case runs against its golden and, with the reference installed, live; each planted bug
-must fail. The two reference deltas (z-lab MLX's sliding window after a one-row update on a full
-ring; z-lab torch's raw block embedding) are shown on the goldens of both references, and the
-port's default window is checked against a from-scratch time-ordered recompute."""
+The cases themselves (golden and, with the reference installed, live; each planted bug must fail)
+run in tests/test_parity.py. Here: the two reference deltas (z-lab MLX's sliding window after a
+one-row update on a full ring; z-lab torch's raw block embedding), shown on the goldens of both
+references, and the port's default window against a from-scratch time-ordered recompute."""
 
 import json
 import shutil
@@ -19,31 +19,6 @@ from spec_parity.adapters import dflash as adapter
 from spec_parity.pairs import dflash as pair
 
 CASES = pair.cases()
-
-
-@pytest.mark.golden
-@pytest.mark.parametrize("case", harness.params(CASES))
-def test_dflash_vs_golden(case):
-    harness.check(case, harness.evaluate(case, "golden"))
-
-
-MLX_CASES = [c for c in CASES if c.oracle == pair.ORACLE]
-TORCH_CASES = [c for c in CASES if c.oracle == pair.TORCH]
-
-
-@pytest.mark.oracle
-@pytest.mark.parametrize("case", harness.params(MLX_CASES))
-def test_dflash_vs_live_zlab_mlx(case, live_oracle):
-    live_oracle("dflash", case.oracle)
-    harness.check(case, harness.evaluate(case, "live"))
-
-
-@pytest.mark.oracle
-@pytest.mark.tf515
-@pytest.mark.parametrize("case", harness.params(TORCH_CASES))
-def test_dflash_vs_live_zlab_torch(case, live_oracle):
-    live_oracle("dflash", case.oracle)
-    harness.check(case, harness.evaluate(case, "live"))
 
 
 def _case(name):

@@ -1,30 +1,15 @@
 """DSpark drafter: port/dspark.py vs DeepSeek's DeepSpec (DEEPSPEC_SRC) at L2.
 
-Every case runs against its golden and, with DEEPSPEC_SRC set, against the live reference; each
-planted bug must fail."""
+The cases themselves (golden and, with DEEPSPEC_SRC set, live; each planted bug must fail) run
+in tests/test_parity.py."""
 
 import json
 
 import pytest
 
 from port import dspark, targets
-from spec_parity import checkpoints, harness, shared
+from spec_parity import checkpoints, shared
 from spec_parity.pairs import dspark as pair
-
-CASES = pair.cases()
-
-
-@pytest.mark.golden
-@pytest.mark.parametrize("case", harness.params(CASES))
-def test_dspark_vs_golden(case):
-    harness.check(case, harness.evaluate(case, "golden"))
-
-
-@pytest.mark.oracle
-@pytest.mark.parametrize("case", harness.params(CASES))
-def test_dspark_vs_live_deepspec(case, live_oracle):
-    live_oracle("dspark")
-    harness.check(case, harness.evaluate(case, "live"))
 
 
 @pytest.mark.oracle

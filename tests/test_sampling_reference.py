@@ -1,0 +1,202 @@
+"""Sampling at T > 0, layer 3: parity with the references (oracle, slow). The acceptance / tau
+distributions of our loop vs DeepSpec's rejection-sampling loop and vs optiq's sampled
+token-match loop, by two-sample chi-square in their own family (ALPHA_PARITY), and optiq's
+reference delta at T > 0 (it samples the logits without the final softcap)."""
+
+import time
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from sampling_setup import GAMMA, setup
+from stats import POWER, detectable, gof, two_sample
+
+from port import dspark, sampling, serve, targets
+from spec_parity import checkpoints
+
+PARITY = {"temperature": 2.0, "threshold": 0.5, "max_new_tokens": 5, "runs": 600, "agree_frac": 0.8}
+ALPHA_PARITY = 1e-3 / 6      # its own family: 6 tests (DeepSpec 2, optiq 3, optiq's softcap delta 1), Bonferroni at 1e-3
+
+
+def _dspark_parity_runs():
+    """The agreeing DSpark pair of the loop-agree0.8 cases, and their prompt."""
+    tdir = checkpoints.build("gemma4-target-agreeing", 0, {})
+    ddir = checkpoints.build("dspark-drafter-agreeing", 0, {"target_kind": "gemma4-target-agreeing",
+                                                           "agree_frac": PARITY["agree_frac"]})
+    prompt = np.random.default_rng([0, 13]).integers(3, 128, (1, 12)).astype(np.int32)
+    return tdir, ddir, prompt
+
+
+def _ours(tdir, ddir, prompt, seeds, **kw):
+    target = targets.load(tdir)
+    provider = dspark.DeepspecProvider(ddir, PARITY["threshold"])
+    first, rounds, accepted, proposed = [], [], 0, 0
+    n = PARITY["max_new_tokens"]
+    for seed in seeds:
+        # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
+        _, st = serve.generate(target, prompt[0].tolist(), n + 1, provider, gamma=provider.trained_gamma, eos=set(),
+                               sampler=sampling.Sampler(PARITY["temperature"], seed=seed), mode="rejection", **kw)
+        first.append(st.trace[0][1])
+        rounds.append(len(st.trace))
+        accepted += st.accepted
+        proposed += st.drafted
+    return {"first": np.array(first), "rounds": np.array(rounds), "acceptance": accepted / max(proposed, 1)}
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_acceptance_and_tau_match_deepspecs_rejection_sampling_loop(live_oracle):
+    """Same agreeing DSpark checkpoint, same prompt, T = 2, confidence threshold 0.5: the
+    first-round accepted length and the rounds a request needs (its tau) have the same
+    distribution in our loop (rejection mode) and in DeepSpec's `generate_decoding_sample`
+    (its sampled proposal and rejection-sampling verify). Control: our loop with the drafts
+    drawn at 3T (still lossless, a different acceptance) must be told apart by the same tests."""
+    live_oracle("dspark")
+    from oracles import dspark as oracle
+
+    tdir, ddir, prompt = _dspark_parity_runs()
+    R = PARITY["runs"]
+    t0 = time.perf_counter()
+    ref = oracle.loop_sampled(tdir, ddir, prompt, PARITY["max_new_tokens"], PARITY["threshold"],
+                              PARITY["temperature"], list(range(R)))
+    t_ref = time.perf_counter() - t0
+    starts = np.cumsum(np.r_[0, ref["rounds"][:-1]])
+    theirs = {"first": ref["accepted"][starts].astype(np.int64), "rounds": ref["rounds"].astype(np.int64),
+              "acceptance": ref["accepted"].sum() / max(ref["proposed"].sum(), 1)}
+    t0 = time.perf_counter()
+    ours = _ours(tdir, ddir, prompt, range(10_000, 10_000 + R))
+    t_ours = time.perf_counter() - t0
+    control = _ours(tdir, ddir, prompt, range(20_000, 20_000 + R),
+                    draft_sampler=sampling.Sampler(3 * PARITY["temperature"]))
+    lines = [f"DeepSpec {t_ref:.1f}s, ours {t_ours:.1f}s for {R} requests each; acceptance DeepSpec "
+             f"{theirs['acceptance']:.3f} ours {ours['acceptance']:.3f} control {control['acceptance']:.3f}; "
+             f"mean rounds {theirs['rounds'].mean():.2f} / {ours['rounds'].mean():.2f} / {control['rounds'].mean():.2f}"]
+    control_p = []
+    for stat in ("first", "rounds"):
+        r = two_sample(theirs[stat], ours[stat], ALPHA_PARITY)
+        c = two_sample(theirs[stat], control[stat], ALPHA_PARITY)
+        control_p.append(c["p"])
+        lines.append(f"{stat}: p={r['p']:.3g} (df {r['df']}, detects {r['power_delta']:.3f} at power {POWER}); "
+                     f"control p={c['p']:.3g}; DeepSpec {np.bincount(theirs[stat]).tolist()} "
+                     f"ours {np.bincount(ours[stat]).tolist()}")
+        assert r["p"] >= ALPHA_PARITY, "\n".join(lines)
+    print("\n".join(lines))
+    assert min(control_p) < ALPHA_PARITY, "the parity test cannot tell a different acceptance apart:\n" + "\n".join(lines)
+
+
+OPTIQ_PARITY = {"temperature": 3.0, "gamma": GAMMA, "max_tokens": 10, "runs": 1000, "control_runs": 400}
+OPTIQ_MAX_BIAS = 0.33  # each statistic's detectable planted bias at power 0.9 (two_sample) must be below this
+
+
+def run_statistics(rounds: list[list[tuple[int, int, int]]], gamma: int, max_tokens: int) -> dict[str, np.ndarray]:
+    """Per run, from its rounds (drafted, accepted, committed) (independent across runs; rounds
+    within a run are not): the accepted length of the first and of the second drafting round,
+    and the rounds needed to commit M = max_tokens - gamma - 1 tokens (the prefill's token
+    counts). Every round before that point drafts a full gamma in both loops (optiq shrinks its
+    last drafts to what is left; the serve loop drafts gamma and drops the excess), so no
+    statistic sees the end of a request."""
+    M = max_tokens - gamma - 1
+    first, second, to_m = [], [], []
+    for rs in rounds:
+        committed, n = 1, 0
+        while committed < M:
+            drafted, _, emitted = rs[n]
+            assert drafted == gamma, (rs, n)
+            committed, n = committed + emitted, n + 1
+        first.append(rs[0][1])
+        second.append(rs[1][1])
+        to_m.append(n)
+    return {"first": np.array(first), "second": np.array(second), "rounds_to_M": np.array(to_m)}
+
+
+def _optiq_pair(softcap: bool):
+    """The agreeing target (as built: Gemma-4's final softcap 30; or with it off) and assistant."""
+    k = setup("agreeing")[2]
+    tdir = checkpoints.build(k["target"][0], 0, k["target"][1] if softcap else
+                             {**k["target"][1], "final_logit_softcapping": None})
+    return tdir, checkpoints.build(k["assistant"][0], 0, k["assistant"][1]), k["prompt"]
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_optiqs_sampled_loop_samples_the_logits_without_the_softcap(live_oracle):
+    """A reference delta at T > 0: optiq projects its verify rows with the head alone
+    (`_project_to_logits`, no final softcap; at T = 0 the argmax is the same, REFERENCES.md), so
+    it samples softmax(raw / T), not the target's softmax(softcap(raw) / T). Its first sampled
+    token (softcapped agreeing target, T = 3, the prompt [3, 4, 51] whose successor's logit is
+    large enough for the softcap to matter: total variation 0.11 between the two) fits the
+    un-softcapped conditional (gof at ALPHA_PARITY, power stated) and is rejected against the
+    target's own."""
+    live_oracle("assistant", "optiq")
+    from oracles import assistant as oracle
+
+    tdir, ddir, _ = _optiq_pair(softcap=True)
+    prompt, T, R = [3, 4, 51], OPTIQ_PARITY["temperature"], 1500
+    ref = oracle.optiq_generate_step_sampled(tdir, ddir, np.array([prompt], np.int32), GAMMA, 1, T, list(range(R)))
+    target = targets.load(tdir)
+    ids = mx.array([prompt], mx.int32)
+    raw = target.model.model.embed_tokens.as_linear(target.model.model(ids))[0, -1]
+    sampler = sampling.Sampler(T)
+    fits = {name: gof(ref["tokens"][:, 0].astype(np.int64), np.array(sampler.probs(row), np.float64))
+            for name, row in (("raw", raw), ("softcapped", target.model(ids)[0, -1]))}
+    msg = " ".join(f"{n}: p={r['p']:.3g} (detects {detectable(r['P'], R, ALPHA_PARITY):.3f})" for n, r in fits.items())
+    print(f"optiq's first token vs the target's conditional, {R} runs: {msg}")
+    assert fits["raw"]["p"] >= ALPHA_PARITY, msg
+    assert fits["softcapped"]["p"] < ALPHA_PARITY, "optiq samples the softcapped logits after all: " + msg
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_acceptance_and_tau_match_optiqs_sampled_loop(live_oracle):
+    """optiq samples too (`assistant_generate_step` with mlx-lm's sampler: greedy drafts, token
+    match). On the agreeing assistant pair with the target's softcap off (where optiq samples
+    the target's distribution, see the test above) at T = 3, our loop (mode "match") and
+    optiq's have the same distribution of the first and the second round's accepted length and
+    of the rounds a request needs to commit M tokens (its tau), by `two_sample` at ALPHA_PARITY,
+    each with its detectable bias asserted. Controls, planted bugs in our loop the same
+    comparisons must tell apart: the bonus token dropped on a full accept (lossless, but fewer
+    tokens per round) and the verify sampling the target at T = 1 (`target_no_temperature`)."""
+    live_oracle("assistant", "optiq")
+    from oracles import assistant as oracle
+
+    tdir, ddir, prompt = _optiq_pair(softcap=False)
+    target, provider = targets.load(tdir), setup("agreeing")[1]["assistant"]
+    cfg, R = OPTIQ_PARITY, OPTIQ_PARITY["runs"]
+    t0 = time.process_time()
+    ref = oracle.optiq_generate_step_sampled(tdir, ddir, np.array([prompt], np.int32), cfg["gamma"],
+                                             cfg["max_tokens"], cfg["temperature"], list(range(R)))
+    t_ref = time.process_time() - t0
+    # optiq commits accepted + 1 per round: the correction (or bonus) becomes its pending token
+    theirs = run_statistics([[(d, a, a + 1) for d, a in rs] for rs in ref["rounds"]], cfg["gamma"], cfg["max_tokens"])
+    assert (theirs["first"] == ref["first_accepted"]).all()       # the per-round read agrees with the old one
+
+    def ours(seed0: int, runs: int = R, **bug) -> dict[str, np.ndarray]:
+        rounds = []
+        for seed in range(seed0, seed0 + runs):
+            _, st = serve.generate(target, prompt, cfg["max_tokens"], provider, gamma=cfg["gamma"], eos=set(),
+                                   sampler=sampling.Sampler(cfg["temperature"], seed=seed), **bug)
+            rounds.append(st.trace)
+        return run_statistics(rounds, cfg["gamma"], cfg["max_tokens"])
+
+    t0 = time.process_time()
+    mine = ours(10_000)
+    t_ours = time.process_time() - t0
+    controls = {"bonus dropped": ours(20_000, cfg["control_runs"], bonus=False),
+                "target_no_temperature": ours(30_000, cfg["control_runs"], bugs={"target_no_temperature"})}
+    lines = [f"optiq {t_ref:.1f}s, ours {t_ours:.1f}s CPU for {R} requests each (controls {cfg['control_runs']}; "
+             f"max_tokens {cfg['max_tokens']}, T {cfg['temperature']})"]
+    failed, rejected = [], {c: [] for c in controls}
+    for stat, theirs_s in theirs.items():
+        r = two_sample(theirs_s, mine[stat], ALPHA_PARITY)
+        cp = {c: two_sample(theirs_s, v[stat], ALPHA_PARITY)["p"] for c, v in controls.items()}
+        lines.append(f"{stat}: p={r['p']:.3g} (df {r['df']}, detects {r['power_delta']:.3f} at power {POWER}); "
+                     f"optiq {np.bincount(theirs_s).tolist()} ours {np.bincount(mine[stat]).tolist()}; controls "
+                     + " ".join(f"{c}: p={p:.3g}" for c, p in cp.items()))
+        if r["p"] < ALPHA_PARITY or r["power_delta"] > OPTIQ_MAX_BIAS:
+            failed.append(stat)
+        for c, p in cp.items():
+            rejected[c].append(p < ALPHA_PARITY)
+    print("\n".join(lines))
+    assert not failed, f"{failed} differ from optiq or lack power:\n" + "\n".join(lines)
+    for c, hits in rejected.items():
+        assert any(hits), f"the parity tests cannot tell our loop with {c} apart:\n" + "\n".join(lines)
