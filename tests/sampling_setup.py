@@ -10,10 +10,11 @@ import time
 
 import mlx.core as mx
 import numpy as np
-from stats import stat_tests
 
 from port import assistant, dflash, dspark, sampling, serve, targets
 from spec_parity import checkpoints
+
+from stats import stat_tests
 
 TWO_LAYERS = {"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
 GAMMA = 2

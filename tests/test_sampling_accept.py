@@ -13,10 +13,11 @@ import zlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from stats import assert_lossless, assert_rejected, stat_tests
 
 from port import sampling
 from spec_parity import harness
+
+from stats import assert_lossless, assert_rejected, stat_tests
 
 
 def chain_logits(V: int, seed: int, agree: float) -> tuple[np.ndarray, np.ndarray]:

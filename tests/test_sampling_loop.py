@@ -9,10 +9,11 @@ bug moves the output (`CONTROLS`). A grammar-style ban (a logits processor) hold
 without drafting."""
 
 import pytest
-from sampling_setup import BANNED, GAMMA, PROCESSORS, SOURCES, e2e_tests, setup
-from stats import assert_lossless, assert_rejected
 
 from port import sampling, serve
+
+from sampling_setup import BANNED, GAMMA, PROCESSORS, SOURCES, e2e_tests, setup
+from stats import assert_lossless, assert_rejected
 
 E2E_N = {"agreeing": 2500, "random": 2500}   # requests per slow end-to-end test
 # every test's detectable planted bias at power 0.9 must be below this: "pit" the PIT test (see

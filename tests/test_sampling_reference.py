@@ -8,11 +8,12 @@ import time
 import mlx.core as mx
 import numpy as np
 import pytest
-from sampling_setup import GAMMA, setup
-from stats import POWER, detectable, gof, two_sample
 
 from port import dspark, sampling, serve, targets
 from spec_parity import checkpoints
+
+from sampling_setup import GAMMA, setup
+from stats import POWER, detectable, gof, two_sample
 
 PARITY = {"temperature": 2.0, "threshold": 0.5, "max_new_tokens": 5, "runs": 600, "agree_frac": 0.8}
 ALPHA_PARITY = 1e-3 / 6      # its own family: 6 tests (DeepSpec 2, optiq 3, optiq's softcap delta 1), Bonferroni at 1e-3

@@ -5,10 +5,11 @@ its admission accounting, on the setups of tests/sampling_setup.py."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from sampling_setup import GAMMA, SOURCES, Deterministic, provider_for, setup
 
 from port import sampling, serve
 from spec_parity import harness
+
+from sampling_setup import GAMMA, SOURCES, Deterministic, provider_for, setup
 
 
 def _reference_probs(logits: np.ndarray, T: float, top_k: int, top_p: float) -> np.ndarray:

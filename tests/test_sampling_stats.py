@@ -4,6 +4,7 @@ lossless tests fit the Bonferroni family that ALPHA bounds."""
 
 import numpy as np
 import pytest
+
 from sampling_setup import SOURCES, setup_kinds
 from stats import ALPHA, MAX_TESTS, bias_detected, detectable, gof, pit, pit_gof
 from test_sampling_accept import CHAIN, CHAIN_CASES
