@@ -15,13 +15,44 @@ import numpy as np
 from . import goldens, harness, report
 
 
+class BadInput(Exception):
+    """A command-line input the run cannot use: one line naming it and the fix, exit 2."""
+
+
+def _bad_input_errors() -> tuple[type[Exception], ...]:
+    """What main() reports as bad input: the refusals of our loaders and readers. Only modules
+    already imported are looked at (one that was not imported raised nothing)."""
+    refusals = {"port.checkpoint": "CheckpointError", "port.ab": "PromptsError", "port.assistant": "DrafterError",
+                "port.dspark": "DSparkError", "port.dflash": "DFlashError"}
+    return (BadInput, *(getattr(sys.modules[m], n) for m, n in refusals.items() if m in sys.modules))
+
+
+def _preflight(args, drafters: tuple[str, ...] = ()) -> None:
+    """Checks every checkpoint directory the command names and --out before the first case runs
+    (a bad --out was found only after the last case)."""
+    from port import checkpoint
+
+    if getattr(args, "target", None):
+        checkpoint.check_dir(args.target, "--target", checkpoint.TARGETS)
+    for opt in drafters:
+        if getattr(args, opt, None):
+            checkpoint.check_dir(getattr(args, opt), f"--{opt}",
+                                 tuple(f for f in checkpoint.REQUIRED if f not in checkpoint.TARGETS))
+    if getattr(args, "out", None):
+        try:
+            report.check_writable(Path(args.out))
+        except OSError as e:
+            raise BadInput(f"--out {args.out}: cannot be written ({e.strerror or e}); "
+                           "give a folder you can write (it is created if missing)") from e
+
+
 def _select(args) -> list:
     modules = [args.module] if getattr(args, "module", None) else list(harness.PAIRS)
     cases = harness.all_cases(modules)
     if getattr(args, "case", None):
         cases = [c for c in cases if c.name == args.case or c.golden_name == args.case]
         if not cases:
-            sys.exit(f"no case named {args.case!r}; see `spec-parity list`")
+            raise BadInput(f"--case {args.case!r}: no case of that name; `spec-parity list` shows them")
     if getattr(args, "target", None):
         cases = [c.on_path(args.target) for c in cases if not c.control and _fits(c, args.target)]
     return cases
@@ -42,18 +73,21 @@ def _header() -> str:
 
 
 def cmd_run(args) -> int:
+    _preflight(args, ("drafter",))
     if args.drafter:
         sys.exit("--drafter: no drafter module has landed yet (issues 3-5); only the target pair runs")
     cases = _select(args)
     rows, t0 = [], time.time()
-    for i, case in enumerate(cases):
-        report.progress(i, len(cases), case.id)
-        try:
-            result = harness.evaluate(case, args.source)
-        except Exception as e:  # a case that cannot run is a failure with its reason, not a crash
-            result = harness.Result(case.module, case.name, "-", case.tier, verdict="ERROR", reason=str(e))
-        rows.append((result, case.expect))
-    report.progress(len(cases), len(cases), "done")
+    with report.Progress(len(cases)) as bar:
+        for case in cases:
+            bar.start(case.id)
+            try:
+                result = harness.evaluate(case, args.source)
+            except Exception as e:  # a case that cannot run is a failure with its reason, not a crash
+                result = harness.Result(case.module, case.name, "-", case.tier, verdict="ERROR",
+                                        reason=f"{type(e).__name__}: {e}")
+            rows.append((result, case.expect))
+            bar.done(case.id, result.shown_verdict)
     header = f"{_header()}; {len(cases)} cases in {time.time() - t0:.1f} s"
     print(report.table(rows))
     out = Path(args.out)
@@ -110,9 +144,16 @@ def cmd_measure(args) -> int:
 def cmd_ab(args) -> int:
     """Paired drafter A/B through the serve loop at T=0: prints the report (JSON with --json).
     Exit 0 on PASS, 1 on FAIL."""
-    from port import ab
+    from port import ab, checkpoint
 
-    cfg = json.loads((Path(args.target) / "config.json").read_text())
+    _preflight(args, ("a", "b"))
+    if args.json:
+        try:
+            report.check_writable(Path(args.json).resolve().parent)
+        except OSError as e:
+            raise BadInput(f"--json {args.json}: its folder cannot be written ({e.strerror or e}); "
+                           "give a path you can write") from e
+    cfg = checkpoint.read_config(Path(args.target))
     prompts = ab.read_prompts(args.prompts, (cfg.get("text_config") or cfg).get("vocab_size"))
     a_results, b_results = ab.run_ab(args.target, args.a, args.b, prompts, gamma=args.gamma,
                                      max_tokens=args.max_tokens)
@@ -175,16 +216,30 @@ def cmd_bench(args) -> int:
 
 
 def main(argv=None) -> int:
+    debug = dict(action="store_true", help="on bad input, show the traceback too (default: the one-line "
+                 "message and exit 2)")
     ap = argparse.ArgumentParser(prog="spec-parity", description=__doc__)
+    ap.add_argument("--debug", **debug)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    run = sub.add_parser("run", help="run the parity matrix; non-zero exit on any unexpected verdict")
-    run.add_argument("--module")
-    run.add_argument("--case")
-    run.add_argument("--out", default="parity-report")
+    run = sub.add_parser("run", help="run the parity matrix; non-zero exit on any unexpected verdict",
+                         description="Run the parity matrix: each case's port against its reference at "
+                         "its tier. Exit 0 when every verdict is as expected (controls must FAIL), 1 "
+                         "otherwise, 2 on bad input (a one-line message naming it and the fix).")
+    run.add_argument("--module", choices=harness.PAIRS,
+                     help="only this module's cases (default: every module)")
+    run.add_argument("--case", help="only the case of this name, or the cases sharing this golden "
+                     "(default: every case; `spec-parity list` names them)")
+    run.add_argument("--out", default="parity-report",
+                     help="folder for report.md, report.json, layers.png; created if missing, checked "
+                     "writable before the first case, earlier report files replaced (default: parity-report)")
     run.add_argument("--source", choices=("auto", "live", "golden"), default="auto",
-                     help="reference outputs: live oracle, stored goldens, or live where available")
-    run.add_argument("--target", help="a real target checkpoint directory: run the cases of its family on it")
-    run.add_argument("--drafter", help="a real drafter checkpoint directory (drafter modules)")
+                     help="reference outputs: live oracle, stored goldens, or live where available "
+                     "(default: auto)")
+    run.add_argument("--target", help="a real target checkpoint directory: run the cases of its family "
+                     "on it, live references only (default: none, the factory's checkpoints)")
+    run.add_argument("--drafter", help="a real drafter checkpoint directory, with --target "
+                     "(default: none)")
+    run.add_argument("--debug", default=argparse.SUPPRESS, **debug)
     run.set_defaults(fn=cmd_run)
     sub.add_parser("list", help="cases, goldens, and which oracles run here").set_defaults(fn=cmd_list)
     fx = sub.add_parser("fixtures", help="goldens")
@@ -209,6 +264,7 @@ def main(argv=None) -> int:
     abp.add_argument("--max-drop-pts", type=float, default=3,
                      help="largest acceptance drop of B vs A, absolute points, that still passes")
     abp.add_argument("--json", help="also write the report (with per-prompt results) to this JSON file")
+    abp.add_argument("--debug", default=argparse.SUPPRESS, **debug)
     abp.set_defaults(fn=cmd_ab)
     bp = sub.add_parser("bench", help="speed: our drafters vs the peers vs the bandwidth floor (JSON, Markdown, PNG)")
     bp.add_argument("--shapes", choices=("tiny", "real"), default="tiny",
@@ -243,7 +299,13 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     args.argv = argv
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except Exception as e:
+        if args.debug or not isinstance(e, _bad_input_errors()):
+            raise
+        print(f"spec-parity {args.cmd}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
