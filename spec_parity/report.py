@@ -144,7 +144,8 @@ def layer_chart(panels: list[tuple[str, dict]]) -> bytes:
     floor = 1e-9  # a zero error is drawn at the floor (a log axis has no 0)
     cols = 2 if len(panels) > 1 else 1
     rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(6.2 * cols, 2.9 * rows))
+    height = 2.8 * rows + 0.9  # the panels, then the title and the legend
+    fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(6.2 * cols, height))
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
     for ax, (name, lay) in zip(axes.flat, panels):
@@ -179,10 +180,9 @@ def layer_chart(panels: list[tuple[str, dict]]) -> bytes:
         ax.set_ylabel("max |port − reference|", fontsize=8)
         ax.tick_params(labelsize=7)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    height = 2.9 * rows
     fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
     fig.suptitle("Per-layer error, port vs reference (log scale; a zero is drawn at 1e-9)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.4 / height, 1, 1 - 0.1 / height))
+    fig.tight_layout(rect=(0, 0.4 / height, 1, 1 - 0.05 / height))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
