@@ -216,8 +216,8 @@ def cmd_bench(args) -> int:
 
 
 def main(argv=None) -> int:
-    debug = dict(action="store_true", help="on bad input, show the traceback too (default: the one-line "
-                 "message and exit 2)")
+    debug = dict(action="store_true", help="on bad input, the traceback instead of the one-line message "
+                 "(default: off, the one line and exit 2)")
     ap = argparse.ArgumentParser(prog="spec-parity", description=__doc__)
     ap.add_argument("--debug", **debug)
     sub = ap.add_subparsers(dest="cmd", required=True)
