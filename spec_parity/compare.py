@@ -32,14 +32,16 @@ class Result:
     metrics: dict = field(default_factory=dict)
     verdict: str = "PASS"
     reason: str = ""
+    findings: dict = field(default_factory=dict)   # finding -> the reasons it failed (spec_parity.checks)
 
     @property
     def ok(self) -> bool:
         return self.verdict == "PASS"
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, finding: str = "module") -> None:
         self.verdict = "FAIL"
         self.reason = f"{self.reason}; {reason}" if self.reason else reason
+        self.findings.setdefault(finding, []).append(reason)
 
     def note(self, reason: str) -> None:
         self.reason = f"{self.reason}; {reason}" if self.reason else reason
@@ -59,6 +61,8 @@ class Result:
                  f"({TIERS.get(self.tier, '?')})"]
         if self.reason:
             lines.append(f"  reason: {self.reason}")
+        for finding, reasons in self.findings.items():
+            lines.append(f"  FAIL {finding}: {reasons[0]}" + (f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""))
         for name, m in self.metrics.items():
             lines.append(f"  {name}: {_brief(m)}")
         return "\n".join(lines)
@@ -81,7 +85,7 @@ def _jsonable(x):
 def _brief(m) -> str:
     if not isinstance(m, dict):
         return str(m)
-    keys = ("versions", "ok", "max_abs", "max_rel", "mismatch", "mismatch_pct", "first_mismatch", "cosine",
+    keys = ("versions", "identity", "exposed", "ok", "max_abs", "max_rel", "mismatch", "mismatch_pct", "first_mismatch", "cosine",
             "nmse", "max_ulp", "budget", "first_divergence", "equal", "agree", "kl_max")
     return ", ".join(f"{k}={_fmt(m[k])}" for k in keys if k in m)
 
@@ -255,21 +259,8 @@ def trace_metrics(port_trace, ref_trace) -> dict:
     return m
 
 
-def l3_metrics(ref_logits, port_logits, gates: dict) -> dict:
-    """L3 (no oracle): KL(ref || port), top-1 agreement, against explicit gates."""
-    k = kl(ref_logits, port_logits)
-    top1 = float(np.mean(np.asarray(ref_logits).argmax(-1) == np.asarray(port_logits).argmax(-1)))
-    ok = k.mean() <= gates["kl_mean_max"] and top1 >= gates["top1_min"]
-    return {"kl_mean": float(k.mean()), "kl_max": float(k.max()), "top1_agree": top1, "gates": gates,
-            "ok": bool(ok)}
-
-
-def acceptance_gate(accepted: int, drafted: int, min_rate: float) -> dict:
-    rate = accepted / drafted if drafted else 0.0
-    return {"acceptance": rate, "min": min_rate, "ok": rate >= min_rate}
-
-
-def check_tensor(result: Result, name: str, port, ref, module: str, quantity: str, dtype="float32") -> dict:
+def check_tensor(result: Result, name: str, port, ref, module: str, quantity: str, dtype="float32",
+                 finding: str = "module") -> dict:
     """Compare one tensor at the result's tier and record it."""
     if result.tier == "L1":
         m = bit_exact(port, ref)
@@ -277,7 +268,7 @@ def check_tensor(result: Result, name: str, port, ref, module: str, quantity: st
         m = tensor_metrics(port, ref, budget_for(module, quantity, dtype), dtype)
     result.metrics[name] = m
     if not m["ok"]:
-        result.fail(f"{name}: {failure(m)}")
+        result.fail(f"{name}: {failure(m)}", finding)
     return m
 
 

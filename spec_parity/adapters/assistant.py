@@ -1,0 +1,100 @@
+"""Our assistant port (port/assistant.py) behind protocols assistant/step and assistant/loop."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..protocol import Request
+from . import loop
+
+CONVENTIONS = {
+    "optiq": {"positions": "optiq", "window": "optiq"},
+    "hfpos": {"positions": "hf", "window": "optiq"},    # every draft step at position P
+    "hfwin": {"positions": "optiq", "window": "hf"},    # transformers' own sliding mask (newest W+1)
+}
+
+
+def _np(a) -> np.ndarray:
+    import mlx.core as mx
+
+    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+
+
+def step_inputs(target_dir, prompt: np.ndarray, dtype: str, target=None) -> dict[str, np.ndarray]:
+    """The anchor of the first draft round, from our target (mlx-lm): what the drafter steps of
+    both sides start from (transformers is fed these)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from port import targets
+
+    target = target or targets.load(target_dir, getattr(mx, dtype))
+    caches = make_prompt_cache(target.model)
+    h = target.model.model(mx.array(prompt), cache=caches)[:, -1:, :]
+    token = int(mx.argmax(targets.head(target, h)[0, 0]).item())
+    out = {"in.anchor.token": np.array([token], np.int32), "in.anchor.hidden": _np(h),
+           "in.position": np.array([caches[0].offset], np.int32),
+           "in.embed_table": _np(targets.embed_scaled(target, mx.arange(target.config["vocab_size"])[None])[0])}
+    for name, (k, v) in targets.donor_view(target, caches).items():
+        out[f"in.donor.{name.split('_')[0]}.k"], out[f"in.donor.{name.split('_')[0]}.v"] = _np(k), _np(v)
+    return out
+
+
+def run(req: Request, control: dict | None = None) -> dict:
+    return run_loop(req, control) if req.kind == "loop" else run_steps(req, control)
+
+
+def run_steps(req: Request, control: dict | None = None) -> dict:
+    import mlx.core as mx
+
+    from port import assistant, targets
+
+    dt = getattr(mx, req.dtype)
+    target = targets.load(req.target, dt)
+    drafter = assistant.load(req.drafter, dt)
+    assistant.check_pairing(drafter, target)
+    bug = control["bug"] if control else None
+    inputs = req.inputs or step_inputs(req.target, req.prompt, req.dtype, target)
+    donors = {f"{n}_attention": (mx.array(inputs[f"in.donor.{n}.k"]).astype(dt), mx.array(inputs[f"in.donor.{n}.v"]).astype(dt))
+              for n in ("sliding", "full")}
+    if bug == "donor":
+        donors["sliding_attention"] = _second_to_last_sliding(req.prompt, target)
+    if bug == "scale":
+        for layer in drafter.model.layers:
+            layer.self_attn.scale = layer.self_attn.head_dim ** -0.5
+    if bug == "ordering":
+        drafter.masked_embedding.token_ordering = mx.arange(drafter.args.vocab_size, dtype=mx.int64)
+    conv = CONVENTIONS[req.options["convention"]]
+    position = int(inputs["in.position"][0]) + (1 if bug == "position" else 0)
+    window = drafter.args.sliding_window if bug == "window" else conv["window"]
+    steps = assistant.draft_chain(drafter, target, donors, int(inputs["in.anchor.token"][0]),
+                                  mx.array(inputs["in.anchor.hidden"]).astype(dt), position, req.options["gamma"],
+                                  positions=conv["positions"], window=window)
+    k, v = assistant.sliding_view(*donors["sliding_attention"], drafter.args.sliding_window, window)
+    out = {"anchor.token": inputs["in.anchor.token"], "anchor.hidden": inputs["in.anchor.hidden"],
+           "donor.sliding_attention.k": _np(k), "donor.sliding_attention.v": _np(v),
+           "donor.full_attention.k": _np(donors["full_attention"][0]),
+           "donor.full_attention.v": _np(donors["full_attention"][1])}
+    for i, s in enumerate(steps):
+        out[f"step{i}.logits"], out[f"step{i}.next_hidden"] = _np(s.logits), _np(s.next_hidden)
+        out[f"step{i}.token"] = np.array([s.token], np.int32)
+    return out
+
+
+def run_loop(req: Request, control: dict | None = None) -> dict:
+    from port import assistant, targets
+
+    knobs = control["knobs"] if control else {}
+    return loop.run(targets.load(req.target), req.prompt, req.options["max_tokens"],
+                    assistant.AssistantProvider(req.drafter), req.options["gamma"], {req.options["eos"]}, **knobs)
+
+
+def _second_to_last_sliding(prompt: np.ndarray, target):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(target.model)
+    target.model(mx.array(prompt), cache=caches)
+    owners = [i for i, t in enumerate(target.config["layer_types"][: len(caches)]) if t == "sliding_attention"]
+    c = caches[owners[-2]]
+    return c._temporal_order(c.keys), c._temporal_order(c.values)
