@@ -218,8 +218,6 @@ def stream_metrics(port_tokens, ref_tokens, ref_logits, dtype="float32", topk: i
     m["first_divergence"] = d
     m["equal"] = d is None
     m["ok"] = d is None
-    if d is not None:  # past one stream's end the token is named as such, never None
-        m.update(port_token=p[d] if d < len(p) else "end of stream", ref_token=r[d] if d < len(r) else "end of stream")
     if d is None or d >= min(len(p), len(r), len(ref_logits)):
         return m
     row = np.asarray(ref_logits[d], np.float64)
