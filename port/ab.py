@@ -170,24 +170,42 @@ def render_report(label_a: str, label_b: str, v: AbVerdict) -> tuple[str, dict]:
 # Running the arms
 
 
+class PromptsError(ValueError):
+    """A prompts file that cannot be read as token ids: the message names the file, line and fix."""
+
+
 def read_prompts(path: str | Path, vocab_size: int | None = None) -> list[list[int]]:
-    """Prompts file: one prompt per line as whitespace-separated token ids; blank lines and `#`
-    comments skipped."""
+    """Prompts file: one prompt per line as whitespace-separated token ids in 0..vocab_size-1;
+    blank lines and `#` comments skipped."""
+    path = Path(path)
+    fix = "write one prompt per line as whitespace-separated token ids"
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise PromptsError(f"--prompts {path}: cannot be read ({e.strerror or e}); give a prompts file") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptsError(f"{path}: binary, not UTF-8 text (byte {e.start}); {fix}") from None
+    if "\x00" in text:
+        raise PromptsError(f"{path}: binary, not text (a NUL byte at {text.index(chr(0))}); {fix}")
     prompts = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for n, line in enumerate(text.splitlines(), start=1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         try:
             ids = [int(tok) for tok in line.split()]
         except ValueError:
-            raise ValueError(f"{path}:{n}: a prompt is whitespace-separated integer token ids") from None
+            raise PromptsError(f"{path}:{n}: a prompt is whitespace-separated integer token ids; {fix}") from None
         bad = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
         if bad:
-            raise ValueError(f"{path}:{n}: token ids {bad} outside the vocabulary 0..{vocab_size}")
+            bound = f"0..{vocab_size - 1}" if vocab_size is not None else "0 and up"
+            raise PromptsError(f"{path}:{n}: token ids {bad[:8]} outside the vocabulary {bound}; "
+                               "use the target tokenizer's ids")
         prompts.append(ids)
     if not prompts:
-        raise ValueError(f"{path}: no prompts")
+        raise PromptsError(f"{path}: no prompts; {fix}")
     return prompts
 
 

@@ -1,11 +1,17 @@
-"""Reading a drafter checkpoint into an MLX model: one path for every port.
+"""Reading a checkpoint directory: one path for every port, and the checks that run before any
+loader (ours, mlx-lm, transformers, optiq, z-lab, DeepSpec) sees the files.
 
 Every parameter the model declares must come from the checkpoint: a missing one would silently
-keep its initial value, so it is an error naming the tensors and what to check.
+keep its initial value, so it is an error naming the tensors and what to check. A config.json
+missing a key the architecture depends on is refused before a loader can default it: loaders
+default such keys differently (a Qwen3 rope_theta: transformers' Qwen3Config 1e4, port/dspark.py
+1e6), so a defaulted key is a silent difference, not a checkpoint.
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,10 +19,151 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be read as it stands: the message names the file (and
+    key or tensor) and the fix."""
+
+
+# The keys each family's config.json must carry (a|b: either). Per family: the keys our loader
+# reads without a default (it would stop mid-run on a KeyError) and the architecture keys that
+# the loaders default differently, so that a missing one would compute another model:
+#   targets   port/targets.py and mlx-lm's ModelArgs (qwen3: its fields without a default;
+#             gemma4_text has a default for every field, transformers another for some)
+#   assistant port/assistant.py ModelArgs.from_config (the text_config keys read with [])
+#   dspark    port/dspark.py ModelArgs.from_config
+#   dflash    port/dflash.py ModelArgs.from_config (it checks the same list itself)
+_SIZES = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "qwen3": (*_SIZES, "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
+              "tie_word_embeddings", "rope_theta|rope_parameters"),
+    "gemma4_text": (*_SIZES, "num_key_value_heads", "head_dim", "global_head_dim", "layer_types",
+                    "sliding_window", "rope_parameters", "rms_norm_eps", "max_position_embeddings"),
+    "assistant": ("model_type", "backbone_hidden_size", "text_config", "text_config.hidden_size",
+                  "text_config.intermediate_size", "text_config.num_hidden_layers",
+                  "text_config.num_attention_heads", "text_config.head_dim", "text_config.layer_types",
+                  "text_config.sliding_window", "text_config.vocab_size", "text_config.rope_parameters"),
+    "dspark-gemma4": (*_SIZES, "num_key_value_heads", "global_head_dim", "block_size", "mask_token_id",
+                      "target_layer_ids", "num_target_layers", "rope_parameters"),
+    "dspark-qwen3": (*_SIZES, "num_key_value_heads", "head_dim", "block_size", "mask_token_id",
+                     "target_layer_ids", "num_target_layers", "rope_theta|rope_parameters"),
+    "dflash": (*_SIZES, "num_key_value_heads", "head_dim", "num_target_layers", "dflash_config",
+               "dflash_config.target_layer_ids", "dflash_config.mask_token_id",
+               "rope_theta|rope_parameters"),
+}
+LABELS = {"qwen3": "Qwen3 target", "gemma4_text": "Gemma-4 target", "assistant": "Gemma-4 assistant",
+          "dspark-gemma4": "DeepSpec DSpark (Gemma-4)", "dspark-qwen3": "DeepSpec DSpark (Qwen3)",
+          "dflash": "z-lab DFlash"}
+TARGETS = ("qwen3", "gemma4_text")
+ASSISTANT_TYPES = ("gemma4_assistant",)
+
+
+def family(cfg: dict) -> str | None:
+    """The REQUIRED row a config belongs to, from its architectures / model_type; None if unknown."""
+    arch = cfg.get("architectures") or []
+    if "DFlashDraftModel" in arch or "DFlash2DraftModel" in arch:
+        return "dflash"
+    if "Gemma4DSparkModel" in arch:
+        return "dspark-gemma4"
+    if "Qwen3DSparkModel" in arch:
+        return "dspark-qwen3"
+    if cfg.get("model_type") in ASSISTANT_TYPES:
+        return "assistant"
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    return text.get("model_type") if text.get("model_type") in TARGETS else None
+
+
+def _has(cfg: dict, key: str) -> bool:
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def read_config(path: Path) -> dict:
+    """config.json as a dict, or a CheckpointError naming the file."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        raise CheckpointError(f"{f}: missing; point at the checkpoint directory "
+                              "(the folder holding config.json and *.safetensors)")
+    try:
+        cfg = json.loads(f.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{f}: not valid JSON ({e}); restore the checkpoint's config.json") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{f}: holds a {type(cfg).__name__}, not a JSON object; restore the checkpoint's config.json")
+    return cfg
+
+
+def check_safetensors(f: Path) -> None:
+    """The file's header parses and its tensors end where the file ends (a truncated download or
+    a file of another format is named before a loader reads it)."""
+    fix = "re-download or re-save the checkpoint"
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{f}: not a safetensors file ({size} bytes, no header); {fix}")
+        n = struct.unpack("<Q", head)[0]
+        if n > size - 8:
+            raise CheckpointError(f"{f}: not a safetensors file (header length {n} > file size {size}); {fix}")
+        try:
+            header = json.loads(fh.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise CheckpointError(f"{f}: not a safetensors file (its header is not JSON); {fix}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{f}: not a safetensors file (its header is not a JSON object); {fix}")
+    ends = [t["data_offsets"][1] for k, t in header.items()
+            if k != "__metadata__" and isinstance(t, dict) and len(t.get("data_offsets") or ()) == 2]
+    want = 8 + n + max(ends, default=0)
+    if want != size:
+        what = "truncated" if want > size else "has trailing bytes"
+        raise CheckpointError(f"{f}: {what}: its header needs {want} bytes, the file has {size}; {fix}")
+
+
+def check_dir(path: str | Path, role: str, families: tuple[str, ...] | None = None) -> str:
+    """Refuse a checkpoint directory that no loader should see, with one line naming the file and
+    the fix: missing, no or broken config.json, a required key missing, a broken safetensors. Returns
+    its family (a REQUIRED key). role names the option (--target) in messages; families, if given,
+    are the ones this role takes."""
+    p = Path(path)
+    if not p.is_dir():
+        raise CheckpointError(f"{role} {p}: {'not a directory' if p.exists() else 'no such directory'}; "
+                              "give the checkpoint directory (the folder holding config.json)")
+    cfg = read_config(p)
+    fam = family(cfg)
+    if fam is None or (families is not None and fam not in families):
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
+        seen = (f"model_type {cfg.get('model_type')!r}"
+                + (f" (text_config {text.get('model_type')!r})" if text.get("model_type") else "")
+                + f", architectures {cfg.get('architectures')}")
+        what = f"a {LABELS[fam]} checkpoint, not a {role} one" if fam else "not a checkpoint spec-parity reads"
+        raise CheckpointError(f"{p / 'config.json'}: {seen}: {what}; {role} takes a "
+                              f"{' or '.join(LABELS[f] for f in families or REQUIRED)}")
+    text_level = cfg["text_config"] if fam in TARGETS and isinstance(cfg.get("text_config"), dict) else cfg
+    missing = [k for k in REQUIRED[fam] if not any(_has(text_level, alt) for alt in k.split("|"))]
+    if missing:
+        where = " in text_config" if text_level is not cfg else ""
+        keys = ", ".join(k.replace("|", " (or ") + ")" * ("|" in k) for k in missing)
+        raise CheckpointError(f"{p / 'config.json'}: this {LABELS[fam]} config lacks {keys}{where}; add it as "
+                              "the checkpoint was trained (loaders would default it, each differently)")
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{p}: no *.safetensors beside config.json; copy the checkpoint's weights there")
+    for f in files:
+        check_safetensors(f)
+    return fam
+
+
 def read_tensors(path: Path) -> dict[str, mx.array]:
     weights = {}
     for f in sorted(Path(path).glob("*.safetensors")):
-        weights.update(mx.load(str(f)))
+        try:
+            weights.update(mx.load(str(f)))
+        except (RuntimeError, ValueError) as e:
+            check_safetensors(f)  # names what is wrong with the file, if it can
+            raise CheckpointError(f"{f}: cannot be read as safetensors ({e}); re-download or re-save the checkpoint") from e
     return weights
 
 

@@ -15,6 +15,37 @@ import numpy as np
 from . import goldens, harness, ports, report
 
 
+class BadInput(Exception):
+    """A command-line input the run cannot use: one line naming it and the fix, exit 2."""
+
+
+def _bad_input_errors() -> tuple[type[Exception], ...]:
+    """What main() reports as bad input: the refusals of our loaders and readers. Only modules
+    already imported are looked at (one that was not imported raised nothing)."""
+    refusals = {"port.checkpoint": "CheckpointError", "port.ab": "PromptsError", "port.assistant": "DrafterError",
+                "port.dspark": "DSparkError", "port.dflash": "DFlashError"}
+    return (BadInput, *(getattr(sys.modules[m], n) for m, n in refusals.items() if m in sys.modules))
+
+
+def _preflight(args, drafters: tuple[str, ...] = ()) -> None:
+    """Checks every checkpoint directory the command names and --out before the first case runs
+    (a bad --out was found only after the last case)."""
+    from port import checkpoint
+
+    if getattr(args, "target", None):
+        checkpoint.check_dir(args.target, "--target", checkpoint.TARGETS)
+    for opt in drafters:
+        if getattr(args, opt, None):
+            checkpoint.check_dir(getattr(args, opt), f"--{opt}",
+                                 tuple(f for f in checkpoint.REQUIRED if f not in checkpoint.TARGETS))
+    if getattr(args, "out", None):
+        try:
+            report.check_writable(Path(args.out))
+        except OSError as e:
+            raise BadInput(f"--out {args.out}: cannot be written ({e.strerror or e}); "
+                           "give a folder you can write (it is created if missing)") from e
+
+
 def _select(args) -> list:
     modules = [args.module] if getattr(args, "module", None) else list(harness.PAIRS)
     cases = harness.all_cases(modules)
@@ -24,18 +55,18 @@ def _select(args) -> list:
         try:
             cases = real.cases(args.target, getattr(args, "drafter", None), cases)
         except real.RealError as e:
-            sys.exit(f"spec-parity: {e}")
+            raise BadInput(str(e)) from e
         runnable = [c for c in cases if c.tier == "L3" or harness.pair(c.module).oracle_status(harness.oracle_name(c)) is None]
         for c in cases:
             if c not in runnable:
                 print(f"skipped {c.id}: {harness.pair(c.module).oracle_status(harness.oracle_name(c))}", file=sys.stderr)
         cases = runnable
     elif getattr(args, "drafter", None):
-        sys.exit("spec-parity: --drafter DIR needs --target DIR (the target it drafts for)")
+        raise BadInput("--drafter DIR needs --target DIR (the target it drafts for)")
     if getattr(args, "case", None):
         cases = [c for c in cases if args.case in (c.name, c.golden_name)]
         if not cases:
-            sys.exit(f"no case named {args.case!r}; see `spec-parity list`")
+            raise BadInput(f"--case {args.case!r}: no case of that name; `spec-parity list` shows them")
     return cases
 
 
@@ -51,21 +82,24 @@ def _ports(args) -> None:
     try:
         ports.configure(args.port, args.port_cmd, [args.module] if args.module else None)
     except ports.PortError as e:
-        sys.exit(f"spec-parity: {e}")
+        raise BadInput(str(e)) from e
 
 
 def cmd_run(args) -> int:
+    _preflight(args, ("drafter",))
     _ports(args)
     cases = _select(args)
     rows, t0 = [], time.time()
-    for i, case in enumerate(cases):
-        report.progress(i, len(cases), case.id)
-        try:
-            result = harness.evaluate(case, args.source)
-        except Exception as e:  # a case that cannot run is a failure with its reason, not a crash
-            result = harness.Result(case.module, case.name, "-", case.tier, verdict="ERROR", reason=str(e))
-        rows.append((result, case.expect))
-    report.progress(len(cases), len(cases), "done")
+    with report.Progress(len(cases)) as bar:
+        for case in cases:
+            bar.start(case.id)
+            try:
+                result = harness.evaluate(case, args.source)
+            except Exception as e:  # a case that cannot run is a failure with its reason, not a crash
+                result = harness.Result(case.module, case.name, "-", case.tier, verdict="ERROR",
+                                        reason=f"{type(e).__name__}: {e}")
+            rows.append((result, case.expect))
+            bar.done(case.id, result.shown_verdict)
     header = f"{_header()}; ports: {ports.describe()}; {len(cases)} cases in {time.time() - t0:.1f} s"
     print(report.table(rows))
     out = Path(args.out)
@@ -87,12 +121,13 @@ def cmd_export(args) -> int:
 
     out = Path(args.out)
     cases = [c for c in _select(args) if not c.control]
-    for i, case in enumerate(cases):
-        report.progress(i, len(cases), case.id)
-        ref, _, _ = harness.reference(case, args.source)
-        expected = harness.port_run(case, ref)
-        exchange.write_case(harness.request(case, ref), out / case.module / case.name, expected)
-    report.progress(len(cases), len(cases), "done")
+    with report.Progress(len(cases)) as bar:
+        for case in cases:
+            bar.start(case.id)
+            ref, _, _ = harness.reference(case, args.source)
+            expected = harness.port_run(case, ref)
+            exchange.write_case(harness.request(case, ref), out / case.module / case.name, expected)
+            bar.done(case.id, "written")
     print(f"{len(cases)} case folders in {out}/ (answer one with `CMD {{case}} {{out}}`, see docs/protocol.md)")
     return 0
 
@@ -150,9 +185,16 @@ def cmd_measure(args) -> int:
 def cmd_ab(args) -> int:
     """Paired drafter A/B through the serve loop at T=0: prints the report (JSON with --json).
     Exit 0 on PASS, 1 on FAIL."""
-    from port import ab
+    from port import ab, checkpoint
 
-    cfg = json.loads((Path(args.target) / "config.json").read_text())
+    _preflight(args, ("a", "b"))
+    if args.json:
+        try:
+            report.check_writable(Path(args.json).resolve().parent)
+        except OSError as e:
+            raise BadInput(f"--json {args.json}: its folder cannot be written ({e.strerror or e}); "
+                           "give a path you can write") from e
+    cfg = checkpoint.read_config(Path(args.target))
     prompts = ab.read_prompts(args.prompts, (cfg.get("text_config") or cfg).get("vocab_size"))
     a_results, b_results = ab.run_ab(args.target, args.a, args.b, prompts, gamma=args.gamma,
                                      max_tokens=args.max_tokens)
@@ -223,23 +265,36 @@ def cmd_bisect(args) -> int:
 
 
 def main(argv=None) -> int:
+    debug = dict(action="store_true", help="on bad input, the traceback instead of the one-line message "
+                 "(default: off, the one line and exit 2)")
     ap = argparse.ArgumentParser(prog="spec-parity", description=__doc__)
+    ap.add_argument("--debug", **debug)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    run = sub.add_parser("run", help="run the parity matrix; non-zero exit on any unexpected verdict")
-    run.add_argument("--module")
-    run.add_argument("--case")
-    run.add_argument("--out", default="parity-report")
+    run = sub.add_parser("run", help="run the parity matrix; non-zero exit on any unexpected verdict",
+                         description="Run the parity matrix: each case's port against its reference at "
+                         "its tier. Exit 0 when every verdict is as expected (controls must FAIL), 1 "
+                         "otherwise, 2 on bad input (a one-line message naming it and the fix).")
+    run.add_argument("--module", choices=harness.PAIRS,
+                     help="only this module's cases (default: every module)")
+    run.add_argument("--case", help="only the case of this name, or the cases sharing this golden "
+                     "(default: every case; `spec-parity list` names them)")
+    run.add_argument("--out", default="parity-report",
+                     help="folder for report.md, report.json, layers.png; created if missing, checked "
+                     "writable before the first case, earlier report files replaced (default: parity-report)")
     run.add_argument("--source", choices=("auto", "live", "golden"), default="auto",
-                     help="reference outputs: live oracle, stored goldens, or live where available")
+                     help="reference outputs: live oracle, stored goldens, or live where available "
+                     "(default: auto)")
     run.add_argument("--target", help="a real target checkpoint directory: the cases that apply to it (and to "
-                     "--drafter), live references only (default: the built-in tiny checkpoints)")
+                     "--drafter), live references only (default: none, the built-in tiny checkpoints)")
     run.add_argument("--drafter", help="a real drafter checkpoint directory: its family (assistant, DSpark, DFlash, "
                      "DSpark-on-DFlash) is read off its config.json (default: none, the target's own cases)")
     run.add_argument("--port", action="append", metavar="MODULE=SPEC",
                      help="run MODULE's cases on another port: SPEC is pkg.module:make_port or a name registered "
                           "in the spec_parity.ports entry points (repeatable; default: our own ports)")
     run.add_argument("--port-cmd", metavar="CMD", help='a port in any language: run CMD per case, e.g. '
-                     '"./my-port {case} {out}" (the file protocol, docs/protocol.md); with --module, that module only')
+                     '"./my-port {case} {out}" (the file protocol, docs/protocol.md); with --module, that module '
+                     'only (default: none)')
+    run.add_argument("--debug", default=argparse.SUPPRESS, **debug)
     run.set_defaults(fn=cmd_run)
     ex = sub.add_parser("export", help="write each case as a folder for an out-of-process port (--port-cmd)")
     ex.add_argument("--module")
@@ -271,6 +326,7 @@ def main(argv=None) -> int:
     abp.add_argument("--max-drop-pts", type=float, default=3,
                      help="largest acceptance drop of B vs A, absolute points, that still passes")
     abp.add_argument("--json", help="also write the report (with per-prompt results) to this JSON file")
+    abp.add_argument("--debug", default=argparse.SUPPRESS, **debug)
     abp.set_defaults(fn=cmd_ab)
     bp = sub.add_parser("bench", help="speed: our drafters vs the peers vs the bandwidth floor (JSON, Markdown, PNG)")
     bp.add_argument("--shapes", choices=("tiny", "real"), default="tiny",
@@ -313,7 +369,13 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     args.argv = argv
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except Exception as e:
+        if args.debug or not isinstance(e, _bad_input_errors()):
+            raise
+        print(f"spec-parity {args.cmd}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -49,8 +49,15 @@ class Result:
     def to_json(self) -> dict:
         return json.loads(json.dumps(asdict(self), default=_jsonable))
 
+    @property
+    def shown_verdict(self) -> str:
+        """The verdict as reports show it: a failure from NaN/Inf says so."""
+        nonfinite = any(isinstance(m, dict) and str(m.get("error", "")).startswith("non-finite")
+                        for m in self.metrics.values())
+        return f"{self.verdict} non-finite" if nonfinite and self.verdict != "PASS" else self.verdict
+
     def message(self) -> str:
-        lines = [f"[{self.verdict}] {self.module}/{self.case} vs {self.oracle} at {self.tier} "
+        lines = [f"[{self.shown_verdict}] {self.module}/{self.case} vs {self.oracle} at {self.tier} "
                  f"({TIERS.get(self.tier, '?')})"]
         if self.reason:
             lines.append(f"  reason: {self.reason}")
@@ -63,7 +70,7 @@ class Result:
     def markdown_row(self) -> str:
         worst = max((m.get("max_abs", 0.0) for m in self.metrics.values()
                      if isinstance(m, dict) and isinstance(m.get("max_abs"), float)), default=0.0)
-        return (f"| {self.module} | {self.case} | {self.oracle} | {self.tier} | {self.verdict} | "
+        return (f"| {self.module} | {self.case} | {self.oracle} | {self.tier} | {self.shown_verdict} | "
                 f"{worst:.2e} | {self.reason.replace('|', '/')} |")
 
 
@@ -84,6 +91,8 @@ def _brief(m) -> str:
 
 
 def _fmt(v) -> str:
+    if v is None:
+        return "none"
     return f"{v:.3e}" if isinstance(v, float) else str(v)
 
 
@@ -96,30 +105,52 @@ def ulp(x: np.ndarray, dtype) -> np.ndarray:
     return np.spacing(x.astype(np.dtype(str(dtype)))).astype(np.float64)
 
 
+MASKED = -1e29
+"""Logits at or below this are a mask, not a score: a centroid head's -1e30 (port/assistant.py,
+optiq) or transformers' finfo.min. Both sides masked: left out of max|Δ|; one side only: a mismatch."""
+
+
+def _nonfinite(p: np.ndarray, r: np.ndarray) -> str | None:
+    """The error when either side holds NaN/Inf: they never pass, even where both sides agree."""
+    counts = []
+    for side, x in (("port", p), ("reference", r)):
+        x = x if x.dtype.kind in "biu" else x.astype(np.float64)
+        if x.dtype.kind == "f" and not np.isfinite(x).all():
+            counts.append(f"{side} {int(np.isnan(x).sum())} NaN, {int(np.isinf(x).sum())} Inf")
+    return f"non-finite values ({'; '.join(counts)} of {r.size}): NaN/Inf never pass" if counts else None
+
+
+def _shape_error(p: np.ndarray, r: np.ndarray) -> str:
+    return f"shape {list(p.shape)} vs {list(r.shape)} (port vs reference)"
+
+
 def tensor_metrics(port, ref, budget: Budget, dtype="float32", first_n: int = 5) -> dict:
     """Compare two tensors under `budget` (|p - r| <= atol + rtol·|r|, torch.testing's rule).
 
-    NaN/Inf pass only where both sides hold the identical non-finite value.
+    Any NaN/Inf on either side fails ("non-finite"), even where both sides hold the same value: a
+    NaN weight makes every logit NaN on both sides, and that is not parity. Masked logits (MASKED)
+    must be masked on both sides and are left out of the error figures.
     """
     p = np.asarray(port, np.float64)
     r = np.asarray(ref, np.float64)
     m: dict = {"shape": list(r.shape), "budget": budget.describe()}
     if p.shape != r.shape:
-        m.update(ok=False, error=f"shape {list(p.shape)} != reference {list(r.shape)}")
+        m.update(ok=False, error=_shape_error(p, r))
         return m
     finite = np.isfinite(p) & np.isfinite(r)
-    same_nonfinite = ~np.isfinite(p) & ~np.isfinite(r) & ((p == r) | (np.isnan(p) & np.isnan(r)))
+    masked_p, masked_r = finite & (p <= MASKED), finite & (r <= MASKED)
+    scored = finite & ~masked_p & ~masked_r
     with np.errstate(invalid="ignore"):
-        diff = np.where(finite, np.abs(p - r), np.inf)
-    diff = np.where(same_nonfinite, 0.0, diff)
-    bad = ~(diff <= budget.atol + budget.rtol * np.where(finite, np.abs(r), 0.0))
+        diff = np.where(scored, np.abs(p - r), np.inf)
+    diff = np.where(masked_p & masked_r, 0.0, diff)
+    bad = ~(diff <= budget.atol + budget.rtol * np.where(scored, np.abs(r), 0.0))
     n_bad = int(bad.sum())
-    fin = finite
-    pf, rf = p[fin], r[fin]
+    pf, rf = p[scored], r[scored]
     denom = float(np.sum(rf * rf))
+    nonfinite = _nonfinite(p, r)
     m.update(
-        ok=n_bad == 0,
-        max_abs=float(diff.max()) if diff.size else 0.0,
+        ok=n_bad == 0 and nonfinite is None,
+        max_abs=float(np.abs(pf - rf).max()) if pf.size else 0.0,
         max_rel=float(np.max(np.abs(pf - rf) / np.maximum(np.abs(rf), 1e-30))) if pf.size else 0.0,
         mismatch=n_bad,
         mismatch_pct=100.0 * n_bad / max(r.size, 1),
@@ -131,18 +162,34 @@ def tensor_metrics(port, ref, budget: Budget, dtype="float32", first_n: int = 5)
         nonfinite_port=int((~np.isfinite(p)).sum()),
         nonfinite_ref=int((~np.isfinite(r)).sum()),
     )
+    if int((masked_p != masked_r).sum()):
+        m["masked_mismatch"] = int((masked_p != masked_r).sum())
+    if nonfinite:  # max|Δ| of a NaN is no number: inf, so that no figure reads as agreement
+        m.update(error=nonfinite, max_abs=float("inf"))
     return m
 
 
 def bit_exact(port, ref) -> dict:
-    """L1: identical dtype, shape and bytes."""
+    """L1: identical dtype, shape and bytes, and finite (NaN/Inf never pass, as in tensor_metrics).
+    max_abs leaves out logits masked on both sides (MASKED)."""
     p, r = np.asarray(port), np.asarray(ref)
     same = p.dtype == r.dtype and p.shape == r.shape and p.tobytes() == r.tobytes()
-    m = {"ok": bool(same), "dtype": [str(p.dtype), str(r.dtype)]}
-    if not same and p.shape == r.shape:
-        diff = p.astype(np.float64) != r.astype(np.float64)
+    nonfinite = _nonfinite(p, r) if p.shape == r.shape else None
+    m = {"ok": bool(same) and nonfinite is None, "dtype": [str(p.dtype), str(r.dtype)]}
+    if p.shape != r.shape:
+        m["error"] = _shape_error(p, r)
+    elif not same:
+        pd, rd = p.astype(np.float64), r.astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            diff = ~((pd == rd) | (np.isnan(pd) & np.isnan(rd)))
+            scored = np.isfinite(pd) & np.isfinite(rd) & (pd > MASKED) & (rd > MASKED)
         m.update(mismatch=int(diff.sum()), first_mismatch=[list(map(int, ix)) for ix in np.argwhere(diff)[:5]],
-                 max_abs=float(np.nanmax(np.abs(p.astype(np.float64) - r.astype(np.float64)))))
+                 max_abs=float(np.abs(pd - rd)[scored].max()) if scored.any() else 0.0)
+        masked = int(((pd <= MASKED) != (rd <= MASKED)).sum())
+        if masked:
+            m["masked_mismatch"] = masked
+    if nonfinite:
+        m.update(error=nonfinite, max_abs=float("inf"))
     return m
 
 
@@ -205,8 +252,8 @@ def trace_metrics(port_trace, ref_trace) -> dict:
         d = min(len(p), len(r))
     m = {"rounds": [len(p), len(r)], "first_differing_round": d, "ok": d is None}
     if d is not None:
-        m["port_round"] = list(p[d]) if d < len(p) else None
-        m["ref_round"] = list(r[d]) if d < len(r) else None
+        m["port_round"] = list(p[d]) if d < len(p) else "end of trace"
+        m["ref_round"] = list(r[d]) if d < len(r) else "end of trace"
     return m
 
 
@@ -219,6 +266,16 @@ def check_tensor(result: Result, name: str, port, ref, module: str, quantity: st
         m = tensor_metrics(port, ref, budget_for(module, quantity, dtype), dtype)
     result.metrics[name] = m
     if not m["ok"]:
-        result.fail(f"{name}: " + (m.get("error") or f"{m.get('mismatch')} elements outside {m.get('budget', 'bit-exactness')}"
-                                   f" (max_abs {m.get('max_abs', float('nan')):.3e})"), finding)
+        result.fail(f"{name}: {failure(m)}", finding)
     return m
+
+
+def failure(m: dict) -> str:
+    """One tensor comparison's failure in words (no None, no sentinel-sized max|Δ|)."""
+    if m.get("error"):
+        return m["error"]
+    if m.get("dtype") and m["dtype"][0] != m["dtype"][1] and not m.get("mismatch"):
+        return f"dtype {m['dtype'][0]} vs {m['dtype'][1]} (port vs reference)"
+    masked = f", {m['masked_mismatch']} masked on one side only" if m.get("masked_mismatch") else ""
+    return (f"{m.get('mismatch', 0)} elements outside {m.get('budget', 'bit-exactness')}{masked} "
+            f"(max_abs {m.get('max_abs', 0.0):.3e})")

@@ -57,12 +57,16 @@ def test_nonfinite_never_equal_to_finite(bad):
     assert not tensor_metrics(ref, port, Budget(1.0, 1.0))["ok"]
 
 
-def test_nan_vs_nan_and_same_inf_are_identical_but_opposite_inf_is_not():
-    a = np.array([1.0, np.nan, np.inf])
-    assert tensor_metrics(a.copy(), a, FP32)["ok"]
-    b = a.copy()
-    b[2] = -np.inf
-    assert not tensor_metrics(b, a, FP32)["ok"]
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_fails_even_when_both_sides_agree(bad):
+    """A NaN weight makes both sides NaN everywhere: agreement on NaN/Inf is not parity."""
+    a = np.array([1.0, bad, 2.0], np.float32)
+    for m in (tensor_metrics(a.copy(), a, FP32), bit_exact(a.copy(), a)):
+        assert not m["ok"] and m["error"].startswith("non-finite") and m["max_abs"] == np.inf
+        assert ("NaN" if np.isnan(bad) else "Inf") in m["error"]
+    r = Result("m", "c", "o", "L2")
+    check_tensor(r, "logits", a.copy(), a, "m", "logits")
+    assert r.verdict == "FAIL" and r.shown_verdict == "FAIL non-finite" and "non-finite" in r.message()
 
 
 def test_shape_mismatch_fails():

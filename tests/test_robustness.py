@@ -1,0 +1,257 @@
+"""Bad input on the command line: one line on stderr naming the file (or option) and the fix, exit
+2, no traceback (`--debug` shows it); NaN in a weight never passes.
+
+BAD_INPUTS is also docs/robustness.md's table: `PYTHONPATH=$PWD python tests/test_robustness.py`
+runs every input through `spec_parity.cli.main` and prints the table's rows, and
+test_docs_table_is_current holds the document to what the runs print.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from spec_parity import checkpoints, cli, harness
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "robustness.md"
+
+
+def _copy(kind: str, tmp: Path, name: str) -> Path:
+    dst = tmp / name
+    if not dst.exists():
+        shutil.copytree(checkpoints.build(kind, 0, {}), dst)
+    return dst
+
+
+def _edit_config(d: Path, drop: str) -> Path:
+    """Remove one key (dotted: nested) from d/config.json."""
+    cfg = json.loads((d / "config.json").read_text())
+    parts, node = drop.split("."), cfg
+    for part in parts[:-1]:
+        node = node[part]
+    del node[parts[-1]]
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def _truncate(d: Path) -> Path:
+    f = d / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    return d
+
+
+def _prompts(tmp: Path, data: bytes) -> Path:
+    f = tmp / "prompts.txt"
+    f.write_bytes(data)
+    return f
+
+
+def _ab(tmp: Path, prompts: Path | None = None, a: Path | None = None, b: Path | None = None, *extra) -> list[str]:
+    target = _copy("gemma4-target", tmp, "gemma4-target")
+    drafter = _copy("gemma4-assistant", tmp, "assistant")
+    prompts = prompts or _prompts(tmp, b"2 17 33\n")
+    return ["ab", "--target", str(target), "--a", str(a or drafter), "--b", str(b or drafter),
+            "--prompts", str(prompts), *extra]
+
+
+def _target_file(tmp: Path) -> Path:
+    (tmp / "a-file").write_text("x")
+    return tmp / "a-file"
+
+
+# (what, argv builder, strings the one line must name). Every builder works in its own tmp folder.
+BAD_INPUTS = [
+    ("missing --target directory", lambda t: ["run", "--target", str(t / "no-such-dir")],
+     ["no-such-dir", "no such directory", "give the checkpoint directory"]),
+    ("--target is a file", lambda t: ["run", "--target", str(_target_file(t))], ["a-file", "not a directory"]),
+    ("--target without config.json", lambda t: ["run", "--target", str(t)], ["config.json: missing", "point at the checkpoint"]),
+    ("config.json not JSON", lambda t: ["run", "--target", str(_broken_json(t))], ["config.json", "not valid JSON"]),
+    ("qwen3 config.json lacks rope_theta", lambda t: ["run", "--target", str(
+        _edit_config(_copy("qwen3-target", t, "q"), "rope_theta"))], ["q/config.json", "lacks rope_theta (or rope_parameters)", "add it"]),
+    ("gemma4 config.json lacks sliding_window", lambda t: ["run", "--target", str(
+        _edit_config(_copy("gemma4-target", t, "g"), "sliding_window"))], ["config.json", "sliding_window"]),
+    ("assistant config.json lacks text_config.sliding_window", lambda t: _ab(
+        t, a=_edit_config(_copy("gemma4-assistant", t, "bad-assistant"), "text_config.sliding_window")),
+     ["bad-assistant/config.json", "text_config.sliding_window"]),
+    ("DSpark config.json lacks block_size", lambda t: ["run", "--target", str(_copy("gemma4-target", t, "g")),
+                                                       "--drafter", str(_edit_config(_copy("dspark-drafter", t, "ds"), "block_size"))],
+     ["ds/config.json", "block_size"]),
+    ("DFlash config.json lacks dflash_config.mask_token_id", lambda t: _ab(
+        t, b=_edit_config(_copy("dflash-drafter", t, "df"), "dflash_config.mask_token_id")),
+     ["df/config.json", "dflash_config.mask_token_id"]),
+    ("--target that is a drafter", lambda t: ["run", "--target", str(_copy("gemma4-assistant", t, "assistant"))],
+     ["a Gemma-4 assistant checkpoint, not a --target one", "gemma4_assistant"]),
+    ("truncated target safetensors", lambda t: ["run", "--target", str(_truncate(_copy("qwen3-target", t, "q")))],
+     ["q/model.safetensors", "truncated", "re-download"]),
+    ("garbage target safetensors", lambda t: ["run", "--target", str(_garbage(_copy("qwen3-target", t, "q")))],
+     ["q/model.safetensors", "not a safetensors file"]),
+    ("truncated drafter safetensors", lambda t: _ab(t, a=_truncate(_copy("gemma4-assistant", t, "cut"))),
+     ["cut/model.safetensors", "truncated"]),
+    ("no safetensors beside config.json", lambda t: ["run", "--target", str(_no_weights(_copy("qwen3-target", t, "q")))],
+     ["no *.safetensors", "copy the checkpoint's weights"]),
+    ("--out is a file", lambda t: ["run", "--module", "targets", "--case", "qwen3", "--out", str(_target_file(t))],
+     ["--out", "a-file", "cannot be written"]),
+    ("--out below a file", lambda t: ["run", "--module", "targets", "--case", "qwen3", "--out",
+                                      str(_target_file(t) / "report")], ["--out", "Not a directory"]),
+    ("--case that does not exist", lambda t: ["run", "--case", "no-such-case"], ["no-such-case", "spec-parity list"]),
+    ("ab prompts file is binary", lambda t: _ab(t, _prompts(t, bytes(range(256)))), ["prompts.txt", "binary"]),
+    ("ab prompts with a NUL byte", lambda t: _ab(t, _prompts(t, b"1 2\x003\n")), ["prompts.txt", "binary", "NUL"]),
+    ("ab prompt id out of vocabulary", lambda t: _ab(t, _prompts(t, b"1 2 3\n5 128 9\n")),
+     ["prompts.txt:2", "[128]", "0..127"]),
+    ("ab prompt id negative", lambda t: _ab(t, _prompts(t, b"1 -4 3\n")), ["prompts.txt:1", "[-4]", "0..127"]),
+    ("ab prompt not integers", lambda t: _ab(t, _prompts(t, b"hello world\n")), ["prompts.txt:1", "token ids"]),
+    ("ab prompts file empty", lambda t: _ab(t, _prompts(t, b"# only a comment\n\n")), ["prompts.txt", "no prompts"]),
+    ("ab prompts file missing", lambda t: _ab(t, t / "none.txt"), ["none.txt", "cannot be read"]),
+    ("ab --json in a folder that is a file", lambda t: _ab(t, None, None, None, "--json", str(_target_file(t) / "r.json")),
+     ["--json", "cannot be written"]),
+]
+
+
+def _broken_json(t: Path) -> Path:
+    d = t / "broken"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "qwen3",')
+    return d
+
+
+def _garbage(d: Path) -> Path:
+    (d / "model.safetensors").write_bytes(b"this is not a tensor file " * 8)
+    return d
+
+
+def _no_weights(d: Path) -> Path:
+    (d / "model.safetensors").unlink()
+    return d
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def outcomes(tmp_root: Path) -> dict[str, tuple[int, str, str]]:
+    """Every BAD_INPUTS entry run once, each in its own folder under tmp_root."""
+    done = {}
+    for i, (what, build, _) in enumerate(BAD_INPUTS):
+        t = tmp_root / f"in{i:02d}"
+        t.mkdir(parents=True)
+        done[what] = run_cli(build(t))
+    return done
+
+
+def doc_row(what: str, rc: int, err: str, tmp_root: Path) -> str:
+    """The table row, with this machine's folders written as $TMP and the factory's cache."""
+    msg = re.sub(r"\$TMP/in\d\d", "$TMP", err.strip().replace(str(tmp_root), "$TMP"))
+    return f"| {what} | `{msg.replace('|', '/')}` | {rc} |"
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad-input")
+    return root, outcomes(root)
+
+
+@pytest.mark.parametrize("what,needs", [(w, n) for w, _, n in BAD_INPUTS], ids=[w for w, _, _ in BAD_INPUTS])
+def test_bad_input_is_one_line_exit_2(ran, what, needs):
+    _, results = ran
+    rc, out, err = results[what]
+    assert rc == 2, (rc, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("spec-parity "), err
+    assert "Traceback" not in err + out and out == "", (out, err)
+    for s in needs:
+        assert s in err, (s, err)
+
+
+def test_docs_table_is_current(ran):
+    root, results = ran
+    text = DOC.read_text()
+    for what, (rc, _, err) in results.items():
+        assert doc_row(what, rc, err, root) in text, f"docs/robustness.md is stale: {doc_row(what, rc, err, root)}"
+
+
+def test_out_is_checked_before_the_first_case(tmp_path, monkeypatch):
+    ran_cases = []
+    monkeypatch.setattr(harness, "evaluate", lambda case, source: ran_cases.append(case))
+    rc, _, err = run_cli(["run", "--module", "targets", "--case", "qwen3", "--out", str(_target_file(tmp_path))])
+    assert rc == 2 and "--out" in err and ran_cases == []
+
+
+def test_every_factory_kind_passes_the_preflight():
+    """The preflight refuses no checkpoint the project builds."""
+    from port import checkpoint
+
+    for kind in checkpoints.KINDS:
+        assert checkpoint.check_dir(checkpoints.build(kind, 0, {}), "--x") in checkpoint.REQUIRED
+
+
+def test_required_table_is_load_bearing(tmp_path, monkeypatch):
+    """Negative control: with qwen3's required keys gone the missing rope_theta is not refused."""
+    from port import checkpoint
+
+    d = _edit_config(_copy("qwen3-target", tmp_path, "q"), "rope_theta")
+    with pytest.raises(checkpoint.CheckpointError, match="rope_theta"):
+        checkpoint.check_dir(d, "--target")
+    monkeypatch.setitem(checkpoint.REQUIRED, "qwen3", ())
+    assert checkpoint.check_dir(d, "--target") == "qwen3"
+
+
+def test_debug_shows_the_traceback_and_the_process_exits_2(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "spec_parity.cli", "run", "--target", str(tmp_path / "none")]
+    plain = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=ROOT)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr and len(plain.stderr.strip().splitlines()) == 1
+    debug = subprocess.run(argv[:3] + ["--debug"] + argv[3:], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "CheckpointError" in debug.stderr
+
+
+def test_read_tensors_names_the_broken_file(tmp_path):
+    from port import checkpoint
+
+    d = _truncate(_copy("gemma4-assistant", tmp_path, "a"))
+    with pytest.raises(checkpoint.CheckpointError, match=r"a/model\.safetensors: truncated"):
+        checkpoint.read_tensors(d)
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_nan_weight_fails_non_finite(tmp_path):
+    """A NaN in one target weight makes every later value NaN on both sides: FAIL non-finite,
+    exit 1, and report.md says so. (It passed, exit 0, when equal NaNs counted as agreement.)"""
+    from safetensors.numpy import load_file, save_file
+
+    pytest.importorskip("transformers")
+    d = _copy("qwen3-target", tmp_path, "nan-target")
+    tensors = load_file(d / "model.safetensors")
+    key = "model.layers.2.mlp.down_proj.weight"
+    tensors[key] = tensors[key].copy()
+    tensors[key][0, 0] = np.nan
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "report"
+    rc, stdout, _ = run_cli(["run", "--module", "targets", "--target", str(d), "--source", "live", "--out", str(out)])
+    assert rc == 1, stdout
+    assert "FAIL non-finite" in stdout
+    md = (out / "report.md").read_text()
+    assert "FAIL non-finite" in md and "NaN" in md and "NaN/Inf never pass" in md
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for what, (rc, _, err) in outcomes(Path(tmp)).items():
+            print(doc_row(what, rc, err, Path(tmp)))
