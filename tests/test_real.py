@@ -56,6 +56,7 @@ def test_a_directory_of_no_family_is_named(tmp_path):
 @pytest.mark.oracle
 @pytest.mark.parametrize("family", harness.slow_except(list(PAIRS), "dflash"))
 def test_every_family_by_path(family, live_oracle):
+    live_oracle(family.split("-")[0])
     results = _run(*_pair(family))
     assert results
     for case, r in results:
