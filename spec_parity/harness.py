@@ -6,7 +6,8 @@ A pair is a module in `spec_parity.pairs` exposing:
   cases() -> list[Case]    its built-in cases (controls included)
   oracle_status(oracle) -> str|None   None if that reference runs here, else what to install/set
   run_oracle(case) -> (arrays, provenance)
-  run_port(case, ref) -> arrays        (ref: the reference arrays, for teacher-forced modes)
+  run_port(case, ref) -> arrays        (ref: the reference arrays, for teacher-forced modes; a
+                           control's bug is planted around it: spec_parity.controls)
                            both functions of their arguments alone: `live` and `port_run` run
                            each once per process and key (spec_parity.shared)
   compare(case, port, ref, result)     fills the Result
@@ -18,7 +19,7 @@ import importlib
 import os
 from collections.abc import Iterable
 
-from . import goldens, shared
+from . import controls, goldens, shared
 from .case import Case
 from .compare import Result
 
@@ -65,11 +66,15 @@ def live(case: Case):
 
 
 def port_run(case: Case, ref: dict) -> dict:
-    """run_port(case, ref), once per process for each case and reference bytes (spec_parity.shared)."""
-    run = pair(case.module).run_port
+    """run_port(case, ref) under the case's control (spec_parity.controls), once per process for each
+    case and reference bytes (spec_parity.shared)."""
+    def run():
+        with controls.applied(case):
+            return pair(case.module).run_port(case, ref)
+
     if case.path:
-        return run(case, ref)
-    return shared.once(("port", shared.case_key(case), shared.digest(ref)), lambda: run(case, ref))
+        return run()
+    return shared.once(("port", shared.case_key(case), shared.digest(ref)), run)
 
 
 def params(cases: list[Case]) -> list:

@@ -28,8 +28,8 @@ from test_bucketed import (
 )
 from test_speed import PROMPT, SOURCES, _bits_equal
 
-from port import assistant, compiled, serve, targets
-from spec_parity import checkpoints, compare, harness, shared
+from port import assistant, serve, targets
+from spec_parity import checkpoints, compare, controls, harness, shared
 
 TOKENS = 40
 PLAIN = {None: "qwen3-target", "gemma4": "gemma4-target"}   # plain decoding through the loop (one row per verify)
@@ -123,12 +123,12 @@ def test_bucketed_verify_within_fp32_of_default(name):
 
 
 @pytest.mark.parametrize("name", harness.slow_except(LOOPS, None, "dflash"), ids=IDS)
-def test_planted_mask_off_by_one_fails_the_comparison(name, monkeypatch):
+def test_planted_mask_off_by_one_fails_the_comparison(name):
     """Negative control: the mask letting the first padded key through is caught (the prefill
     already: 12 prompt rows in a buffer of 16)."""
     _, _, plain = _default(name)
-    monkeypatch.setattr(compiled.VerifyCache, "extra", 1)
-    _, _, planted = _loop(name, BUCKET)
+    with controls.planted("serve", "verify_mask_off_by_one"):
+        _, _, planted = _loop(name, BUCKET)
     bad = _outside_fp32(planted[: len(plain)], plain[: len(planted)])
     assert bad and bad[0][0] == 0
 

@@ -32,7 +32,7 @@ Statistics (stated once, used everywhere):
   it and assert a bound: <= 2 % on the chain; end to end <= 5 % for the PIT test and <= 8 % for
   the sequence and per-position tests (the first token, a single conditional drawn before any
   draft, is the weakest: ~7.5 %; the sequence and drafted positions of the agreeing pair ~4 %).
-- Negative controls (planted bugs, port/sampling.py BUGS) must be REJECTED by the same tests at
+- Negative controls (planted bugs, spec_parity/controls/sampling.py) must be REJECTED by the same tests at
   the same ALPHA.
 
 Three layers:
@@ -53,6 +53,7 @@ Three layers:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import zlib
@@ -63,6 +64,7 @@ import pytest
 
 from port import assistant, dflash, dspark, sampling, serve, targets
 from spec_parity import checkpoints, harness
+from spec_parity.controls import planted, registry
 
 
 @functools.cache
@@ -331,11 +333,11 @@ def chain_exact(lp: np.ndarray, sampler: sampling.Sampler, start: int, n: int,
 
 
 def simulate(lp: np.ndarray, lq: np.ndarray, start: int, n: int, B: int, sampler: sampling.Sampler, mode: str,
-             gamma: int, seed: int, bugs=frozenset(), draft_sampler=None, bonus: bool = True) -> np.ndarray:
+             gamma: int, seed: int, draft_sampler=None, bonus: bool = True) -> np.ndarray:
     """B independent speculative-decoding streams over the chain, through the loop's own
     acceptance functions and samplers; returns the first n emitted tokens of each [B, n]."""
     keys = sampling.Keys(seed)
-    P = sampling.verify_sampler(sampler, frozenset(bugs)).probs(mx.array(lp))     # verify rows
+    P = sampling.verify_probs(sampler, mx.array(lp))     # verify rows
     Q = sampling.drafting_sampler(sampler, mode, draft_sampler).probs(mx.array(lq))
     first = sampler.probs(mx.array(lp[start]))
     cur = sampling.sample(mx.broadcast_to(first, (B, lp.shape[0])), keys.uniform((B,)))
@@ -357,7 +359,7 @@ def simulate(lp: np.ndarray, lq: np.ndarray, start: int, n: int, B: int, sampler
         if mode == "match":
             k, nxt = sampling.accept_match(d, p, keys.uniform((B, gamma + 1)))
         else:
-            k, nxt = sampling.accept_rejection(d, q, p, keys.uniform((B, gamma)), keys.uniform((B,)), frozenset(bugs))
+            k, nxt = sampling.accept_rejection(d, q, p, keys.uniform((B, gamma)), keys.uniform((B,)))
         k, nxt, dn = np.array(k), np.array(nxt), np.array(d)
         full = k == gamma
         new = np.concatenate([dn, np.zeros((B, 1), np.int64)], axis=1)
@@ -382,10 +384,10 @@ def _chain(agree: float = 0.6, seed: int = 0):
     return chain_logits(CHAIN["V"], seed, agree)
 
 
-def _chain_tests(sampler, mode, seed, bugs=frozenset(), draft_sampler=None, bonus=True, agree=0.6, B=None):
+def _chain_tests(sampler, mode, seed, draft_sampler=None, bonus=True, agree=0.6, B=None):
     lp, lq = _chain(agree)
     seqs = simulate(lp, lq, CHAIN["start"], CHAIN["n"], B or CHAIN["B"], sampler, mode, CHAIN["gamma"], seed,
-                    bugs, draft_sampler, bonus)
+                    draft_sampler, bonus)
     return stat_tests(seqs, chain_exact(lp, sampler, CHAIN["start"], CHAIN["n"]), CHAIN["V"])
 
 
@@ -407,10 +409,12 @@ def test_acceptance_rule_is_lossless_on_a_chain(name):
     assert_lossless(res, {"*": CHAIN_MAX_BIAS}, f"chain {name} ({time.perf_counter() - t0:.2f}s)")
 
 
-@pytest.mark.parametrize("bug", sorted(sampling.BUGS))
+@pytest.mark.parametrize("bug", sorted(registry("sampling")))
 def test_acceptance_rule_controls_are_rejected_on_a_chain(bug):
     sampler = sampling.Sampler(0.7)       # != 1, so the temperature bug has something to drop
-    assert_rejected(_chain_tests(sampler, "rejection", seed=7, bugs={bug}), f"chain control {bug}")
+    with planted("sampling", bug):
+        res = _chain_tests(sampler, "rejection", seed=7)
+    assert_rejected(res, f"chain control {bug}")
 
 
 
@@ -595,16 +599,18 @@ def test_speculative_output_distribution_smoke(source):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setup_name,source,N", CONTROLS, ids=[f"{c[0]}-{c[1]}" for c in CONTROLS])
-@pytest.mark.parametrize("bug", sorted(sampling.BUGS))
+@pytest.mark.parametrize("bug", sorted(registry("sampling")))
 def test_loop_controls_are_rejected(bug, setup_name, source, N):
-    res, _, label = e2e_tests(setup_name, source, "rejection", N, seed0=2000, bugs={bug})
+    with planted("sampling", bug):
+        res, _, label = e2e_tests(setup_name, source, "rejection", N, seed0=2000)
     assert_rejected(res, f"{label} control {bug}")
 
 
 @pytest.mark.slow
 def test_loop_control_temperature_smoke():
     """One control end to end in the default set: the loop's own verify-sampler path."""
-    res, _, label = e2e_tests("agreeing", "dspark", "rejection", 150, seed0=3000, bugs={"target_no_temperature"})
+    with planted("sampling", "target_no_temperature"):
+        res, _, label = e2e_tests("agreeing", "dspark", "rejection", 150, seed0=3000)
     assert_rejected(res, f"{label} control target_no_temperature")
 
 
@@ -823,12 +829,10 @@ def test_a_source_whose_drafts_are_not_its_picks_is_refused():
                            sampler=sampling.Sampler(3.0, seed=seed), mode="rejection")
 
 
-def test_unknown_mode_bug_and_sampler_values_are_refused():
+def test_unknown_mode_and_sampler_values_are_refused():
     target, _, k = setup("agreeing")
     with pytest.raises(sampling.SamplingError, match="unknown acceptance mode"):
         serve.generate(target, k["prompt"], 4, None, mode="typical")
-    with pytest.raises(sampling.SamplingError, match="unknown planted bug"):
-        serve.generate(target, k["prompt"], 4, None, bugs={"nope"})
     for bad in ({"temperature": -1.0}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(sampling.SamplingError):
             sampling.Sampler(**bad)
@@ -1044,19 +1048,20 @@ def test_acceptance_and_tau_match_optiqs_sampled_loop(live_oracle):
     theirs = run_statistics([[(d, a, a + 1) for d, a in rs] for rs in ref["rounds"]], cfg["gamma"], cfg["max_tokens"])
     assert (theirs["first"] == ref["first_accepted"]).all()       # the per-round read agrees with the old one
 
-    def ours(seed0: int, runs: int = R, **bug) -> dict[str, np.ndarray]:
+    def ours(seed0: int, runs: int = R, control=None) -> dict[str, np.ndarray]:
         rounds = []
-        for seed in range(seed0, seed0 + runs):
-            _, st = serve.generate(target, prompt, cfg["max_tokens"], provider, gamma=cfg["gamma"], eos=set(),
-                                   sampler=sampling.Sampler(cfg["temperature"], seed=seed), **bug)
-            rounds.append(st.trace)
+        with planted(*control) if control else contextlib.nullcontext():
+            for seed in range(seed0, seed0 + runs):
+                _, st = serve.generate(target, prompt, cfg["max_tokens"], provider, gamma=cfg["gamma"], eos=set(),
+                                       sampler=sampling.Sampler(cfg["temperature"], seed=seed))
+                rounds.append(st.trace)
         return run_statistics(rounds, cfg["gamma"], cfg["max_tokens"])
 
     t0 = time.process_time()
     mine = ours(10_000)
     t_ours = time.process_time() - t0
-    controls = {"bonus dropped": ours(20_000, cfg["control_runs"], bonus=False),
-                "target_no_temperature": ours(30_000, cfg["control_runs"], bugs={"target_no_temperature"})}
+    controls = {"bonus dropped": ours(20_000, cfg["control_runs"], ("serve", "bonus")),
+                "target_no_temperature": ours(30_000, cfg["control_runs"], ("sampling", "target_no_temperature"))}
     lines = [f"optiq {t_ref:.1f}s, ours {t_ours:.1f}s CPU for {R} requests each (controls {cfg['control_runs']}; "
              f"max_tokens {cfg['max_tokens']}, T {cfg['temperature']})"]
     failed, rejected = [], {c: [] for c in controls}

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import shared
+from .. import controls, shared
 from ..case import Case
 from ..compare import Result, check_tensor, stream_metrics, trace_metrics
 
@@ -35,14 +35,9 @@ STEP_PAIRS = [("gemma4", "centroid"), ("gemma4", "tied"), ("gemma4", "unified"),
               ("gemma4-keqv", "centroid"), ("gemma4-ple-kvshared", "tied")]
 TIER = {"optiq": "L1", "transformers": "L2"}
 
-# Planted bugs the step comparisons must catch (each against both oracles' goldens).
-STEP_CONTROLS = {
-    "scale": "attention scale 1/sqrt(d) instead of 1.0",
-    "position": "draft position off by one",
-    "window": "sliding window off by one (newest W entries instead of W-1)",
-    "donor": "wrong donor layer (the second-to-last sliding layer)",
-    "ordering": "centroid token ordering ignored",
-}
+# Planted bugs the step comparisons must catch (each against both oracles' goldens), from
+# spec_parity/controls/assistant.py.
+STEP_CONTROLS = ("scale", "position", "window", "donor", "ordering")
 
 
 def drafter_overrides(target: str, head: str) -> dict:
@@ -71,19 +66,14 @@ def step_case(target: str, head: str, oracle: str, control: str | None = None, c
               "convention": convention}
     ctl = None
     if control:
-        ctl = {"base": name, "what": STEP_CONTROLS[control], "bug": control}
+        ctl = controls.case_control(NAME, control, name)
         name = f"{name}-control-{control}"
     return Case(NAME, name, TIER[oracle], "gemma4-target", 0, TARGETS[target], params, dtype=dtype,
                 control=ctl, oracle=oracle)
 
 
-# Planted bugs in the serve loop, caught by the loop comparisons against optiq's spec_generate.
-LOOP_CONTROLS = {
-    "trim": ("trim one too few", {"trim_bias": 1}),
-    "eos": ("EOS emitted as content", {"emit_eos": True}),
-    "bonus": ("bonus token dropped on a full accept", {"bonus": False}),
-}
-
+# Planted bugs in the serve loop (spec_parity/controls/serve.py: trim, eos, bonus), caught by the
+# loop comparisons against optiq's spec_generate.
 
 def loop_case(head: str, gamma: int, drafter: str = "random", control: str | None = None, eos: int = -1) -> Case:
     """eos -1: no stop token, every case runs max_tokens; eos 1 (the config's): ends at EOS."""
@@ -94,8 +84,7 @@ def loop_case(head: str, gamma: int, drafter: str = "random", control: str | Non
               "drafter": [kind, 0, drafter_overrides("gemma4", head)]}
     ctl = None
     if control:
-        what, knobs = LOOP_CONTROLS[control]
-        ctl = {"base": name, "what": what, "bug": control, "knobs": knobs}
+        ctl = controls.case_control("serve", control, name)
         name = f"{name}-control-{control}"
     return Case(NAME, name, "L2", target, 0, {}, params, control=ctl, oracle="optiq")
 
@@ -197,25 +186,15 @@ def run_port(case: Case, ref: dict) -> dict:
     target = targets.load(case.checkpoint_dir(), _dtype(case))
     drafter = assistant.load(case.drafter_dir(), _dtype(case))
     assistant.check_pairing(drafter, target)
-    bug = case.control["bug"] if case.control else None
     inputs = step_inputs(case, target) if case.oracle == "optiq" else {k: v for k, v in ref.items() if k.startswith("in.")}
     dt = _dtype(case)
     donors = {f"{n}_attention": (mx.array(inputs[f"in.donor.{n}.k"]).astype(dt), mx.array(inputs[f"in.donor.{n}.v"]).astype(dt))
               for n in ("sliding", "full")}
-    if bug == "donor":
-        donors["sliding_attention"] = _second_to_last_sliding(case, target)
-    if bug == "scale":
-        for layer in drafter.model.layers:
-            layer.self_attn.scale = layer.self_attn.head_dim ** -0.5
-    if bug == "ordering":
-        drafter.masked_embedding.token_ordering = mx.arange(drafter.args.vocab_size, dtype=mx.int64)
     conv = CONVENTIONS[case.params["convention"]]
-    position = int(inputs["in.position"][0]) + (1 if bug == "position" else 0)
-    window = drafter.args.sliding_window if bug == "window" else conv["window"]
     steps = assistant.draft_chain(drafter, target, donors, int(inputs["in.anchor.token"][0]),
-                                  mx.array(inputs["in.anchor.hidden"]).astype(dt), position, case.params["gamma"],
-                                  positions=conv["positions"], window=window)
-    k, v = assistant.sliding_view(*donors["sliding_attention"], drafter.args.sliding_window, window)
+                                  mx.array(inputs["in.anchor.hidden"]).astype(dt), int(inputs["in.position"][0]),
+                                  case.params["gamma"], positions=conv["positions"], window=conv["window"])
+    k, v = assistant.sliding_view(*donors["sliding_attention"], drafter.args.sliding_window, conv["window"])
     out = {"anchor.token": inputs["in.anchor.token"], "anchor.hidden": inputs["in.anchor.hidden"],
            "donor.sliding_attention.k": _np(k), "donor.sliding_attention.v": _np(v),
            "donor.full_attention.k": _np(donors["full_attention"][0]),
@@ -234,11 +213,10 @@ def run_port_loop(case: Case) -> dict:
     from port import assistant, serve, targets
 
     target = targets.load(case.checkpoint_dir())
-    knobs = case.control["knobs"] if case.control else {}
     p, n = prompt(case), case.params["max_tokens"]
     eos = {case.params["eos"]}
     tokens, stats = serve.generate(target, p[0].tolist(), n, assistant.AssistantProvider(case.drafter_dir()),
-                                   gamma=case.params["gamma"], eos=eos, record=True, **knobs)
+                                   gamma=case.params["gamma"], eos=eos, record=True)
     plain, plain_logits = shared.greedy(case.checkpoint_dir(), p, n, eos)
     return {"stream.tokens": np.array(tokens, np.int32), "stream.trace": np.array(stats.trace, np.int32).reshape(-1, 3),
             "stream.stats": np.array([stats.drafted, stats.accepted, stats.target_calls, stats.emitted], np.int32),
@@ -279,18 +257,6 @@ def compare_loop(case: Case, port: dict, ref: dict, result: Result) -> None:
     acc = port["stream.stats"]
     result.metrics["acceptance"] = {"drafted": int(acc[0]), "accepted": int(acc[1]),
                                     "rate": float(acc[1] / acc[0]) if acc[0] else 0.0, "ok": True}
-
-
-def _second_to_last_sliding(case: Case, target):
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    caches = make_prompt_cache(target.model)
-    target.model(mx.array(prompt(case)), cache=caches)
-    owners = [i for i, t in enumerate(target.config["layer_types"][: len(caches)]) if t == "sliding_attention"]
-    c = caches[owners[-2]]
-    k, v = c._temporal_order(c.keys), c._temporal_order(c.values)
-    return k, v
 
 
 def compare(case: Case, port: dict, ref: dict, result: Result) -> None:

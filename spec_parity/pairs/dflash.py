@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import shared
+from .. import controls, shared
 from ..case import Case
 from ..compare import Result, check_tensor, stream_metrics, trace_metrics
 
@@ -67,7 +67,7 @@ AGREEING = [
 TORCH_MODULES = list(VARIANTS)
 TORCH_LOOPS = ["qwen3", "qwen3-swa", "qwen3-bs16", "gemma4", "gemma4-keqv"]
 
-# Planted bugs (port.dflash.BUGS) and the cases that must catch each.
+# Planted bugs (spec_parity/controls/dflash.py) and the cases that must catch each.
 CONTROLS = [
     ("own_head", "mod-qwen3"), ("own_head", "mod-gemma4"),
     ("ctx_input_layernorm", "mod-qwen3"), ("ctx_input_layernorm", "mod-gemma4"),
@@ -111,13 +111,11 @@ def cases() -> list[Case]:
     out += [_case(f"mod-{v}-torch", v, _module_params(v), "L2", TORCH) for v in TORCH_MODULES]
     out += [_case(f"loop-{v}-torch", v, {"loop": True, "prompt_len": 12, "max_tokens": MAX_TOKENS, "eos": []}, "L2",
                   TORCH) for v in TORCH_LOOPS]
-    from port.dflash import BUGS
-
     by_name = {c.name: c for c in out}
     for bug, base in CONTROLS:
         b = by_name[base]
         out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, dict(b.params),
-                        control={"base": base, "what": BUGS[bug], "bug": bug}, oracle=b.oracle))
+                        control=controls.case_control(NAME, bug, base), oracle=b.oracle))
     return out
 
 
@@ -146,10 +144,6 @@ def run_oracle(case: Case):
     return arrays, {"reference": {"name": "z-lab dflash.model_mlx", "versions": oracle.versions()}}
 
 
-def _bugs(case: Case) -> list[str]:
-    return [case.control["bug"]] if case.control else []
-
-
 def run_port(case: Case, ref: dict) -> dict:
     out = run_loop(case) if case.params.get("loop") else run_modules(case)
     out["meta.torch"] = np.array([case.oracle == TORCH])
@@ -167,7 +161,7 @@ def run_modules(case: Case) -> dict:
     from port import dflash, serve, targets
 
     target = targets.load(case.checkpoint_dir())
-    m = dflash.load(case.drafter_dir(), case.params["window"], _bugs(case), case.params["embed"])
+    m = dflash.load(case.drafter_dir(), case.params["window"], case.params["embed"])
     caches = make_prompt_cache(target.model)
     src = dflash.DflashSource(m, serve.TargetView(target, caches))
     p = prompt(case)
@@ -222,7 +216,7 @@ def _recording(provider, rows: list):
 
 def run_loop(case: Case) -> dict:
     """Our serve loop on the case, once per process for what it reads (spec_parity.shared): the
-    checkpoints, the prompt, the length, EOS, window, planted bugs and block embedding. On a target
+    checkpoints, the prompt, the length, EOS, window, planted bug and block embedding. On a target
     with no embed scale (Qwen3) embed "raw" and "scaled" are the same multiply (port/dflash.py
     `embed`), so the z-lab MLX and torch twins of a Qwen3 loop share one run. Arrays as
     harness.port_run hands them out: read-only, in a fresh dict."""
@@ -234,7 +228,7 @@ def run_loop(case: Case) -> dict:
     embed = case.params["embed"] if hasattr(target.model.model, "embed_scale") else "scaled"
     key = ("dflash-loop", shared.stamp(case.checkpoint_dir()), shared.stamp(case.drafter_dir()),
            prompt(case).tobytes(), case.params["max_tokens"], tuple(sorted(case.params["eos"])),
-           case.params["window"], tuple(_bugs(case)), embed)
+           case.params["window"], (case.control or {}).get("bug"), embed)
     return shared.once(key, lambda: _loop(case, target))
 
 
@@ -245,7 +239,7 @@ def _loop(case: Case, target) -> dict:
 
     n, eos = case.params["max_tokens"], set(case.params["eos"])
     rows: list = []
-    provider = _recording(dflash.DflashProvider(case.drafter_dir(), case.params["window"], _bugs(case), max_tokens=n,
+    provider = _recording(dflash.DflashProvider(case.drafter_dir(), case.params["window"], max_tokens=n,
                                                 embed=case.params["embed"]), rows)
     p = prompt(case)
     tokens, stats = serve.generate(target, p[0].tolist(), n, provider, gamma=provider.trained_gamma, eos=eos,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import shared
+from .. import controls, shared
 from ..case import Case
 from ..compare import Result, check_tensor, stream_metrics, trace_metrics
 
@@ -39,7 +39,7 @@ LOOPS = [("gemma4", 0.0), ("gemma4", 0.5), ("gemma4-keqv", 0.5), ("qwen3", 0.0),
 AGREEING = [("gemma4", 1.0, 0.0), ("gemma4", 0.8, 0.0), ("gemma4-keqv", 0.8, 0.5), ("qwen3", 0.8, 0.0),
             ("qwen3", 0.6, 0.5), ("gemma4-rnn", 0.8, 0.0)]
 
-# Planted bugs (port.dspark.BUGS) and the case that must catch each.
+# Planted bugs (spec_parity/controls/dspark.py) and the case that must catch each.
 CONTROLS = {
     "markov_before_softcap": "mod-gemma4",
     "cumulative_truncation": "mod-qwen3",
@@ -67,13 +67,11 @@ def cases() -> list[Case]:
     loop = {"loop": True, "prompt_len": 12, "max_new_tokens": 24}
     out += [_case(f"loop-{v}-t{t}", v, {**loop, "threshold": t}) for v, t in LOOPS]
     out += [_case(f"loop-agree{f}-{v}-t{t}", v, {**loop, "max_new_tokens": 32, "threshold": t}, f) for v, f, t in AGREEING]
-    from port.dspark import BUGS
-
     by_name = {c.name: c for c in out}
     for bug, base in CONTROLS.items():
         b = by_name[base]
         out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, dict(b.params),
-                        control={"base": base, "what": BUGS[bug], "bug": bug}))
+                        control=controls.case_control(NAME, bug, base)))
     return out
 
 
@@ -103,11 +101,10 @@ def run_port(case: Case, ref: dict) -> dict:
 
     from port import dspark, serve, targets
 
-    bugs = [case.control["bug"]] if case.control else []
     target = targets.load(case.checkpoint_dir())
     p = prompt(case)
     if case.params.get("loop"):
-        provider = dspark.DeepspecProvider(case.drafter_dir(), case.params["threshold"], bugs)
+        provider = dspark.DeepspecProvider(case.drafter_dir(), case.params["threshold"])
         n = case.params["max_new_tokens"]
         # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
         tokens, stats = serve.generate(target, p[0].tolist(), n + 1, provider, gamma=provider.trained_gamma,
@@ -119,7 +116,7 @@ def run_port(case: Case, ref: dict) -> dict:
                 "stream.proposals": np.array([t for q in stats.proposals for t in q], np.int32),
                 "stream.logits": np.array(mx.stack(stats.logits)), "greedy.tokens": np.array(plain, np.int32),
                 "greedy.logits": np.array(plain_logits), "tau": np.array([stats.tau])}
-    m = dspark.load(case.drafter_dir(), bugs)
+    m = dspark.load(case.drafter_dir())
     dspark.check_pairing(m, target)
     trace = targets.forward(target, mx.array(p))
     taps = m.taps(trace.hidden)

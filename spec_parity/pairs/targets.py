@@ -9,6 +9,7 @@ import importlib.util
 
 import numpy as np
 
+from .. import controls
 from ..case import Case
 from ..compare import Result, check_tensor, stream_metrics, teacher_forced
 from ..layers import localize
@@ -31,8 +32,7 @@ def cases() -> list[Case]:
     for base, kind, layer in (("gemma4", "gemma4-target", 3), ("qwen3", "qwen3-target", 1)):
         ov = GEMMA4.get(base, {})
         out.append(Case(NAME, f"{base}-control-rope-L{layer}", "L2", kind, 0, ov, dict(PARAMS),
-                        control={"base": base, "what": f"RoPE base x1.001 in layer {layer}",
-                                 "rope_base_scale": 1.001, "layer": layer}))
+                        control=controls.case_control(NAME, f"rope-L{layer}", base, layer=layer)))
     return out
 
 
@@ -76,8 +76,6 @@ def run_port(case: Case, ref: dict) -> dict:
     from port import targets as port
 
     target = port.load(case.checkpoint_dir())
-    if case.control:
-        port.perturb_rope_base(target, case.control["layer"], case.control["rope_base_scale"])
     ids = prompt(case)
     trace = port.forward(target, mx.array(ids))
     L = target.num_layers
