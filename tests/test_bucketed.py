@@ -298,20 +298,12 @@ def test_assistant_bucketed_chains_within_fp32_and_lossless(name):
 
 
 @pytest.mark.parametrize("layer", harness.slow_except(["sliding_attention", "full_attention"], "sliding_attention"))
-def test_assistant_planted_window_off_by_one_fails_the_comparison(layer, monkeypatch):
+def test_assistant_planted_window_off_by_one_fails_the_comparison(layer):
     """Negative control: one donor entry more than the window (sliding) or past the offset (full)
     let through on the bucketed path is caught."""
-    buffers = assistant.donor_buffers
-
-    def planted(*args):
-        out = buffers(*args)
-        k, v, where = out[layer]["kv"]
-        shift = (0, -1, 0) if layer == "sliding_attention" else (1,)
-        out[layer]["kv"] = (k, v, tuple(w + d for w, d in zip(where, shift)))
-        return out
-
-    monkeypatch.setattr(assistant, "donor_buffers", planted)
-    _, _, _, fast, plain = _assistant_loop("assistant-tied")
+    key = "bucketed_window_off_by_one" if layer == "sliding_attention" else "bucketed_full_past_offset"
+    with controls.planted("assistant", key):
+        _, _, _, fast, plain = _assistant_loop("assistant-tied")
     ok, _ = _within_fp32(fast, plain)
     assert not ok
 
@@ -349,16 +341,8 @@ def test_assistant_bucketed_over_a_wrapped_ring(window):
     assert ok, bad
 
 
-def test_assistant_ring_order_ignored_fails_the_comparison(monkeypatch):
+def test_assistant_ring_order_ignored_fails_the_comparison():
     """Negative control: the ring's rotation dropped (slot j taken as rank j) is caught."""
-    buffers = assistant.donor_buffers
-
-    def planted(*args):
-        out = buffers(*args)
-        k, v, where = out["sliding_attention"]["kv"]
-        out["sliding_attention"]["kv"] = (k, v, (where[0] * 0, *where[1:]))
-        return out
-
-    monkeypatch.setattr(assistant, "donor_buffers", planted)
-    _, fast, plain = _wrapped_ring_rounds("optiq")
+    with controls.planted("assistant", "ring_order_ignored"):
+        _, fast, plain = _wrapped_ring_rounds("optiq")
     assert not _within_fp32(fast, plain)[0]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-MODULES = ("targets", "assistant", "dspark", "dflash", "serve", "sampling")
+MODULES = ("targets", "assistant", "dspark", "dflash", "serve", "sampling", "bench")
 
 
 class ControlError(ValueError):

@@ -86,3 +86,30 @@ def _ordering(case):
         return drafter
 
     return {(assistant, "load"): unordered}
+
+
+def _donor_where(layer: str, shift):
+    """The bucketed path's donor window (assistant.donor_buffers' `where`) moved by `shift`, a
+    function of the old `where`."""
+    def swaps(case):
+        from port import assistant
+
+        buffers = assistant.donor_buffers
+
+        def moved(*args):
+            out = buffers(*args)
+            k, v, where = out[layer]["kv"]
+            out[layer]["kv"] = (k, v, shift(where))
+            return out
+
+        return {(assistant, "donor_buffers"): moved}
+    return swaps
+
+
+control("assistant", "bucketed_window_off_by_one",
+        "bucketed donors: one sliding entry more than the window let through")(
+    _donor_where("sliding_attention", lambda where: (where[0], where[1] - 1, where[2])))
+control("assistant", "bucketed_full_past_offset", "bucketed donors: one full-attention entry past the offset let through")(
+    _donor_where("full_attention", lambda where: (where[0] + 1,)))
+control("assistant", "ring_order_ignored", "bucketed donors: the ring's rotation dropped (slot j taken as rank j)")(
+    _donor_where("sliding_attention", lambda where: (where[0] * 0, *where[1:])))

@@ -58,3 +58,15 @@ def _verify_mask(case):
         return mx.where(mx.arange(m.shape[-1]) == self.offset + n, mx.array(0, m.dtype), m)
 
     return {(compiled.VerifyCache, "mask"): leaky}
+
+
+@control("serve", "verify_window_off_by_one", "kv_bucket verify: the sliding layers' window one row too wide")
+def _verify_window(case):
+    from port import compiled
+
+    mask = compiled.VerifyCache.mask
+
+    def wide(self, n, dtype, window=None):
+        return mask(self, n, dtype, None if window is None else window + 1)
+
+    return {(compiled.VerifyCache, "mask"): wide}
