@@ -31,6 +31,16 @@ def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true",
                      help="also run the `slow` tests (deselected by default unless -m names `slow` or the test "
                           "is named by its id); CI runs `pytest --slow --hypothesis-profile ci`")
+    parser.addoption("--port", action="append", default=[], metavar="MODULE=SPEC",
+                     help="run MODULE's parity cases on another port (pkg.module:make_port or a registered name)")
+    parser.addoption("--port-cmd", metavar="CMD", help='a port in any language: "CMD {case} {out}" per case')
+
+
+def pytest_configure(config):
+    """--port / --port-cmd select who answers the parity cases, as `spec-parity run` does."""
+    from spec_parity import ports
+
+    ports.configure(config.getoption("--port"), config.getoption("--port-cmd"))
 
 
 @pytest.hookimpl(tryfirst=True)

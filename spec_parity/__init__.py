@@ -6,3 +6,5 @@ logits (measured on an H200, docs/benchmarks.md). Set MLX_ENABLE_TF32=1 yourself
 import os
 
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+__version__ = "0.1.0"

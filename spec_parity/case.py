@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
+
 from . import checkpoints
 
 
@@ -51,6 +53,17 @@ class Case:
             return Path(self.params["drafter_path"])
         kind, seed, overrides = self.params["drafter"]
         return checkpoints.build(kind, seed, overrides)
+
+    def prompt(self, salt: int, high: int | None = 128) -> np.ndarray:
+        """Deterministic prompt ids [1, prompt_len] in 3..high-1 (never the special ids 0-2);
+        high None: the vocabulary of a real target, 128 on a factory one. `salt` is the pair's."""
+        if high is None:
+            high = 128
+            if self.path:
+                cfg = json.loads((self.checkpoint_dir() / "config.json").read_text())
+                high = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
+        rng = np.random.default_rng([self.seed, salt])
+        return rng.integers(3, high, (1, self.params["prompt_len"])).astype(np.int32)
 
     def manifest(self) -> dict:
         """The fields a golden must agree with to be used for this case."""

@@ -32,14 +32,16 @@ class Result:
     metrics: dict = field(default_factory=dict)
     verdict: str = "PASS"
     reason: str = ""
+    findings: dict = field(default_factory=dict)   # finding -> the reasons it failed (spec_parity.checks)
 
     @property
     def ok(self) -> bool:
         return self.verdict == "PASS"
 
-    def fail(self, reason: str) -> None:
+    def fail(self, reason: str, finding: str = "module") -> None:
         self.verdict = "FAIL"
         self.reason = f"{self.reason}; {reason}" if self.reason else reason
+        self.findings.setdefault(finding, []).append(reason)
 
     def note(self, reason: str) -> None:
         self.reason = f"{self.reason}; {reason}" if self.reason else reason
@@ -52,6 +54,8 @@ class Result:
                  f"({TIERS.get(self.tier, '?')})"]
         if self.reason:
             lines.append(f"  reason: {self.reason}")
+        for finding, reasons in self.findings.items():
+            lines.append(f"  FAIL {finding}: {reasons[0]}" + (f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""))
         for name, m in self.metrics.items():
             lines.append(f"  {name}: {_brief(m)}")
         return "\n".join(lines)
@@ -74,7 +78,7 @@ def _jsonable(x):
 def _brief(m) -> str:
     if not isinstance(m, dict):
         return str(m)
-    keys = ("versions", "ok", "max_abs", "max_rel", "mismatch", "mismatch_pct", "first_mismatch", "cosine",
+    keys = ("versions", "identity", "exposed", "ok", "max_abs", "max_rel", "mismatch", "mismatch_pct", "first_mismatch", "cosine",
             "nmse", "max_ulp", "budget", "first_divergence", "equal", "agree", "kl_max")
     return ", ".join(f"{k}={_fmt(m[k])}" for k in keys if k in m)
 
@@ -220,7 +224,8 @@ def acceptance_gate(accepted: int, drafted: int, min_rate: float) -> dict:
     return {"acceptance": rate, "min": min_rate, "ok": rate >= min_rate}
 
 
-def check_tensor(result: Result, name: str, port, ref, module: str, quantity: str, dtype="float32") -> dict:
+def check_tensor(result: Result, name: str, port, ref, module: str, quantity: str, dtype="float32",
+                 finding: str = "module") -> dict:
     """Compare one tensor at the result's tier and record it."""
     if result.tier == "L1":
         m = bit_exact(port, ref)
@@ -229,5 +234,5 @@ def check_tensor(result: Result, name: str, port, ref, module: str, quantity: st
     result.metrics[name] = m
     if not m["ok"]:
         result.fail(f"{name}: " + (m.get("error") or f"{m.get('mismatch')} elements outside {m.get('budget', 'bit-exactness')}"
-                                   f" (max_abs {m.get('max_abs', float('nan')):.3e})"))
+                                   f" (max_abs {m.get('max_abs', float('nan')):.3e})"), finding)
     return m

@@ -1,39 +1,55 @@
-"""The one path every module takes: Case -> run(oracle) / run(port) -> compare(tier) -> record.
+"""The one path every module takes: Case -> run(oracle) / run(port) -> judge(plan) -> record.
 
-A pair is a module in `spec_parity.pairs` exposing:
-  NAME                     the module name (port/NAME.py, oracles/NAME.py, fixtures/NAME/)
-  ORACLE                   the default reference's name (a case may name another: case.oracle)
+A pair is a module in `spec_parity.pairs`, registered in PAIRS below, exposing:
+  NAME, ORACLE             the module name and its default reference (a case may name another)
+  PROMPT                   (seed salt, id bound) of its prompts (Case.prompt)
   cases() -> list[Case]    its built-in cases (controls included)
   oracle_status(oracle) -> str|None   None if that reference runs here, else what to install/set
   run_oracle(case) -> (arrays, provenance)
-  run_port(case, ref) -> arrays        (ref: the reference arrays, for teacher-forced modes; a
-                           control's bug is planted around it: spec_parity.controls)
-                           both functions of their arguments alone: `live` and `port_run` run
-                           each once per process and key (spec_parity.shared)
-  compare(case, port, ref, result)     fills the Result
+  kind(case) -> str        the protocol the case's port run follows (spec_parity.protocol)
+  feeds(case, ref) -> dict the reference arrays the port is given (teacher-forced inputs)
+  plan(case, ref) -> Plan  what to check (spec_parity.checks); a pair never compares
+
+The port is whichever `spec_parity.ports` has selected for the module (ours by default).
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Iterable
 
-from . import controls, goldens, shared
+import numpy as np
+
+from . import checks, controls, deltas, goldens, ports, protocol, shared
 from .case import Case
 from .compare import Result
+from .pairs import assistant, dflash, dspark, targets
 
-PAIRS = ("targets", "assistant", "dspark", "dflash")
+PAIRS = {p.NAME: p for p in (targets, assistant, dspark, dflash)}
 
 
 def pair(module: str):
     if module not in PAIRS:
         raise KeyError(f"unknown module {module!r}; known: {list(PAIRS)}")
-    return importlib.import_module(f"spec_parity.pairs.{module}")
+    return PAIRS[module]
 
 
 def all_cases(modules: Iterable[str] = PAIRS) -> list[Case]:
-    return [c for m in modules for c in pair(m).cases()]
+    """Every case of `modules`; a negative control plants a bug in our own port, so it runs only
+    where our port answers the module."""
+    return [c for m in modules for c in pair(m).cases() if not c.control or ports.for_module(m).ours]
+
+
+def prompt(case: Case) -> np.ndarray:
+    return case.prompt(*pair(case.module).PROMPT)
+
+
+def request(case: Case, ref: dict) -> protocol.Request:
+    p = pair(case.module)
+    drafter = case.drafter_dir() if ("drafter" in case.params or case.params.get("drafter_path")) else None
+    options = {k: v for k, v in case.params.items() if k not in ("drafter", "drafter_path", "loop")}
+    return protocol.Request(case.module, case.name, p.kind(case), case.checkpoint_dir(), drafter, prompt(case),
+                            options, case.dtype, p.feeds(case, ref))
 
 
 def reference(case: Case, source: str = "auto"):
@@ -65,16 +81,43 @@ def live(case: Case):
     return shared.once(("oracle", oracle_name(case), shared.manifest_key(case)), lambda: run(case))
 
 
-def port_run(case: Case, ref: dict) -> dict:
-    """run_port(case, ref) under the case's control (spec_parity.controls), once per process for each
-    case and reference bytes (spec_parity.shared)."""
-    def run():
+def port_run(case: Case, ref: dict, port: ports.Port | None = None) -> dict:
+    """`port` (default: the one selected for the module) on the case, once per process for each
+    port identity, case and reference bytes (spec_parity.shared). Only our own port takes a planted
+    bug (case.control: spec_parity.controls plants it around the run)."""
+    port = port or ports.for_module(case.module)
+    run = port.runs[case.module]
+
+    def go():
+        req = request(case, ref)
+        if not port.ours:
+            return run(req)
         with controls.applied(case):
-            return pair(case.module).run_port(case, ref)
+            return run(req)
 
     if case.path:
-        return run()
-    return shared.once(("port", shared.case_key(case), shared.digest(ref)), run)
+        return go()
+    return shared.once(("port", port.identity, shared.case_key(case), shared.digest(ref)), go)
+
+
+def sides(case: Case, port: dict, ref: dict, plan: checks.Plan) -> dict:
+    """The three sides a plan reads: the port's arrays, the reference's, and the target's plain
+    greedy stream (computed here, by our target port, which the targets pair holds to transformers)."""
+    greedy = {}
+    if plan.greedy is not None:
+        n, eos = plan.greedy
+        tokens, logits = shared.greedy(case.checkpoint_dir(), prompt(case), n, eos)
+        greedy = {"greedy.tokens": np.array(tokens, np.int32), "greedy.logits": np.array(logits)}
+    return {"port": port, "ref": ref, "greedy": greedy}
+
+
+def judge(case: Case, port: dict, ref: dict, result: Result) -> Result:
+    """Apply the pair's plan for `case` to a port's arrays: the only place verdicts are made."""
+    p = pair(case.module)
+    plan = p.plan(case, ref)
+    checks.judge(plan, sides(case, port, ref, plan), case.module, case.dtype, result,
+                 protocol.get(case.module, p.kind(case)))
+    return result
 
 
 def params(cases: list[Case]) -> list:
@@ -112,12 +155,19 @@ def oracle_name(case: Case) -> str:
 
 
 def evaluate(case: Case, source: str = "auto") -> Result:
-    p = pair(case.module)
     ref, label, versions = reference(case, source)
     result = Result(case.module, case.name, label, case.tier)
     result.metrics["reference"] = {"ok": True, "versions": versions}
-    port = port_run(case, ref)
-    p.compare(case, port, ref, result)
+    port = ports.for_module(case.module)
+    result.metrics["port"] = {"ok": True, "identity": port.identity}
+    arrays = port_run(case, ref)
+    judge(case, arrays, ref, result)
+    if not result.ok and not port.ours and pair(case.module).kind(case) != "loop":
+        found = deltas.explain(case, arrays, lambda c: port_run(c, ref, ports.ours()), judge)
+        if found:
+            result.verdict = "DELTA"
+            result.note(deltas.describe(case, found[0]))
+            result.metrics["delta"] = {"ok": True, "deltas": [d.name for d in found[0]]}
     if case.control:
         result.note(f"negative control ({case.control['what']}): expected to fail")
     return result

@@ -8,6 +8,8 @@ not reproduce: it only ever reads committed rows."""
 import numpy as np
 import pytest
 
+from spec_parity import harness
+from spec_parity.adapters.assistant import step_inputs
 from spec_parity.pairs import assistant as pair
 
 BASE = pair.step_case("gemma4", "centroid", "transformers")
@@ -17,7 +19,7 @@ BASE = pair.step_case("gemma4", "centroid", "transformers")
 def hf(live_oracle_module):
     from oracles import assistant as oracle
 
-    return oracle, pair.step_inputs(BASE)
+    return oracle, step_inputs(BASE.checkpoint_dir(), harness.prompt(BASE), BASE.dtype)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def test_delta3_hf_first_round_hidden_and_stale_kv(hf):
     every round attends to the pending token's K/V row (a rejected draft's, after a partial accept);
     optiq and the port feed the last prompt position and attend to committed rows only."""
     oracle, _ = hf
-    prompt = pair.prompt(BASE)[:, :6]                      # shorter than the window: HF is lossless here
+    prompt = harness.prompt(BASE)[:, :6]                      # shorter than the window: HF is lossless here
     rec = oracle.hf_assisted_generate_record(BASE.checkpoint_dir(), BASE.drafter_dir(), prompt, 10, 3)
     first = rec["calls"][0]
     final = rec["prompt_final_hidden"]
@@ -83,6 +85,6 @@ def test_port_reads_committed_rows_only():
 
     target = targets.load(BASE.checkpoint_dir())
     caches = make_prompt_cache(target.model)
-    targets.forward(target, mx.array(pair.prompt(BASE)), caches=caches)
+    targets.forward(target, mx.array(harness.prompt(BASE)), caches=caches)
     donors = targets.donor_view(target, caches)
-    assert donors["full_attention"][0].shape[2] == caches[0].offset == pair.prompt(BASE).shape[1]
+    assert donors["full_attention"][0].shape[2] == caches[0].offset == harness.prompt(BASE).shape[1]

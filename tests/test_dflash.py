@@ -15,6 +15,7 @@ import pytest
 
 from port import dflash, serve, targets
 from spec_parity import checkpoints, goldens, harness, shared
+from spec_parity.adapters import dflash as adapter
 from spec_parity.pairs import dflash as pair
 
 CASES = pair.cases()
@@ -64,7 +65,7 @@ def _on_golden(case, **params):
     ref, _ = goldens.load(case)
     variant = replace(case, params={**case.params, **params})
     result = Result(case.module, case.name, "golden", case.tier)
-    pair.compare(variant, pair.run_port(variant, ref), ref, result)
+    harness.judge(variant, harness.port_run(variant, ref), ref, result)
     return result
 
 
@@ -76,7 +77,7 @@ def test_window_delta_vs_zlab_mlx(name):
     of round 1): from there z-lab MLX masks by ring index a buffer that is not in time order."""
     case = _case(name)
     ref, _ = goldens.load(case)
-    port = pair.run_modules(_with_window(case, "positional"))
+    port = adapter.run_modules(harness.request(_with_window(case, "positional"), ref))
     same = [np.array_equal(port[f"logits.{r}"], ref[f"logits.{r}"]) for r in range(len(case.params["accepts"]))]
     assert case.params["accepts"][:2] == [3, 0] and case.params["prompt_len"] > 9
     assert same[:2] == [True, True] and not same[2], same
@@ -119,7 +120,7 @@ def test_positional_window_is_a_time_ordered_recompute(variant):
         m = dflash.load(case.drafter_dir(), window)
         caches = targets.make_caches(target)
         src = dflash.DflashSource(m, serve.TargetView(target, caches))
-        p = pair.prompt(case)
+        p = harness.prompt(case)
         tr = targets.forward(target, mx.array(p), caches=caches)
         taps = [tr.hidden[i + 1] for i in src.tap_layers]
         src.prefill(p[0].tolist(), taps)
@@ -151,7 +152,7 @@ def test_serve_loop_is_lossless(variant, window):
     and whether or not the last block is shrunk to the tokens left (z-lab's max_tokens rule)."""
     case = _case(f"loop-{variant}")
     target = targets.load(case.checkpoint_dir())
-    p = pair.prompt(case)
+    p = harness.prompt(case)
     plain, _ = shared.greedy(case.checkpoint_dir(), p, 30, set())
     for max_tokens in (None, 30):
         prov = dflash.DflashProvider(case.drafter_dir(), window, max_tokens=max_tokens)
@@ -256,7 +257,7 @@ def test_zero_draft_rounds_keep_the_context():
     case = _case("loop-qwen3")
     target = targets.load(case.checkpoint_dir())
     prov = dflash.DflashProvider(case.drafter_dir())
-    p = pair.prompt(case)[0].tolist()
+    p = harness.prompt(case)[0].tolist()
     tokens, stats = serve.generate(target, p, 10, prov, gamma=0, eos=set())
     plain, _ = shared.greedy(target.path, p, 10, set())
     assert tokens == plain and stats.drafted == 0
@@ -264,15 +265,15 @@ def test_zero_draft_rounds_keep_the_context():
 
 @pytest.mark.slow
 def test_qwen3_loop_twins_share_a_run_that_is_each_twins_own():
-    """The z-lab MLX and torch twins of a Qwen3 loop share one serve-loop run (pairs/dflash.py
+    """The z-lab MLX and torch twins of a Qwen3 loop share one serve-loop run (adapters/dflash.py
     `run_loop`): it is, bit for bit, the torch twin's own embed="raw" run. On Gemma-4 (embed scale
     sqrt(H)) the twins' runs differ, and they are not shared."""
     mlx_case, torch_case = _case("loop-qwen3"), _case("loop-qwen3-torch")
-    run = pair.run_loop(mlx_case)
-    own = pair._loop(torch_case, targets.load(torch_case.checkpoint_dir()))
+    run = adapter.run_loop(harness.request(mlx_case, {}))
+    own = adapter.loop_uncached(harness.request(torch_case, {}))
     assert set(own) == set(run)
     assert all(own[k].dtype == run[k].dtype and np.array_equal(own[k], run[k]) for k in own)
-    assert all(pair.run_loop(torch_case)[k] is v for k, v in run.items())
-    g, gt = pair.run_loop(_case("loop-gemma4")), pair.run_loop(_case("loop-gemma4-torch"))
+    assert all(adapter.run_loop(harness.request(torch_case, {}))[k] is v for k, v in run.items())
+    g, gt = adapter.run_loop(harness.request(_case("loop-gemma4"), {})), adapter.run_loop(harness.request(_case("loop-gemma4-torch"), {}))
     assert not np.array_equal(g["stream.draft_logits"], gt["stream.draft_logits"])
     assert not any(gt[k] is v for k, v in g.items())

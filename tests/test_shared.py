@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from port import targets
-from spec_parity import checkpoints, shared
+from spec_parity import checkpoints, ports, shared
 
 
 def test_shared_greedy_is_the_ports_greedy(tmp_path):
@@ -58,8 +58,8 @@ def test_port_runs_are_shared_only_for_the_same_case_and_reference_bytes(monkeyp
     ref, _ = goldens.load(case)
     monkeypatch.setattr(shared, "_STORE", {})   # an empty store, whatever ran before in this process
     runs = []
-    real = pair.run_port
-    monkeypatch.setattr(pair, "run_port", lambda c, r: runs.append(c.name) or real(c, r))
+    real = ports.ours().runs["targets"]
+    monkeypatch.setitem(ports.ours().runs, "targets", lambda req, ctl=None: runs.append(req.case) or real(req, ctl))
     first = harness.port_run(case, ref)
     again = harness.port_run(case, {k: v.copy() for k, v in ref.items()})    # same bytes: one run
     assert runs == [case.name] and all(again[k] is v for k, v in first.items())
@@ -69,6 +69,11 @@ def test_port_runs_are_shared_only_for_the_same_case_and_reference_bytes(monkeyp
     assert runs == [case.name, control.name, case.name]
     assert harness.check(case, harness.evaluate(case, "golden")) is None
     assert runs == [case.name, control.name, case.name]
+    # another port (another identity) on the same case and bytes runs on its own, never shares ours
+    other_port = ports.Port("other", "1", {"targets": lambda req: runs.append("other") or real(req)}, (__file__,))
+    monkeypatch.setitem(ports._SELECTED, "targets", other_port)
+    theirs = harness.port_run(case, ref)
+    assert runs[-1] == "other" and not any(theirs[k] is v for k, v in first.items())
 
 
 def _kept_once(tmp_path, monkeypatch, n: int):

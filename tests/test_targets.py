@@ -42,14 +42,14 @@ def test_target_vs_live_transformers(case, live_oracle):
 def test_layer_walk_is_mlx_lm_bit_exact(case):
     """L1: our layer-by-layer walk adds no arithmetic to mlx-lm's own forward."""
     target = port.load(case.checkpoint_dir())
-    ids = mx.array(pair.prompt(case))
+    ids = mx.array(harness.prompt(case))
     assert np.array_equal(np.array(port.forward(target, ids).logits), np.array(target.model(ids)))
 
 
 def test_layer_walk_control_breaks_bit_exactness():
     case = CASES[0]
     target = port.load(case.checkpoint_dir())
-    ids = mx.array(pair.prompt(case))
+    ids = mx.array(harness.prompt(case))
     before = np.array(port.forward(target, ids).logits)
     with controls.planted("targets", "rope-L1"):
         perturbed = port.load(case.checkpoint_dir())

@@ -87,9 +87,24 @@ def swapped(swaps: dict):
                 setattr(owner, name, old)
 
 
+_ACTIVE: list[tuple[str, str]] = []
+
+
+@contextmanager
 def planted(module: str, key: str, case=None):
     """The control `key` of `module` as a context manager."""
-    return swapped(get(module, key).swaps(case))
+    with swapped(get(module, key).swaps(case)):
+        _ACTIVE.append((module, key))
+        try:
+            yield
+        finally:
+            _ACTIVE.pop()
+
+
+def active() -> tuple:
+    """The (module, key) of every control planted now: part of the key of a run that is shared
+    across cases (adapters/dflash.py), so no normal case reads a planted run or the reverse."""
+    return tuple(_ACTIVE)
 
 
 def applied(case):

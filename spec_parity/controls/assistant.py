@@ -63,7 +63,7 @@ def _second_to_last_sliding(case, target):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..pairs.assistant import prompt
+    from ..harness import prompt
 
     caches = make_prompt_cache(target.model)
     target.model(mx.array(prompt(case)), cache=caches)

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import controls, shared
+from .. import controls
+from ..adapters.assistant import CONVENTIONS
 from ..case import Case
-from ..compare import Result, check_tensor, stream_metrics, trace_metrics
+from ..checks import P, Plan, R, Tensor, Tokens, serve_loop
 
 NAME = "assistant"
 ORACLE = "optiq"
@@ -49,13 +50,8 @@ def drafter_overrides(target: str, head: str) -> dict:
     return ov
 
 
-# Where the references differ (REFERENCES.md "Reference deltas"), the port offers transformers'
-# convention as an option; these cases hold it to transformers under that convention.
-CONVENTIONS = {
-    "optiq": {"positions": "optiq", "window": "optiq"},
-    "hfpos": {"positions": "hf", "window": "optiq"},    # every draft step at position P
-    "hfwin": {"positions": "optiq", "window": "hf"},    # transformers' own sliding mask (newest W+1)
-}
+# Where the references differ (docs/references.md), the port offers transformers' convention as an
+# option (adapters/assistant.py CONVENTIONS); the hfpos/hfwin cases hold it to transformers under it.
 
 
 def step_case(target: str, head: str, oracle: str, control: str | None = None, convention: str = "optiq",
@@ -112,54 +108,24 @@ def oracle_status(oracle: str = ORACLE) -> str | None:
     return status(oracle)
 
 
-def prompt(case: Case) -> np.ndarray:
-    return np.random.default_rng([case.seed, 11]).integers(3, 128, (1, case.params["prompt_len"])).astype(np.int32)
-
-
-def _np(a) -> np.ndarray:
-    import mlx.core as mx
-
-    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
-
-
-def step_inputs(case: Case, target=None) -> dict[str, np.ndarray]:
-    """The anchor of the first draft round, from the port's target (mlx-lm): what the drafter
-    steps of both sides start from."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from port import targets
-
-    target = target or targets.load(case.checkpoint_dir(), _dtype(case))
-    caches = make_prompt_cache(target.model)
-    h = target.model.model(mx.array(prompt(case)), cache=caches)[:, -1:, :]
-    token = int(mx.argmax(targets.head(target, h)[0, 0]).item())
-    out = {"in.anchor.token": np.array([token], np.int32), "in.anchor.hidden": _np(h),
-           "in.position": np.array([caches[0].offset], np.int32),
-           "in.embed_table": _np(targets.embed_scaled(target, mx.arange(target.config["vocab_size"])[None])[0])}
-    for name, (k, v) in targets.donor_view(target, caches).items():
-        out[f"in.donor.{name.split('_')[0]}.k"], out[f"in.donor.{name.split('_')[0]}.v"] = _np(k), _np(v)
-    return out
-
-
-def _dtype(case: Case):
-    import mlx.core as mx
-
-    return getattr(mx, case.dtype)
+PROMPT = (11, 128)
+EOS = 1
 
 
 def run_oracle(case: Case):
     from oracles import assistant as oracle
 
-    name = case.oracle
+    from ..adapters.assistant import step_inputs
+
+    name, p = case.oracle, case.prompt(*PROMPT)
     if case.params.get("loop"):
-        arrays = oracle.optiq_spec_generate(case.checkpoint_dir(), case.drafter_dir(), prompt(case),
+        arrays = oracle.optiq_spec_generate(case.checkpoint_dir(), case.drafter_dir(), p,
                                             case.params["gamma"], case.params["max_tokens"], case.params["eos"])
     elif name == "optiq":
-        arrays = oracle.optiq_draft_steps(case.checkpoint_dir(), case.drafter_dir(), prompt(case), case.params["gamma"],
+        arrays = oracle.optiq_draft_steps(case.checkpoint_dir(), case.drafter_dir(), p, case.params["gamma"],
                                           case.dtype)
     else:
-        inputs = step_inputs(case)
+        inputs = step_inputs(case.checkpoint_dir(), p, case.dtype)
         conv = CONVENTIONS[case.params["convention"]]
         keep = None if conv["window"] == "hf" else _window(case) - 1
         arrays = {**inputs, **oracle.hf_draft_steps(case.drafter_dir(), inputs, case.params["gamma"], keep,
@@ -173,130 +139,34 @@ def _window(case: Case) -> int:
     return json.loads((case.checkpoint_dir() / "config.json").read_text())["sliding_window"]
 
 
-EOS = 1
+def kind(case: Case) -> str:
+    return "loop" if case.params.get("loop") else "step"
 
 
-def run_port(case: Case, ref: dict) -> dict:
+def feeds(case: Case, ref: dict) -> dict:
+    """transformers is fed our target's anchor, donors and embedding table; so is the port."""
+    return {} if case.oracle == "optiq" else {k: v for k, v in ref.items() if k.startswith("in.")}
+
+
+def plan(case: Case, ref: dict) -> Plan:
     if case.params.get("loop"):
-        return run_port_loop(case)
-    import mlx.core as mx
-
-    from port import assistant, targets
-
-    target = targets.load(case.checkpoint_dir(), _dtype(case))
-    drafter = assistant.load(case.drafter_dir(), _dtype(case))
-    assistant.check_pairing(drafter, target)
-    inputs = step_inputs(case, target) if case.oracle == "optiq" else {k: v for k, v in ref.items() if k.startswith("in.")}
-    dt = _dtype(case)
-    donors = {f"{n}_attention": (mx.array(inputs[f"in.donor.{n}.k"]).astype(dt), mx.array(inputs[f"in.donor.{n}.v"]).astype(dt))
-              for n in ("sliding", "full")}
-    conv = CONVENTIONS[case.params["convention"]]
-    steps = assistant.draft_chain(drafter, target, donors, int(inputs["in.anchor.token"][0]),
-                                  mx.array(inputs["in.anchor.hidden"]).astype(dt), int(inputs["in.position"][0]),
-                                  case.params["gamma"], positions=conv["positions"], window=conv["window"])
-    k, v = assistant.sliding_view(*donors["sliding_attention"], drafter.args.sliding_window, conv["window"])
-    out = {"anchor.token": inputs["in.anchor.token"], "anchor.hidden": inputs["in.anchor.hidden"],
-           "donor.sliding_attention.k": _np(k), "donor.sliding_attention.v": _np(v),
-           "donor.full_attention.k": _np(donors["full_attention"][0]),
-           "donor.full_attention.v": _np(donors["full_attention"][1])}
-    for i, s in enumerate(steps):
-        out[f"step{i}.logits"], out[f"step{i}.next_hidden"] = _np(s.logits), _np(s.next_hidden)
-        out[f"step{i}.token"] = np.array([s.token], np.int32)
-    return out
-
-
-def run_port_loop(case: Case) -> dict:
-    """Our serve loop with the AssistantSource, and the target's plain greedy decoding to hold it
-    to: tokens, and the logits row of every committed token along the shared path."""
-    import mlx.core as mx
-
-    from port import assistant, serve, targets
-
-    target = targets.load(case.checkpoint_dir())
-    p, n = prompt(case), case.params["max_tokens"]
-    eos = {case.params["eos"]}
-    tokens, stats = serve.generate(target, p[0].tolist(), n, assistant.AssistantProvider(case.drafter_dir()),
-                                   gamma=case.params["gamma"], eos=eos, record=True)
-    plain, plain_logits = shared.greedy(case.checkpoint_dir(), p, n, eos)
-    return {"stream.tokens": np.array(tokens, np.int32), "stream.trace": np.array(stats.trace, np.int32).reshape(-1, 3),
-            "stream.stats": np.array([stats.drafted, stats.accepted, stats.target_calls, stats.emitted], np.int32),
-            "stream.logits": np.array(mx.stack(stats.logits)), "greedy.tokens": np.array(plain, np.int32),
-            "greedy.logits": np.array(plain_logits)}
-
-
-def compare_loop(case: Case, port: dict, ref: dict, result: Result) -> None:
-    """L2 for the loop: our content stream and per-round trace equal optiq's (optiq yields the EOS
-    token as an event; EOS is not content for us), and our stream equals the target's plain greedy
-    stream (lossless) with the logits along the path within budget."""
-    eos = case.params["eos"]
-    ref_tokens = ref["stream.tokens"].tolist()
-    if ref_tokens and ref_tokens[-1] == eos:
-        ref_tokens = ref_tokens[:-1]
-    s = stream_metrics(port["stream.tokens"], ref_tokens, port["greedy.logits"], case.dtype)
-    result.metrics["stream_vs_optiq"] = s
-    if not s["ok"]:
-        result.fail(f"token stream differs from optiq's at {s['first_divergence']} "
-                    f"(port {s.get('port_token')} vs optiq {s.get('ref_token')}; lengths {s['length']})")
-    t = trace_metrics(port["stream.trace"], ref["stream.trace"])
-    result.metrics["trace_vs_optiq"] = t
-    if not t["ok"]:
-        result.fail(f"accept trace differs from optiq's at round {t['first_differing_round']} "
-                    f"(port {t.get('port_round')} vs optiq {t.get('ref_round')})")
-    if not np.array_equal(port["stream.stats"][:3], ref["stream.stats"][:3]):
-        result.fail(f"drafted/accepted/target calls {port['stream.stats'][:3].tolist()} != optiq's "
-                    f"{ref['stream.stats'][:3].tolist()}")
-    plain = port["greedy.tokens"].tolist()
-    plain = plain[:-1] if plain and plain[-1] == eos else plain
-    g = stream_metrics(port["stream.tokens"], plain, port["greedy.logits"], case.dtype)
-    result.metrics["lossless_vs_greedy"] = g
-    if not g["ok"]:
-        result.fail(f"not lossless: diverges from the target's greedy stream at {g['first_divergence']}")
-    n = min(len(port["stream.logits"]), len(port["greedy.logits"]))
-    check_tensor(result, "path_logits_vs_greedy", port["stream.logits"][:n], port["greedy.logits"][:n], NAME,
-                 "path_logits", case.dtype)
-    acc = port["stream.stats"]
-    result.metrics["acceptance"] = {"drafted": int(acc[0]), "accepted": int(acc[1]),
-                                    "rate": float(acc[1] / acc[0]) if acc[0] else 0.0, "ok": True}
-
-
-def compare(case: Case, port: dict, ref: dict, result: Result) -> None:
-    if case.params.get("loop"):
-        return compare_loop(case, port, ref, result)
-    dt, gamma = case.dtype, case.params["gamma"]
+        eos = {case.params["eos"]}
+        return serve_loop("optiq", case.params["max_tokens"], eos, ref_drop=eos, greedy_drop=eos,
+                          schedule=(P("stream.drafted"), P("stream.accepted"), P("stream.emitted")),
+                          ref_schedule=(R("stream.trace"),), proposals=False)
+    gamma = case.params["gamma"]
+    checks = []
     if case.oracle == "optiq":
-        for key in ("anchor.token", "anchor.hidden", "donor.sliding_attention.k", "donor.sliding_attention.v",
-                    "donor.full_attention.k", "donor.full_attention.v"):
-            check_tensor(result, key, port[key], ref[key], NAME, key, dt)
+        checks += [Tensor(k, P(k), R(k), k) for k in ("anchor.token", "anchor.hidden", "donor.sliding_attention.k",
+                                                      "donor.sliding_attention.v", "donor.full_attention.k",
+                                                      "donor.full_attention.v")]
     for i in range(gamma):
-        check_tensor(result, f"step{i}.next_hidden", port[f"step{i}.next_hidden"], ref[f"step{i}.next_hidden"],
-                     NAME, "next_hidden", dt)
-        p, r = port[f"step{i}.logits"], ref[f"step{i}.logits"]
-        if result.tier == "L1":
-            check_tensor(result, f"step{i}.logits", p, r, NAME, "logits", dt)
-        else:
-            _compare_l2_logits(result, f"step{i}.logits", p, r, dt)
-    s = stream_metrics([int(port[f"step{i}.token"][0]) for i in range(gamma)],
-                       [int(ref[f"step{i}.token"][0]) for i in range(gamma)],
-                       np.stack([ref[f"step{i}.logits"] for i in range(gamma)]), dt)
-    result.metrics["draft_tokens"] = s
-    if not s["ok"]:
-        result.fail(f"draft token {s['first_divergence']} differs (port {s.get('port_token')} vs ref {s.get('ref_token')})")
-
-
-def _compare_l2_logits(result: Result, name: str, port: np.ndarray, ref: np.ndarray, dt: str) -> None:
-    """Centroid heads fill non-candidates differently (optiq/port -1e30, transformers min-1): compare
-    the candidate sets, then the logits on them."""
-    port_cand = port > -1e29
-    if port_cand.all():
-        check_tensor(result, name, port, ref, NAME, "logits", dt)
-        return
-    ref_cand = ref > ref.min()
-    if not np.array_equal(port_cand, ref_cand):
-        result.metrics[name + ".candidates"] = {"ok": False, "port_only": np.flatnonzero(port_cand & ~ref_cand)[:8].tolist(),
-                                                "ref_only": np.flatnonzero(ref_cand & ~port_cand)[:8].tolist()}
-        result.fail(f"{name}: centroid candidate sets differ")
-        return
-    check_tensor(result, name, port[port_cand], ref[port_cand], NAME, "logits", dt)
+        checks += [Tensor(f"step{i}.next_hidden", P(f"step{i}.next_hidden"), R(f"step{i}.next_hidden"), "next_hidden"),
+                   Tensor(f"step{i}.logits", P(f"step{i}.logits"), R(f"step{i}.logits"), "logits", candidates=True)]
+    steps = [f"step{i}" for i in range(gamma)]
+    checks.append(Tokens("draft_tokens", P(*[s + ".token" for s in steps]), R(*[s + ".token" for s in steps]),
+                         R(*[s + ".logits" for s in steps]), "draft token", finding="module"))
+    return Plan(checks)
 
 
 def quantities(port: dict, ref: dict) -> dict[str, float]:

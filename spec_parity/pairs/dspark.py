@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import controls, shared
+from .. import controls
 from ..case import Case
-from ..compare import Result, check_tensor, stream_metrics, trace_metrics
+from ..checks import P, Plan, R, Same, Tensor, Tokens, serve_loop
 
 NAME = "dspark"
 ORACLE = "deepspec"
@@ -81,119 +81,48 @@ def oracle_status(oracle: str = ORACLE) -> str | None:
     return status()
 
 
-def prompt(case: Case) -> np.ndarray:
-    return np.random.default_rng([case.seed, 13]).integers(3, 128, (1, case.params["prompt_len"])).astype(np.int32)
+PROMPT = (13, 128)
 
 
 def run_oracle(case: Case):
     from oracles import dspark as oracle
 
+    p = case.prompt(*PROMPT)
     if case.params.get("loop"):
-        arrays = oracle.loop(case.checkpoint_dir(), case.drafter_dir(), prompt(case), case.params["max_new_tokens"],
+        arrays = oracle.loop(case.checkpoint_dir(), case.drafter_dir(), p, case.params["max_new_tokens"],
                              case.params["threshold"])
     else:
-        arrays = oracle.modules(case.checkpoint_dir(), case.drafter_dir(), prompt(case), case.params["thresholds"])
+        arrays = oracle.modules(case.checkpoint_dir(), case.drafter_dir(), p, case.params["thresholds"])
     return arrays, {"reference": {"name": ORACLE, "versions": oracle.versions()}}
 
 
-def run_port(case: Case, ref: dict) -> dict:
-    import mlx.core as mx
+def kind(case: Case) -> str:
+    return "loop" if case.params.get("loop") else "modules"
 
-    from port import dspark, serve, targets
 
-    target = targets.load(case.checkpoint_dir())
-    p = prompt(case)
-    if case.params.get("loop"):
-        provider = dspark.DeepspecProvider(case.drafter_dir(), case.params["threshold"])
-        n = case.params["max_new_tokens"]
-        # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
-        tokens, stats = serve.generate(target, p[0].tolist(), n + 1, provider, gamma=provider.trained_gamma,
-                                       eos=set(), record=True)
-        plain, plain_logits = shared.greedy(case.checkpoint_dir(), p, n + 1, set())
-        return {"stream.tokens": np.array(tokens[:n], np.int32),
-                "stream.accepted": np.array([k for _, k, _ in stats.trace], np.int32),
-                "stream.proposed": np.array([d for d, _, _ in stats.trace], np.int32),
-                "stream.proposals": np.array([t for q in stats.proposals for t in q], np.int32),
-                "stream.logits": np.array(mx.stack(stats.logits)), "greedy.tokens": np.array(plain, np.int32),
-                "greedy.logits": np.array(plain_logits), "tau": np.array([stats.tau])}
-    m = dspark.load(case.drafter_dir())
-    dspark.check_pairing(m, target)
-    trace = targets.forward(target, mx.array(p))
-    taps = m.taps(trace.hidden)
-    c = m.project(taps)
-    kv = m.context_kv(c, 0)
-    anchor = int(mx.argmax(trace.logits[0, -1]).item())
-    block = m.draft_block(anchor, kv, p.shape[1])
-    out = {"anchor": np.array([anchor], np.int32), "taps": taps[0], "context": c[0], "block_hidden": block.hidden,
-           "base_logits": block.base_logits, "logits": block.logits, "tokens": np.array(block.tokens, np.int32)}
-    for i, (k, v) in enumerate(kv):
-        out[f"context_k.{i}"], out[f"context_v.{i}"] = k[0], v[0]
-    if block.confidence is not None:
-        out["confidence"] = block.confidence
-    for t in case.params["thresholds"]:
-        n = m.prefix_length(block.confidence, t)
-        out[f"prefix@{t}"] = np.array([n], np.int32)
-        out[f"proposal@{t}"] = np.array(block.tokens[:n], np.int32)
-    return {k: np.array(v) for k, v in out.items()}
+def feeds(case: Case, ref: dict) -> dict:
+    return {}
 
 
 MODULE_TENSORS = [("taps", "taps"), ("context", "context"), ("block_hidden", "block_hidden"),
                   ("base_logits", "logits"), ("logits", "logits"), ("confidence", "confidence")]
 
 
-def compare(case: Case, port: dict, ref: dict, result: Result) -> None:
+def plan(case: Case, ref: dict) -> Plan:
     if case.params.get("loop"):
-        return compare_loop(case, port, ref, result)
-    dt = case.dtype
-    if int(port["anchor"][0]) != int(ref["anchor"][0]):
-        result.fail(f"anchor token {int(port['anchor'][0])} != DeepSpec's {int(ref['anchor'][0])}")
-    for key, quantity in MODULE_TENSORS:
-        if key in ref or key in port:
-            check_tensor(result, key, port.get(key), ref.get(key), NAME, quantity, dt)
-    for key in sorted(k for k in ref if k.startswith("context_")):
-        check_tensor(result, key, port[key], ref[key], NAME, "context_kv", dt)
-    s = stream_metrics(port["tokens"], ref["tokens"], ref["logits"], dt)
-    result.metrics["tokens"] = s
-    if not s["ok"]:
-        result.fail(f"draft token {s['first_divergence']} differs (port {s.get('port_token')} vs DeepSpec {s.get('ref_token')})")
+        # DeepSpec decodes while fewer than n + 1 tokens are committed, then trims to n.
+        return serve_loop("DeepSpec", case.params["max_new_tokens"] + 1, set(), greedy_prefix=True,
+                          schedule=(P("stream.drafted"), P("stream.accepted")),
+                          ref_schedule=(R("stream.proposed"), R("stream.accepted")),
+                          tau=R("stream.acceptance_lengths"))
+    checks = [Same("anchor", P("anchor"), R("anchor"), "anchor token")]
+    checks += [Tensor(key, P(key), R(key), quantity) for key, quantity in MODULE_TENSORS if key in ref]
+    checks += [Tensor(k, P(k), R(k), "context_kv") for k in sorted(k for k in ref if k.startswith("context_"))]
+    checks.append(Tokens("tokens", P("tokens"), R("tokens"), R("logits"), "draft token", finding="module"))
     for t in case.params["thresholds"]:
-        p, r = int(port[f"prefix@{t}"][0]), int(ref[f"prefix@{t}"][0])
-        same = p == r and port[f"proposal@{t}"].tolist() == ref[f"proposal@{t}"].tolist()
-        result.metrics[f"proposal@{t}"] = {"ok": same, "port_len": p, "ref_len": r}
-        if not same:
-            result.fail(f"proposal at threshold {t}: port keeps {p} tokens {port[f'proposal@{t}'].tolist()}, "
-                        f"DeepSpec {r} {ref[f'proposal@{t}'].tolist()}")
-
-
-def compare_loop(case: Case, port: dict, ref: dict, result: Result) -> None:
-    dt = case.dtype
-    s = stream_metrics(port["stream.tokens"], ref["stream.tokens"], port["greedy.logits"], dt)
-    result.metrics["stream_vs_deepspec"] = s
-    if not s["ok"]:
-        result.fail(f"token stream differs from DeepSpec's at {s['first_divergence']}")
-    rounds = trace_metrics(np.stack([port["stream.proposed"], port["stream.accepted"]], 1),
-                           np.stack([ref["stream.proposed"], ref["stream.accepted"]], 1))
-    result.metrics["rounds_vs_deepspec"] = rounds
-    if not rounds["ok"]:
-        result.fail(f"per-round (proposed, accepted) differs from DeepSpec's at round {rounds['first_differing_round']} "
-                    f"(port {rounds.get('port_round')} vs DeepSpec {rounds.get('ref_round')})")
-    if port["stream.proposals"].tolist() != ref["stream.proposals"].tolist():
-        first = next((i for i, (a, b) in enumerate(zip(port["stream.proposals"], ref["stream.proposals"])) if a != b),
-                     min(len(port["stream.proposals"]), len(ref["stream.proposals"])))
-        result.fail(f"draft tokens differ from DeepSpec's at draft {first}")
-    tau_ref = float(np.mean(ref["stream.acceptance_lengths"])) if len(ref["stream.acceptance_lengths"]) else 0.0
-    result.metrics["tau"] = {"ok": abs(float(port["tau"][0]) - tau_ref) < 1e-9, "port": float(port["tau"][0]),
-                             "deepspec": tau_ref}
-    if not result.metrics["tau"]["ok"]:
-        result.fail(f"tau {float(port['tau'][0]):.4f} != DeepSpec's {tau_ref:.4f}")
-    n = len(port["stream.tokens"])
-    g = stream_metrics(port["stream.tokens"], port["greedy.tokens"][:n], port["greedy.logits"], dt)
-    result.metrics["lossless_vs_greedy"] = g
-    if not g["ok"]:
-        result.fail(f"not lossless: diverges from the target's greedy stream at {g['first_divergence']}")
-    m = min(len(port["stream.logits"]), len(port["greedy.logits"]))
-    check_tensor(result, "path_logits_vs_greedy", port["stream.logits"][:m], port["greedy.logits"][:m], NAME,
-                 "path_logits", dt)
+        checks += [Same(f"prefix@{t}", P(f"prefix@{t}"), R(f"prefix@{t}"), f"prefix length at threshold {t}"),
+                   Same(f"proposal@{t}", P(f"proposal@{t}"), R(f"proposal@{t}"), f"proposal at threshold {t}")]
+    return Plan(checks)
 
 
 def quantities(port: dict, ref: dict) -> dict[str, float]:

@@ -11,8 +11,7 @@ import numpy as np
 
 from .. import controls
 from ..case import Case
-from ..compare import Result, check_tensor, stream_metrics, teacher_forced
-from ..layers import localize
+from ..checks import Layers, P, Plan, R, Scored, Tensor, Tokens
 
 NAME = "targets"
 ORACLE = "transformers"
@@ -45,83 +44,41 @@ def oracle_status(oracle: str = ORACLE) -> str | None:
     return None
 
 
-def prompt(case: Case) -> np.ndarray:
-    """Deterministic prompt ids (never the special ids 0-2), longer than the sliding window."""
-    rng = np.random.default_rng([case.seed, 7])
-    vocab = 128 if not case.path else _vocab(case)
-    return rng.integers(3, vocab, (1, case.params["prompt_len"])).astype(np.int32)
-
-
-def _vocab(case: Case) -> int:
-    import json
-
-    cfg = json.loads((case.checkpoint_dir() / "config.json").read_text())
-    return cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
+PROMPT = (7, None)      # (seed salt, id bound): None = the checkpoint's vocabulary on a real target, else 128
 
 
 def run_oracle(case: Case):
     from oracles import targets as oracle
 
     model = oracle.load(case.checkpoint_dir())
-    ids = prompt(case).astype(np.int64)
+    ids = case.prompt(*PROMPT).astype(np.int64)
     arrays = oracle.forward(model, ids)
     arrays.update(oracle.greedy(model, ids, case.params["new_tokens"]))
     provenance = {"reference": {"name": ORACLE, "versions": oracle.versions()}}
     return arrays, provenance
 
 
-def run_port(case: Case, ref: dict) -> dict:
-    import mlx.core as mx
-
-    from port import targets as port
-
-    target = port.load(case.checkpoint_dir())
-    ids = prompt(case)
-    trace = port.forward(target, mx.array(ids))
-    L = target.num_layers
-    own = port.forward(target, mx.array(ids), layer_inputs=[mx.array(ref[f"hidden.{i}"])[None] for i in range(L)])
-    tokens, step_logits = port.greedy(target, mx.array(ids), case.params["new_tokens"])
-    forced = np.concatenate([ids[0], ref["stream.tokens"][:-1]])[None]
-    tf_logits = port.forward(target, mx.array(forced)).logits[0, ids.shape[1] - 1:]
-    out = {"logits": trace.logits[0], "final": trace.final[0], "stream.logits": step_logits,
-           "tf.logits": tf_logits, "stream.tokens": mx.array(tokens, dtype=mx.int32)}
-    for i, h in enumerate(trace.hidden):
-        out[f"hidden.{i}"] = h[0]
-    for i in range(L):
-        out[f"own.{i + 1}"] = own.hidden[i + 1][0]
-    for name, (k, v) in trace.donors.items():
-        out[f"donor.{name}.k"], out[f"donor.{name}.v"] = k[0], v[0]
-    return {k: np.array(v) for k, v in out.items()}
+def kind(case: Case) -> str:
+    return "forward"
 
 
-def compare(case: Case, port: dict, ref: dict, result: Result) -> None:
-    m, dt = NAME, case.dtype
+def feeds(case: Case, ref: dict) -> dict:
+    """The reference's input to each layer (the own-error run) and its greedy stream (teacher-forced)."""
+    return {k: v for k, v in ref.items() if k.startswith("hidden.") or k == "stream.tokens"}
+
+
+def plan(case: Case, ref: dict) -> Plan:
     L = sum(1 for k in ref if k.startswith("hidden.")) - 1
-    check_tensor(result, "logits", port["logits"], ref["logits"], m, "logits", dt)
-    check_tensor(result, "final", port["final"], ref["final"], m, "final", dt)
-    for i in range(L + 1):
-        check_tensor(result, f"hidden.{i}", port[f"hidden.{i}"], ref[f"hidden.{i}"], m, "hidden", dt)
-    for k in sorted(k for k in ref if k.startswith("donor.")):
-        check_tensor(result, k, port.get(k), ref[k], m, "donor", dt)
-    layers = localize([port[f"hidden.{i + 1}"] for i in range(L)], [port[f"own.{i + 1}"] for i in range(L)],
-                      [ref[f"hidden.{i + 1}"] for i in range(L)], m, dt)
-    result.metrics["layers"] = layers
-    if layers["first_divergent_layer"] is not None:
-        result.fail(f"first divergent layer: {layers['first_divergent_layer']} (its own, teacher-forced error "
-                    f"{layers['own_max_abs'][layers['first_divergent_layer']]:.3e} exceeds {layers['budget']})")
-    s = stream_metrics(port["stream.tokens"], ref["stream.tokens"], ref["stream.logits"], dt)
-    result.metrics["stream"] = s
-    if not s["equal"]:
-        if s["ok"]:
-            result.note(f"greedy stream diverges at {s['first_divergence']}: excused knife-edge (ref margin "
-                        f"{s['ref_margin']:.2e} < bound {s['knife_edge_bound']:.2e})")
-        else:
-            result.fail(f"greedy stream diverges at token {s['first_divergence']} "
-                        f"(port {s.get('port_token')} vs ref {s.get('ref_token')}, ref margin {s.get('ref_margin', 0):.3e})")
-    shared = s["first_divergence"] if s["first_divergence"] is not None else len(ref["stream.tokens"])
-    check_tensor(result, "stream.logits[shared]", port["stream.logits"][:shared], ref["stream.logits"][:shared],
-                 m, "stream_logits", dt)
-    result.metrics["teacher_forced"] = teacher_forced(port["tf.logits"], ref["stream.logits"], ref["stream.tokens"])
+    checks = [Tensor("logits", P("logits"), R("logits"), "logits"), Tensor("final", P("final"), R("final"), "final")]
+    checks += [Tensor(f"hidden.{i}", P(f"hidden.{i}"), R(f"hidden.{i}"), "hidden") for i in range(L + 1)]
+    checks += [Tensor(k, P(k), R(k), "donor") for k in sorted(k for k in ref if k.startswith("donor."))]
+    checks.append(Layers(tuple(P(f"hidden.{i + 1}") for i in range(L)), tuple(P(f"own.{i + 1}") for i in range(L)),
+                         tuple(R(f"hidden.{i + 1}") for i in range(L))))
+    checks += [Tokens("stream", P("stream.tokens"), R("stream.tokens"), R("stream.logits"), "greedy stream"),
+               Tensor("stream.logits[shared]", P("stream.logits"), R("stream.logits"), "stream_logits", "stream",
+                      upto="stream"),
+               Scored("teacher_forced", "teacher_forced", (P("tf.logits"), R("stream.logits"), R("stream.tokens")))]
+    return Plan(checks)
 
 
 def quantities(port: dict, ref: dict) -> dict[str, float]:

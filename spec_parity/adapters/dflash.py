@@ -1,0 +1,91 @@
+"""Our DFlash port (port/dflash.py) behind protocols dflash/modules and dflash/loop."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import controls, shared
+from ..protocol import Request
+from . import loop
+
+
+def run(req: Request) -> dict:
+    return run_loop(req) if req.kind == "loop" else run_modules(req)
+
+
+def run_modules(req: Request) -> dict:
+    """The module rounds through the DflashSource, prefilled as the reference does: z-lab MLX splits
+    off the prompt's last token ("split"), z-lab torch runs it in one forward ("whole"). The stored
+    context K/V are returned as the reference holds them: mlx-lm's buffers as they are ("split"),
+    or in time order, sliding layers their newest W-1 rows (torch's DynamicSlidingWindowLayer)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    from port import dflash, serve, targets
+
+    o = req.options
+    target = targets.load(req.target)
+    m = dflash.load(req.drafter, o["window"], o["embed"])
+    caches = make_prompt_cache(target.model)
+    src = dflash.DflashSource(m, serve.TargetView(target, caches))
+    p = req.prompt
+    if o["prefill"] == "split":
+        first = targets.forward(target, mx.array(p[:, :-1]), caches=caches)
+        last = targets.forward(target, mx.array(p[:, -1:]), caches=caches)
+        taps = [mx.concatenate([first.hidden[i + 1], last.hidden[i + 1]], axis=1) for i in src.tap_layers]
+    else:
+        last = targets.forward(target, mx.array(p), caches=caches)
+        taps = [last.hidden[i + 1] for i in src.tap_layers]
+    src.prefill(p[0].tolist(), taps)
+    # z-lab MLX hands an all-sliding drafter only the newest W-1 prompt rows (so does the source);
+    # z-lab torch projects them all and its sliding caches keep W-1.
+    out = {"taps.0": src.pending[0] if o["prefill"] == "split" else mx.concatenate(taps, axis=-1)[0]}
+    anchor = int(mx.argmax(last.logits[0, -1]).item())
+    anchors, bs = [anchor], m.args.block_size
+    for r, a in enumerate(o["accepts"]):
+        tokens = src.draft([anchor], bs - 1, None)
+        b = src.last_block
+        out[f"hidden.{r}"], out[f"logits.{r}"], out[f"tokens.{r}"] = b.hidden, b.logits, mx.array(tokens, dtype=mx.int32)
+        verify = targets.forward(target, mx.array([[anchor] + tokens]), caches=caches)
+        a = min(a, bs - 1)
+        anchor = int(mx.argmax(verify.logits[0, a]).item())
+        anchors.append(anchor)
+        serve.trim_caches(caches, bs - 1 - a)
+        src.commit(bs - 1, a, [verify.hidden[i + 1] for i in src.tap_layers])
+        out[f"taps.{r + 1}"] = src.pending[0]
+    for i, c in enumerate(src.caches):
+        if not isinstance(c, RotatingKVCache):
+            k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+        elif o["prefill"] == "split":
+            k, v = c.keys, c.values
+        else:
+            n = min(c.max_size, c.offset)
+            k, v = c._temporal_order(c.keys)[..., -n:, :], c._temporal_order(c.values)[..., -n:, :]
+        out[f"ctx_k.{i}"], out[f"ctx_v.{i}"] = k[0], v[0]
+    out["anchors"] = mx.array(anchors, dtype=mx.int32)
+    return {k: np.array(v) for k, v in out.items()}
+
+
+def run_loop(req: Request) -> dict:
+    """Our serve loop, once per process for what it reads (spec_parity.shared): the checkpoints,
+    the prompt, the length, EOS, window, the controls planted now and block embedding. On a target with no
+    embed scale (Qwen3) embed "raw" and "scaled" are the same multiply (port/dflash.py `embed`), so
+    the z-lab MLX and torch twins of a Qwen3 loop share one run."""
+    from port import targets
+
+    o = req.options
+    target = targets.load(req.target)
+    embed = o["embed"] if hasattr(target.model.model, "embed_scale") else "scaled"
+    key = ("dflash-loop", shared.stamp(req.target), shared.stamp(req.drafter), req.prompt.tobytes(), o["max_tokens"],
+           tuple(sorted(o["eos"])), o["window"], controls.active(), embed)
+    return shared.once(key, lambda: loop_uncached(req, target))
+
+
+def loop_uncached(req: Request, target=None) -> dict:
+    from port import dflash, targets
+
+    o = req.options
+    provider = dflash.DflashProvider(req.drafter, o["window"], max_tokens=o["max_tokens"],
+                                     embed=o["embed"])
+    return loop.run(target or targets.load(req.target), req.prompt, o["max_tokens"], provider, provider.trained_gamma,
+                    set(o["eos"]))

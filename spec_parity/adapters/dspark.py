@@ -1,0 +1,41 @@
+"""Our DSpark port (port/dspark.py) behind protocols dspark/modules and dspark/loop."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..protocol import Request
+from . import loop
+
+
+def run(req: Request) -> dict:
+    import mlx.core as mx
+
+    from port import dspark, targets
+
+    target = targets.load(req.target)
+    p = req.prompt
+    if req.kind == "loop":
+        provider = dspark.DeepspecProvider(req.drafter, req.options["threshold"])
+        n = req.options["max_new_tokens"]
+        # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
+        return loop.run(target, p, n + 1, provider, provider.trained_gamma, set(), keep=n)
+    m = dspark.load(req.drafter)
+    dspark.check_pairing(m, target)
+    trace = targets.forward(target, mx.array(p))
+    taps = m.taps(trace.hidden)
+    c = m.project(taps)
+    kv = m.context_kv(c, 0)
+    anchor = int(mx.argmax(trace.logits[0, -1]).item())
+    block = m.draft_block(anchor, kv, p.shape[1])
+    out = {"anchor": np.array([anchor], np.int32), "taps": taps[0], "context": c[0], "block_hidden": block.hidden,
+           "base_logits": block.base_logits, "logits": block.logits, "tokens": np.array(block.tokens, np.int32)}
+    for i, (k, v) in enumerate(kv):
+        out[f"context_k.{i}"], out[f"context_v.{i}"] = k[0], v[0]
+    if block.confidence is not None:
+        out["confidence"] = block.confidence
+    for t in req.options["thresholds"]:
+        n = m.prefix_length(block.confidence, t)
+        out[f"prefix@{t}"] = np.array([n], np.int32)
+        out[f"proposal@{t}"] = np.array(block.tokens[:n], np.int32)
+    return {k: np.array(v) for k, v in out.items()}

@@ -1,0 +1,330 @@
+"""What a pair declares about a case, and the one place that judges it.
+
+A pair never compares (llama.cpp's test-backend-ops shape): for each case it returns a list of
+checks, plain data naming which arrays of which side to hold to which rule. `judge` applies
+them in order: tiers, budgets and the knife-edge rule live here and in spec_parity.compare, never
+in a pair. Each check belongs to a *finding* ("module", "stream", "layers", and for serve loops
+"lossless", "drafts", "schedule"), and the report gives each finding its own line, so a loop that
+is lossless with the reference's drafts but another schedule reads as that, not as a wrong drafter.
+
+Arrays come from three sides: "port" (what the port returned), "ref" (the reference's arrays,
+live or golden) and "greedy" (the target's plain greedy stream, computed by the harness, never by
+the port under test: `greedy.tokens`, `greedy.logits`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .compare import Result, check_tensor, stream_metrics, teacher_forced, trace_metrics
+from .layers import localize
+
+
+@dataclass(frozen=True)
+class Src:
+    """Arrays of one side: one key as it is, several stacked along a new first axis. `drop` removes
+    trailing tokens in that set (a loop that emits its EOS as an event); `first` keeps the first n."""
+
+    side: str
+    keys: tuple[str, ...]
+    drop: frozenset = frozenset()
+    first: int | None = None
+
+    def get(self, sides: dict) -> np.ndarray | None:
+        arrays = sides[self.side]
+        if any(k not in arrays for k in self.keys):
+            return None
+        a = arrays[self.keys[0]] if len(self.keys) == 1 else np.stack([arrays[k] for k in self.keys])
+        if self.first is not None:
+            a = a[: self.first]
+        if self.drop and len(a) and int(np.ravel(a)[-1]) in self.drop:
+            a = a[:-1]
+        return a
+
+    @property
+    def label(self) -> str:
+        return self.keys[0] if len(self.keys) == 1 else f"{self.keys[0]}..{self.keys[-1]}"
+
+
+def P(*keys: str, drop=(), first: int | None = None) -> Src:
+    return Src("port", keys, frozenset(drop), first)
+
+
+def R(*keys: str, drop=(), first: int | None = None) -> Src:
+    return Src("ref", keys, frozenset(drop), first)
+
+
+def G(*keys: str, drop=(), first: int | None = None) -> Src:
+    return Src("greedy", keys, frozenset(drop), first)
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor at the case's tier: L1 identical bytes, L2 the budget of (module, quantity).
+    upto: "common" cuts both to their common length; the name of a Tokens check cuts both to the
+    path that check found shared. candidates: a centroid head's masked logits (-1e30 on our side,
+    the dtype minimum on transformers') are compared as candidate sets, then on the candidates."""
+
+    name: str
+    port: Src
+    ref: Src
+    quantity: str
+    finding: str = "module"
+    upto: str | None = None
+    candidates: bool = False
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Two token sequences must be equal; a divergence is excused only as a knife-edge of `logits`
+    (compare.stream_metrics). prefix: the reference is cut to the port's length first."""
+
+    name: str
+    port: Src
+    ref: Src
+    logits: Src
+    what: str
+    finding: str = "stream"
+    prefix: bool = False
+
+
+@dataclass(frozen=True)
+class Same:
+    """Integer arrays equal element for element (proposals, counts, anchors)."""
+
+    name: str
+    port: Src
+    ref: Src
+    what: str
+    finding: str = "module"
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Per-round schedules: the columns of each side stacked, equal round by round."""
+
+    name: str
+    port: tuple[Src, ...]
+    ref: tuple[Src, ...]
+    what: str
+    finding: str = "schedule"
+
+
+@dataclass(frozen=True)
+class Mean:
+    """A scalar of the port equal (within atol) to the mean of a reference array (tau)."""
+
+    name: str
+    port: Src
+    ref: Src
+    what: str
+    atol: float = 1e-9
+    finding: str = "schedule"
+
+
+@dataclass(frozen=True)
+class Layers:
+    """First divergent layer: each layer's free-running and teacher-forced (own) output against the
+    reference's (spec_parity.layers). Fails naming the first layer whose own error is over budget."""
+
+    free: tuple[Src, ...]
+    own: tuple[Src, ...]
+    ref: tuple[Src, ...]
+    name: str = "layers"
+    finding: str = "layers"
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Reported, never judged: the port's logits scored on the reference's tokens (teacher_forced),
+    or a loop's acceptance."""
+
+    name: str
+    kind: str
+    srcs: tuple[Src, ...]
+
+
+@dataclass(frozen=True)
+class FirstRound:
+    """Reported: the first round whose check (one name per round, judged before) failed."""
+
+    name: str
+    rounds: tuple[str, ...]
+
+
+@dataclass
+class Plan:
+    """A case's checks, and what the harness must compute for them: `greedy` = (max_tokens, eos)
+    of the target's plain greedy stream, for the lossless checks of a serve loop."""
+
+    checks: list = field(default_factory=list)
+    greedy: tuple[int, frozenset] | None = None
+
+
+def judge(plan: Plan, sides: dict, module: str, dtype: str, result: Result, protocol=None) -> None:
+    """Apply every check in order. A check on arrays the port does not return is skipped, and
+    named in the report, when the protocol (spec_parity.protocol) says they are optional; a
+    required one missing fails."""
+    hidden = []
+    for check in plan.checks:
+        absent = [k for src in _port_srcs(check) for k in src.keys if k not in sides["port"]]
+        if absent and protocol is not None and all(protocol.optional(k) for k in absent):
+            result.metrics[check.name] = {"ok": True, "exposed": False}
+            hidden.append(check.name)
+            continue
+        _JUDGES[type(check)](check, sides, module, dtype, result)
+    if hidden:
+        result.note(f"not exposed by the port, so not checked: {', '.join(hidden)}")
+
+
+def _port_srcs(check) -> list[Src]:
+    out = []
+    for v in vars(check).values():
+        for s in v if isinstance(v, tuple) else (v,):
+            if isinstance(s, Src) and s.side == "port":
+                out.append(s)
+    return out
+
+
+def _missing(result: Result, check, what: str) -> None:
+    result.metrics[check.name] = {"ok": False, "error": what}
+    result.fail(f"{check.name}: {what}", check.finding)
+
+
+def _tensor(c: Tensor, sides, module, dtype, result):
+    p, r = c.port.get(sides), c.ref.get(sides)
+    if p is None or r is None:
+        return _missing(result, c, f"missing ({c.port.label if p is None else c.ref.label} not given)")
+    if np.shape(p) != np.shape(r) and c.upto is None:
+        return _missing(result, c, f"shape {list(np.shape(p))} vs {list(np.shape(r))}")
+    if c.upto == "common":
+        n = min(len(p), len(r))
+        p, r = p[:n], r[:n]
+    elif c.upto is not None:
+        n = result.metrics[c.upto]["first_divergence"]
+        n = len(r) if n is None else n
+        p, r = p[:n], r[:n]
+    if c.candidates and result.tier != "L1" and not (p > -1e29).all():
+        pc, rc = p > -1e29, r > r.min()
+        if not np.array_equal(pc, rc):
+            result.metrics[c.name + ".candidates"] = {"ok": False, "port_only": np.flatnonzero(pc & ~rc)[:8].tolist(),
+                                                      "ref_only": np.flatnonzero(rc & ~pc)[:8].tolist()}
+            return result.fail(f"{c.name}: centroid candidate sets differ", c.finding)
+        p, r = p[pc], r[pc]
+    check_tensor(result, c.name, p, r, module, c.quantity, dtype, c.finding)
+
+
+def _tokens(c: Tokens, sides, module, dtype, result):
+    p, r, lg = c.port.get(sides), c.ref.get(sides), c.logits.get(sides)
+    if p is None or r is None or lg is None:
+        return _missing(result, c, "missing")
+    p = np.ravel(p)
+    r = np.ravel(r)[: len(p)] if c.prefix else np.ravel(r)
+    s = stream_metrics(p, r, lg, dtype)
+    result.metrics[c.name] = s
+    d = s["first_divergence"]
+    if s["ok"] and not s["equal"]:
+        result.note(f"{c.what} diverges at {d}: excused knife-edge (ref margin {s['ref_margin']:.2e} < bound "
+                    f"{s['knife_edge_bound']:.2e})")
+    elif not s["ok"]:
+        at = (f"port {s['port_token']} vs ref {s['ref_token']}, ref margin {s['ref_margin']:.3g}"
+              if "port_token" in s else f"lengths {s['length']}")
+        result.fail(f"{c.what} differs at {d} ({at})", c.finding)
+
+
+def _same(c: Same, sides, module, dtype, result):
+    p, r = c.port.get(sides), c.ref.get(sides)
+    if p is None or r is None:
+        return _missing(result, c, "missing")
+    pl, rl = np.ravel(p).tolist(), np.ravel(r).tolist()
+    first = next((i for i, (a, b) in enumerate(zip(pl, rl)) if a != b), None if len(pl) == len(rl) else min(len(pl), len(rl)))
+    result.metrics[c.name] = {"ok": first is None, "lengths": [len(pl), len(rl)], "first_difference": first}
+    if first is not None:
+        result.fail(f"{c.what} differs at {first} (port {pl[first:first + 8]} vs ref {rl[first:first + 8]})", c.finding)
+
+
+def _trace(c: Trace, sides, module, dtype, result):
+    cols = [[s.get(sides) for s in side] for side in (c.port, c.ref)]
+    if any(a is None for side in cols for a in side):
+        return _missing(result, c, "missing")
+    t = trace_metrics(np.stack(cols[0], 1) if len(cols[0]) > 1 else cols[0][0],
+                      np.stack(cols[1], 1) if len(cols[1]) > 1 else cols[1][0])
+    result.metrics[c.name] = t
+    if not t["ok"]:
+        result.fail(f"{c.what} differs at round {t['first_differing_round']} (port {t.get('port_round')} vs "
+                    f"ref {t.get('ref_round')}; rounds {t['rounds']})", c.finding)
+
+
+def _mean(c: Mean, sides, module, dtype, result):
+    p, r = c.port.get(sides), c.ref.get(sides)
+    if p is None or r is None:
+        return _missing(result, c, "missing")
+    port_v, ref_v = float(np.ravel(p)[0]), float(np.mean(r)) if len(r) else 0.0
+    ok = abs(port_v - ref_v) < c.atol
+    result.metrics[c.name] = {"ok": ok, "port": port_v, "ref": ref_v}
+    if not ok:
+        result.fail(f"{c.what} {port_v:.4f} != reference's {ref_v:.4f}", c.finding)
+
+
+def _layers(c: Layers, sides, module, dtype, result):
+    got = [[s.get(sides) for s in group] for group in (c.free, c.own, c.ref)]
+    if any(a is None for group in got for a in group):
+        result.metrics[c.name] = {"ok": True, "exposed": False}
+        return result.note("per-layer outputs not exposed by the port: no layer localization")
+    m = localize(*got, module, dtype)
+    result.metrics[c.name] = m
+    i = m["first_divergent_layer"]
+    if i is not None:
+        result.fail(f"first divergent layer: {i} (its own, teacher-forced error {m['own_max_abs'][i]:.3e} "
+                    f"exceeds {m['budget']})", c.finding)
+
+
+def _scored(c: Scored, sides, module, dtype, result):
+    arrays = [s.get(sides) for s in c.srcs]
+    if any(a is None for a in arrays):
+        return
+    if c.kind == "teacher_forced":
+        result.metrics[c.name] = teacher_forced(*arrays)
+    else:                                       # acceptance: (drafted, accepted[, tau])
+        drafted, accepted = int(np.sum(arrays[0])), int(np.sum(arrays[1]))
+        m = {"ok": True, "drafted": drafted, "accepted": accepted, "rate": accepted / drafted if drafted else 0.0}
+        if len(arrays) > 2:
+            m["tau"] = float(np.ravel(arrays[2])[0])
+        result.metrics[c.name] = m
+
+
+def _first_round(c: FirstRound, sides, module, dtype, result):
+    bad = [r for r, name in enumerate(c.rounds) if not result.metrics.get(name, {}).get("ok", True)]
+    result.metrics[c.name] = {"ok": not bad, "first_differing_round": bad[0] if bad else None, "rounds": len(c.rounds)}
+
+
+def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tuple, ref_drop=(), greedy_drop=(),
+               greedy_prefix: bool = False, proposals: bool = True, draft_logits: str | None = None,
+               tau: Src | None = None) -> Plan:
+    """The one serve-loop comparison, for every draft source. Findings: lossless against the
+    target's greedy stream (n tokens, `eos`; `greedy_prefix` cuts it to the port's length), the
+    stream against the reference loop's, the drafts (tokens, and logits where the reference keeps
+    them: quantity `draft_logits`), and the schedule (per-round columns, tau)."""
+    checks = [Tokens("lossless_vs_greedy", P("stream.tokens"), G("greedy.tokens", drop=greedy_drop), G("greedy.logits"),
+                     "not lossless: the stream vs the target's greedy one", "lossless", prefix=greedy_prefix),
+              Tensor("path_logits_vs_greedy", P("stream.logits"), G("greedy.logits"), "path_logits", "lossless",
+                     upto="common"),
+              Tokens("stream_vs_ref", P("stream.tokens"), R("stream.tokens", drop=ref_drop), G("greedy.logits"),
+                     f"token stream vs {ref_name}'s")]
+    if proposals:
+        checks.append(Same("proposals", P("stream.proposals"), R("stream.proposals"), f"draft tokens vs {ref_name}'s",
+                           "drafts"))
+    if draft_logits:
+        checks.append(Tensor("draft_logits_vs_ref", P("stream.draft_logits"), R("stream.draft_logits"), draft_logits,
+                             "drafts", upto="common"))
+    checks.append(Trace("schedule_vs_ref", schedule, ref_schedule, f"per-round schedule vs {ref_name}'s"))
+    if tau is not None:
+        checks.append(Mean("tau", P("tau"), tau, "tau"))
+    checks.append(Scored("acceptance", "acceptance", (P("stream.drafted"), P("stream.accepted"), P("tau"))))
+    return Plan(checks, greedy=(n, frozenset(eos)))
+
+
+_JUDGES = {FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,
+           Scored: _scored}

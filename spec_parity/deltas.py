@@ -1,0 +1,78 @@
+"""Reference deltas as data: where two references of one module disagree, by convention.
+
+Each delta is a port option of ours with two values, one per reference (docs/references.md says
+what each reference does and where). Our port implements both values, and the twin cases hold
+each value to its own reference. So when a plug-in port fails a case, the harness runs our port
+with the delta's other value and judges the plug-in port against that, at L2: a match means the
+port follows the other reference's convention. The verdict is then DELTA, naming the delta; the
+report counts such cases apart from failures. A port that matches neither convention keeps its
+FAIL. Serve-loop cases are not explained this way (their module cases show the delta).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from itertools import combinations
+
+from .compare import Result
+
+
+@dataclass(frozen=True)
+class Delta:
+    name: str
+    module: str
+    option: str
+    values: tuple[str, str]        # the option's value for each reference
+    references: tuple[str, str]
+    what: str
+
+
+DELTAS = (
+    Delta("window-ring", "dflash", "window", ("zlab-mlx", "positional"), ("z-lab MLX", "z-lab torch"),
+          "sliding window after a one-row context update on a full ring (ring index vs position)"),
+    Delta("block-embed-scale", "dflash", "embed", ("scaled", "raw"), ("z-lab MLX", "z-lab torch"),
+          "the block embedding: sqrt(H)-scaled (Gemma-4) vs the raw embedding rows"),
+    Delta("prefill-split", "dflash", "prefill", ("split", "whole"), ("z-lab MLX", "z-lab torch"),
+          "the prompt's last token prefilled on its own vs in one forward"),
+    Delta("draft-position", "assistant", "convention", ("optiq", "hfpos"), ("optiq", "transformers"),
+          "draft step k at position P+k vs every step at P"),
+    Delta("donor-window", "assistant", "convention", ("optiq", "hfwin"), ("optiq", "transformers"),
+          "the donor sliding view: newest W-1 entries vs transformers' own mask (W+1)"),
+)
+
+
+def applicable(case) -> list[tuple[Delta, str]]:
+    """(delta, the other value) for each delta whose option the case sets to one of its values."""
+    out = []
+    for d in DELTAS:
+        v = case.params.get(d.option)
+        if d.module == case.module and v in d.values:
+            out.append((d, d.values[1 - d.values.index(v)]))
+    return out
+
+
+def explain(case, port: dict, ours, judge) -> tuple[list[Delta], Result] | None:
+    """The smallest set of deltas under which `port` matches our port (`ours(variant)`: our arrays
+    on a case), judged by `judge(variant, port, arrays, result)`; None if no set explains it.
+    Deltas on one option are exclusive, so each set flips each option once."""
+    found = applicable(case)
+    for n in range(1, len(found) + 1):
+        for combo in combinations(found, n):
+            if len({d.option for d, _ in combo}) < n:
+                continue
+            params = {**case.params, **{d.option: other for d, other in combo}}
+            variant = replace(case, params=params, tier="L2", name=f"{case.name}~{'+'.join(d.name for d, _ in combo)}")
+            trial = Result(case.module, variant.name, "our port", "L2")
+            judge(variant, port, ours(variant), trial)
+            if trial.ok:
+                return [d for d, _ in combo], trial
+    return None
+
+
+def describe(case, deltas: list[Delta]) -> str:
+    parts = []
+    for d in deltas:
+        here = d.values.index(case.params[d.option])
+        parts.append(f"differs from {d.references[here]}, matches {d.references[1 - here]}: delta {d.name} "
+                     f"({d.what}; {d.option}={d.values[1 - here]})")
+    return "; ".join(parts)
