@@ -90,6 +90,14 @@ _measured("dflash", "loop_draft_logits", 8e-6, _DFLASH.format("2.38e-06 (z-lab M
 _measured("dflash", "loop_draft_logits_torch", 6e-5, _DFLASH.format("1.99e-05 (torch loop, 5 loop cases x 5 seeds)"))
 _measured("dflash", "path_logits", 3e-4, _DFLASH.format("8.89e-05 (11 loop cases x 5 seeds)"))
 
+# L3 gates (no reference): the DSpark-on-DFlash extension's distribution shift KL(base draft ||
+# extended draft) over every row of one request with pruning off. Measured on the ext-qwen3 and
+# ext-gemma4 cases at seeds 0-4 (harness.evaluate on dataclasses.replace(case, seed=s)): KL mean
+# 0.106-0.563 nats, top-1 agreement 0.103-0.940. The Markov head must move the distribution (a
+# head that is ignored gives 0) but not wreck it (5 nats is ~9x the largest mean measured); top-1
+# agreement on random weights spans too wide to gate, so it is reported.
+L3_GATES = {("dflash", "extension"): {"kl_mean_min": 1e-3, "kl_mean_max": 5.0, "top1_min": 0.0}}
+
 # A greedy-stream divergence is excused as a knife-edge only if the reference's top-1/top-2 margin
 # (and the port token's gap to top-1) is below this many ULPs of the dtype at the top-1 logit's
 # magnitude. fp32: cross-framework logit errors measured above reach ~50 ULPs at |logit| ~20, so

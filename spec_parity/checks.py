@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .compare import Result, check_tensor, stream_metrics, teacher_forced, trace_metrics
+from .compare import Result, check_tensor, kl, stream_metrics, teacher_forced, trace_metrics
 from .layers import localize
 
 
@@ -152,6 +152,31 @@ class FirstRound:
 
     name: str
     rounds: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Shift:
+    """L3: the distribution shift KL(base || port) per draft position and the top-1 agreement,
+    held to gates (budgets.L3_GATES), for an extension that no reference implements."""
+
+    name: str
+    base: Src
+    port: Src
+    gates: dict
+    finding: str = "shift"
+
+
+@dataclass(frozen=True)
+class Pruning:
+    """L3: every proposal stops exactly at the first position whose sigmoid(confidence) is below
+    its threshold (or at the block's end): the extension's pruning rule, recomputed here."""
+
+    name: str
+    confidence: Src
+    block_len: Src
+    proposed: Src
+    thresholds: tuple[float, ...]
+    finding: str = "pruning"
 
 
 @dataclass
@@ -300,6 +325,41 @@ def _first_round(c: FirstRound, sides, module, dtype, result):
     result.metrics[c.name] = {"ok": not bad, "first_differing_round": bad[0] if bad else None, "rounds": len(c.rounds)}
 
 
+def _shift(c: Shift, sides, module, dtype, result):
+    base, port = c.base.get(sides), c.port.get(sides)
+    if base is None or port is None:
+        return _missing(result, c, "missing")
+    k = kl(base, port)
+    top1 = float(np.mean(base.argmax(-1) == port.argmax(-1))) if len(k) else 1.0
+    g = c.gates
+    ok = bool(np.isfinite(k).all() and g["kl_mean_min"] <= float(k.mean()) <= g["kl_mean_max"] and top1 >= g["top1_min"])
+    result.metrics[c.name] = {"ok": ok, "kl_mean": float(k.mean()), "kl_max": float(k.max()), "top1_agree": top1,
+                              "kl_per_row": [round(float(x), 5) for x in k], "gates": g}
+    if not ok:
+        result.fail(f"{c.name}: KL mean {float(k.mean()):.3e}, top-1 agreement {top1:.3f} outside the gates {g}",
+                    c.finding)
+
+
+def _pruning(c: Pruning, sides, module, dtype, result):
+    conf, lens, proposed = (s.get(sides) for s in (c.confidence, c.block_len, c.proposed))
+    if conf is None or lens is None or proposed is None:
+        return _missing(result, c, "missing")
+    p = (1.0 / (1.0 + np.exp(-conf.astype(np.float32)))).astype(np.float32)
+    expected, at = [], 0
+    for n in lens:
+        th = list(c.thresholds) * n if len(c.thresholds) == 1 else list(c.thresholds)
+        below = [k for k in range(n) if k < len(th) and float(p[at + k]) < float(th[k])]
+        expected.append(below[0] if below else n)
+        at += n
+    bad = [r for r, (e, q) in enumerate(zip(expected, proposed)) if e != q]
+    result.metrics[c.name] = {"ok": not bad, "rounds": len(expected), "pruned": int(sum(e < n for e, n in zip(expected, lens))),
+                              "first_bad_round": bad[0] if bad else None}
+    if bad:
+        r = bad[0]
+        result.fail(f"{c.name}: round {r} proposed {int(proposed[r])} tokens, the thresholds keep {expected[r]}",
+                    c.finding)
+
+
 def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tuple, ref_drop=(), greedy_drop=(),
                greedy_prefix: bool = False, proposals: bool = True, draft_logits: str | None = None,
                tau: Src | None = None) -> Plan:
@@ -326,5 +386,5 @@ def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tup
     return Plan(checks, greedy=(n, frozenset(eos)))
 
 
-_JUDGES = {FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,
+_JUDGES = {Shift: _shift, Pruning: _pruning, FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,
            Scored: _scored}

@@ -210,20 +210,6 @@ def trace_metrics(port_trace, ref_trace) -> dict:
     return m
 
 
-def l3_metrics(ref_logits, port_logits, gates: dict) -> dict:
-    """L3 (no oracle): KL(ref || port), top-1 agreement, against explicit gates."""
-    k = kl(ref_logits, port_logits)
-    top1 = float(np.mean(np.asarray(ref_logits).argmax(-1) == np.asarray(port_logits).argmax(-1)))
-    ok = k.mean() <= gates["kl_mean_max"] and top1 >= gates["top1_min"]
-    return {"kl_mean": float(k.mean()), "kl_max": float(k.max()), "top1_agree": top1, "gates": gates,
-            "ok": bool(ok)}
-
-
-def acceptance_gate(accepted: int, drafted: int, min_rate: float) -> dict:
-    rate = accepted / drafted if drafted else 0.0
-    return {"acceptance": rate, "min": min_rate, "ok": rate >= min_rate}
-
-
 def check_tensor(result: Result, name: str, port, ref, module: str, quantity: str, dtype="float32",
                  finding: str = "module") -> dict:
     """Compare one tensor at the result's tier and record it."""

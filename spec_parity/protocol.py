@@ -126,6 +126,16 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
                   Quantity("taps.*", "[n, T]", "float32", "the tap rows entering the context before round r"),
                   Quantity("ctx_*", "[heads, S, d]", "float32", "each layer's stored context K/V at the end"))),
     _loop("assistant"), _loop("dspark"), _loop("dflash"),
+    Protocol("dflash", "extension", "the DSpark-on-DFlash extension (no reference: L3), extras on, at T=0",
+             {"thresholds": "confidence thresholds (one for every position, or one per position)",
+              "max_tokens": "tokens to generate"}, {},
+             LOOP_RETURNS + (
+                 Quantity("ext.confidence", "[sum n_r]", "float32", "every block's confidence logits", True),
+                 Quantity("ext.block_len", "[R]", "int32", "each block's length n_r", True),
+                 Quantity("ext.proposed", "[R]", "int32", "tokens proposed from each block (after pruning)", True),
+                 Quantity("ext.*", "[sum n_r, V]", "float32", "base (before the Markov head) and extended rows"),
+                 Quantity("unpruned.base_logits", "[D, V]", "float32", "pruning off: the base draft rows", True),
+                 Quantity("unpruned.logits", "[D, V]", "float32", "pruning off: the extended draft rows", True))),
 )}
 
 

@@ -10,11 +10,9 @@ from hypothesis import strategies as st
 from spec_parity.budgets import BUDGETS, DTYPE_DEFAULTS, Budget, budget_for, knife_edge_bound
 from spec_parity.compare import (
     Result,
-    acceptance_gate,
     bit_exact,
     check_tensor,
     kl,
-    l3_metrics,
     stream_metrics,
     teacher_forced,
     tensor_metrics,
@@ -149,13 +147,21 @@ def test_trace_compare():
     assert not trace_metrics(t[:2], t)["ok"]
 
 
-def test_l3_gates_and_acceptance_gate():
-    lg, _ = _logits()
-    gates = {"kl_mean_max": 1e-3, "top1_min": 0.99}
-    assert l3_metrics(lg, lg, gates)["ok"]
-    assert not l3_metrics(lg, -lg, gates)["ok"]
-    assert acceptance_gate(30, 100, 0.3)["ok"] and not acceptance_gate(29, 100, 0.3)["ok"]
+def test_l3_shift_and_pruning_checks():
+    """The L3 checks judge what they are given: KL gates both ways, and the pruning rule
+    recomputed from the confidences (a proposal past its first below-threshold position fails)."""
+    from spec_parity.checks import P, Plan, Pruning, Shift, judge
 
+    lg = np.random.default_rng(0).normal(size=(6, 10))
+    gates = {"kl_mean_min": 1e-3, "kl_mean_max": 1.0, "top1_min": 0.0}
+    conf = np.array([2.0, 2.0, -2.0, 2.0, -3.0, 2.0], np.float32)          # sigmoid: .88 .88 .12 .88 .05 .88
+    for moved, proposed, ok in ((lg + 0.5 * lg[::-1], [2, 1], True), (lg, [2, 1], False),
+                                (lg + 0.5 * lg[::-1], [3, 1], False)):
+        sides = {"port": {"b": lg, "e": moved, "c": conf, "n": np.array([3, 3]), "p": np.array(proposed)}}
+        plan = Plan([Shift("shift", P("b"), P("e"), gates), Pruning("pruning", P("c"), P("n"), P("p"), (0.5,))])
+        r = Result("m", "c", "o", "L3")
+        judge(plan, sides, "m", "float32", r)
+        assert r.ok == ok, r.message()
 
 def test_result_renders_as_message_json_and_markdown():
     r = Result("targets", "c", "transformers (live)", "L2")

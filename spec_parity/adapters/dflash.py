@@ -10,7 +10,26 @@ from . import loop
 
 
 def run(req: Request) -> dict:
-    return run_loop(req) if req.kind == "loop" else run_modules(req)
+    return {"loop": run_loop, "extension": run_extension}.get(req.kind, run_modules)(req)
+
+
+def run_extension(req: Request) -> dict:
+    """The DSpark-on-DFlash extension (extras on): the serve loop with pruning at the case's
+    thresholds, and one with pruning off for the distribution shift (every block's base and
+    extended rows)."""
+    from port import dflash, targets
+
+    o, target = req.options, targets.load(req.target)
+
+    def source(thresholds):
+        return dflash.DflashProvider(req.drafter, max_tokens=o["max_tokens"], extras=True, thresholds=thresholds)
+
+    pruned = source(o["thresholds"])
+    out = loop.run(target, req.prompt, o["max_tokens"], pruned, pruned.trained_gamma, set())
+    full = source([])
+    unpruned = loop.run(target, req.prompt, o["max_tokens"], full, full.trained_gamma, set())
+    out.update({"unpruned." + k[4:]: v for k, v in unpruned.items() if k in ("ext.base_logits", "ext.logits")})
+    return out
 
 
 def run_modules(req: Request) -> dict:

@@ -6,18 +6,35 @@ from __future__ import annotations
 import numpy as np
 
 
-def _recording(provider, rows: list):
-    """`provider`, observed: each round's draft logits appended to `rows`, where the source keeps
-    its last block (changes nothing)."""
+def _recording(provider, blocks: list):
+    """`provider`, observed: (block, tokens proposed) of each draft call that made a block, where
+    the source keeps its last block (changes nothing)."""
     from port import serve
 
     def around(name, src, args, call):
         tokens = call()
         block = getattr(src, "last_block", None)
-        if name.startswith("draft") and block is not None and len(tokens):
-            rows.append(block.logits)
+        if name.startswith("draft") and block is not None:
+            blocks.append((block, len(tokens)))
         return tokens
     return serve.Observed(provider, around)
+
+
+def _blocks(blocks: list, V: int) -> dict:
+    """The drafter's logits of each round that proposed (every block row), and where the blocks
+    carry them, the DSpark extras: base rows, confidences, block lengths and proposal lengths."""
+    import mlx.core as mx
+
+    proposed = [b for b, n in blocks if n]
+    out = {"stream.draft_logits": np.array(mx.concatenate([b.logits for b in proposed], axis=0)) if proposed
+           else np.zeros((0, V), np.float32)}
+    if blocks and blocks[0][0].confidence is not None:
+        out["ext.base_logits"] = np.array(mx.concatenate([b.base_logits for b, _ in blocks], axis=0))
+        out["ext.logits"] = np.array(mx.concatenate([b.logits for b, _ in blocks], axis=0))
+        out["ext.confidence"] = np.array(mx.concatenate([b.confidence for b, _ in blocks]))
+        out["ext.block_len"] = np.array([b.confidence.shape[0] for b, _ in blocks], np.int32)
+        out["ext.proposed"] = np.array([n for _, n in blocks], np.int32)
+    return out
 
 
 def run(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, eos: set[int],
@@ -28,18 +45,15 @@ def run(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, eos: 
 
     from port import serve
 
-    rows: list = []
-    tokens, stats = serve.generate(target, prompt[0].tolist(), max_tokens, _recording(provider, rows), gamma=gamma,
+    blocks: list = []
+    tokens, stats = serve.generate(target, prompt[0].tolist(), max_tokens, _recording(provider, blocks), gamma=gamma,
                                    eos=eos, record=True)
-    V = target.config["vocab_size"]
     out = {"stream.tokens": np.array(tokens[:keep], np.int32),
            "stream.drafted": np.array([d for d, _, _ in stats.trace], np.int32),
            "stream.accepted": np.array([k for _, k, _ in stats.trace], np.int32),
            "stream.emitted": np.array([e for _, _, e in stats.trace], np.int32),
            "stream.proposals": np.array([t for q in stats.proposals for t in q], np.int32),
            "stream.logits": np.array(mx.stack(stats.logits)), "tau": np.array([stats.tau])}
-    if rows:
-        out["stream.draft_logits"] = np.array(mx.concatenate(rows, axis=0))
-    elif not stats.drafted:
-        out["stream.draft_logits"] = np.zeros((0, V), np.float32)
+    if blocks or not stats.drafted:
+        out.update(_blocks(blocks, target.config["vocab_size"]))
     return out

@@ -29,8 +29,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import controls
+from ..budgets import L3_GATES
 from ..case import Case
-from ..checks import FirstRound, P, Plan, R, Tensor, Tokens, serve_loop
+from ..checks import FirstRound, G, P, Plan, Pruning, R, Scored, Shift, Tensor, Tokens, serve_loop
 
 NAME = "dflash"
 ORACLE = "zlab-mlx"
@@ -75,7 +76,13 @@ CONTROLS = [
     ("rejected_rows", "mod-qwen3"), ("rejected_rows", "loop-qwen3"), ("rejected_rows", "loop-gemma4"),
     ("own_head", "mod-gemma4-torch"), ("ctx_input_layernorm", "mod-qwen3-torch"),
     ("block_position_shift", "mod-qwen3-swa-torch"), ("rejected_rows", "loop-qwen3-torch"),
+    ("thresholds_ignored", "ext-qwen3"),
 ]
+# The DSpark-on-DFlash extension (L3: no reference implements it): a vanilla Markov head and a
+# confidence head on the DFlash drafter, pruning at one threshold for every position.
+L3 = "none (L3)"
+EXT_EXTRAS = {"markov_rank": 8, "markov_head_type": "vanilla", "confidence": True}
+EXT_THRESHOLDS = [0.6]
 
 
 def window(variant: str) -> str:
@@ -111,6 +118,10 @@ def cases() -> list[Case]:
     out += [_case(f"mod-{v}-torch", v, _module_params(v), "L2", TORCH) for v in TORCH_MODULES]
     out += [_case(f"loop-{v}-torch", v, {"loop": True, "prompt_len": 12, "max_tokens": MAX_TOKENS, "eos": []}, "L2",
                   TORCH) for v in TORCH_LOOPS]
+    out += [Case(NAME, f"ext-{v}", "L3", VARIANTS[v].get("target_kind", "qwen3-target"), 0, {},
+                 {"extension": True, "prompt_len": 12, "max_tokens": MAX_TOKENS, "thresholds": EXT_THRESHOLDS,
+                  "drafter": ["dflash-drafter", 0, {**VARIANTS[v], "dspark_extras": EXT_EXTRAS}]}, oracle=L3)
+            for v in ("qwen3", "gemma4")]
     by_name = {c.name: c for c in out}
     for bug, base in CONTROLS:
         b = by_name[base]
@@ -122,6 +133,8 @@ def cases() -> list[Case]:
 def oracle_status(oracle: str = ORACLE) -> str | None:
     from oracles import dflash as o
 
+    if oracle == L3:
+        return None
     return o.torch_status() if oracle == TORCH else o.status()
 
 
@@ -144,7 +157,7 @@ def run_oracle(case: Case):
 
 
 def kind(case: Case) -> str:
-    return "loop" if case.params.get("loop") else "modules"
+    return "loop" if case.params.get("loop") else "extension" if case.params.get("extension") else "modules"
 
 
 def feeds(case: Case, ref: dict) -> dict:
@@ -152,6 +165,14 @@ def feeds(case: Case, ref: dict) -> dict:
 
 
 def plan(case: Case, ref: dict) -> Plan:
+    if case.params.get("extension"):
+        return Plan([Tokens("lossless_vs_greedy", P("stream.tokens"), G("greedy.tokens"), G("greedy.logits"),
+                            "not lossless: the stream vs the target's greedy one", "lossless"),
+                     Pruning("pruning", P("ext.confidence"), P("ext.block_len"), P("ext.proposed"),
+                             tuple(case.params["thresholds"])),
+                     Shift("shift", P("unpruned.base_logits"), P("unpruned.logits"), L3_GATES[(NAME, "extension")]),
+                     Scored("acceptance", "acceptance", (P("stream.drafted"), P("stream.accepted"), P("tau")))],
+                    greedy=(case.params["max_tokens"], frozenset()))
     if case.params.get("loop"):
         eos = set(case.params["eos"])
         cols = ("stream.drafted", "stream.accepted", "stream.emitted")
