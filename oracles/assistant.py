@@ -94,13 +94,24 @@ class WordTokenizer:
 def optiq_spec_generate(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int,
                         max_tokens: int, eos: int) -> dict:
     """optiq's own loop. The per-round trace is read off its events: each round emits the
-    accepted drafts (from_draft=True) then one correction/bonus token."""
+    accepted drafts (from_draft=True) then one correction/bonus token. The drafter's logits of
+    every draft step are observed on its `forward` (optiq drafts gamma per round, each the
+    argmax of its step), never changed."""
+    import mlx.core as mx
     from mlx_lm.utils import load_model
     from optiq.runtime.spec import SpecConfig, spec_generate
     from optiq.runtime.spec.drafters.gemma_assistant import GemmaAssistantDrafter
 
     target, _ = load_model(Path(target_dir))
     drafter = GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
+    rows, forward = [], drafter.forward
+
+    def observed(*args, **kw):
+        out = forward(*args, **kw)
+        rows.append(out[0].reshape(-1))
+        return out
+
+    drafter.forward = observed
     tok = WordTokenizer(eos)
     events = list(spec_generate(target, drafter, tok, tok.decode(prompt[0].tolist()),
                                 SpecConfig(gamma=gamma, max_tokens=max_tokens, eos_token_id=eos)))
@@ -115,9 +126,11 @@ def optiq_spec_generate(target_dir: Path, drafter_dir: Path, prompt: np.ndarray,
             accepted = 0
     if accepted:
         trace.append((gamma, accepted, accepted))
+    logits = mx.stack(rows) if rows else mx.zeros((0, 0))
     return {"stream.tokens": np.array(tokens, np.int32), "stream.trace": np.array(trace, np.int32).reshape(-1, 3),
             "stream.stats": np.array([stats.n_drafted, stats.n_accepted, stats.n_target_calls, stats.n_emitted],
-                                     np.int32)}
+                                     np.int32),
+            "stream.proposals": np.array(mx.argmax(logits, axis=-1), np.int32), "stream.draft_logits": _np(logits)}
 
 
 def optiq_generate_step_sampled(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int,

@@ -428,6 +428,19 @@ def draft_chain(drafter: Model, target, donors: dict, token: int, hidden, positi
     return steps
 
 
+@dataclass(frozen=True)
+class Chain:
+    """One round's draft steps, read like a block drafter's last block (`logits` [n, V], built only
+    when read: the serve loop never reads it)."""
+
+    steps: tuple[Step, ...]
+    confidence = None
+
+    @property
+    def logits(self) -> mx.array:
+        return mx.stack([s.logits for s in self.steps])
+
+
 class AssistantSource:
     """The assistant drafter behind the serve-loop seam. It owns no cache: every draft reads the
     target's live donor K/V and the anchor hidden, and the loop's cache trim is its rollback."""
@@ -439,6 +452,7 @@ class AssistantSource:
         check_pairing(drafter, view.target)
         self.drafter, self.view = drafter, view
         self.positions, self.window = positions, window
+        self.last_block: Chain | None = None
 
     def prefill(self, prompt_ids, tapped) -> None:
         pass
@@ -461,8 +475,10 @@ class AssistantSource:
         position = self.view.caches[0].offset
         donors = (donor_buffers(self.view.target, self.view.caches, self.window) if self.drafter.bucketed
                   else targets.donor_view(self.view.target, self.view.caches))
-        return draft_chain(self.drafter, self.view.target, donors, feed[-1], anchor_hidden, position, n,
-                           self.positions, self.window, pick)
+        steps = draft_chain(self.drafter, self.view.target, donors, feed[-1], anchor_hidden, position, n,
+                            self.positions, self.window, pick)
+        self.last_block = Chain(tuple(steps))
+        return steps
 
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:
         pass

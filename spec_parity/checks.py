@@ -25,18 +25,22 @@ from .layers import localize
 @dataclass(frozen=True)
 class Src:
     """Arrays of one side: one key as it is, several stacked along a new first axis. `drop` removes
-    trailing tokens in that set (a loop that emits its EOS as an event); `first` keeps the first n."""
+    trailing tokens in that set (a loop that emits its EOS as an event); `first` keeps the first n;
+    `col` takes one column of a table ([rounds, 3] trace)."""
 
     side: str
     keys: tuple[str, ...]
     drop: frozenset = frozenset()
     first: int | None = None
+    col: int | None = None
 
     def get(self, sides: dict) -> np.ndarray | None:
         arrays = sides[self.side]
         if any(k not in arrays for k in self.keys):
             return None
         a = arrays[self.keys[0]] if len(self.keys) == 1 else np.stack([arrays[k] for k in self.keys])
+        if self.col is not None:
+            a = a[:, self.col]
         if self.first is not None:
             a = a[: self.first]
         if self.drop and len(a) and int(np.ravel(a)[-1]) in self.drop:
@@ -48,12 +52,12 @@ class Src:
         return self.keys[0] if len(self.keys) == 1 else f"{self.keys[0]}..{self.keys[-1]}"
 
 
-def P(*keys: str, drop=(), first: int | None = None) -> Src:
-    return Src("port", keys, frozenset(drop), first)
+def P(*keys: str, drop=(), first: int | None = None, col: int | None = None) -> Src:
+    return Src("port", keys, frozenset(drop), first, col)
 
 
-def R(*keys: str, drop=(), first: int | None = None) -> Src:
-    return Src("ref", keys, frozenset(drop), first)
+def R(*keys: str, drop=(), first: int | None = None, col: int | None = None) -> Src:
+    return Src("ref", keys, frozenset(drop), first, col)
 
 
 def G(*keys: str, drop=(), first: int | None = None) -> Src:
@@ -152,6 +156,32 @@ class FirstRound:
 
     name: str
     rounds: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Round:
+    """One side of a loop's drafts: per round the tokens proposed (`sizes`) and committed
+    (`emitted`), every round's proposals in order, and the drafter's logits rows (one per
+    proposal) where that side keeps them."""
+
+    sizes: Src
+    emitted: Src
+    tokens: Src
+    logits: Src | None = None
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """Each round's drafts against the reference loop's round at the same context (the same number
+    of tokens committed before it), on the two proposals' common prefix; and the drafter's logits
+    rows there, within the budget of `quantity`. A port that drafts right but schedules its rounds
+    otherwise passes this and fails only the schedule."""
+
+    name: str
+    port: Round
+    ref: Round
+    quantity: str = ""
+    finding: str = "drafts"
 
 
 @dataclass(frozen=True)
@@ -325,6 +355,47 @@ def _first_round(c: FirstRound, sides, module, dtype, result):
     result.metrics[c.name] = {"ok": not bad, "first_differing_round": bad[0] if bad else None, "rounds": len(c.rounds)}
 
 
+def _rounds(r: Round, sides) -> dict | None:
+    """context (tokens committed before the round) -> (tokens, logits rows or None)."""
+    sizes, emitted, tokens = r.sizes.get(sides), r.emitted.get(sides), r.tokens.get(sides)
+    logits = r.logits.get(sides) if r.logits is not None else None
+    if sizes is None or emitted is None or tokens is None:
+        return None
+    out, at, ctx = {}, 0, 0
+    for n, e in zip(np.ravel(sizes).tolist(), np.ravel(emitted).tolist()):
+        out[ctx] = (np.ravel(tokens)[at:at + n], logits[at:at + n] if logits is not None else None)
+        at, ctx = at + n, ctx + e
+    return out
+
+
+def _drafts(c: Drafts, sides, module, dtype, result):
+    port, ref = _rounds(c.port, sides), _rounds(c.ref, sides)
+    if port is None or ref is None:
+        return _missing(result, c, "missing")
+    shared = sorted(set(port) & set(ref))
+    bad, rows_p, rows_r = [], [], []
+    for ctx in shared:
+        (tp, lp), (tr, lr) = port[ctx], ref[ctx]
+        n = min(len(tp), len(tr))
+        if not np.array_equal(tp[:n], tr[:n]):
+            bad.append((ctx, tp[:n].tolist(), tr[:n].tolist()))
+        if lp is not None and lr is not None:
+            rows_p.append(lp[:n])
+            rows_r.append(lr[:n])
+    result.metrics[c.name] = {"ok": not bad, "rounds_compared": len(shared), "rounds": [len(port), len(ref)],
+                              "first_bad": bad[0] if bad else None}
+    if bad:
+        ctx, tp, tr = bad[0]
+        result.fail(f"drafts differ from the reference's on the same context (round after {ctx} committed "
+                    f"tokens: port {tp} vs ref {tr}; {len(bad)} of {len(shared)} rounds)", c.finding)
+    elif not shared and (len(port) or len(ref)):
+        result.fail(f"{c.name}: no round of the port starts where one of the reference's does", c.finding)
+    if c.quantity and rows_p:
+        V = rows_p[0].shape[-1]
+        check_tensor(result, c.name + ".logits", np.concatenate(rows_p).reshape(-1, V),
+                     np.concatenate(rows_r).reshape(-1, V), module, c.quantity, dtype, c.finding)
+
+
 def _shift(c: Shift, sides, module, dtype, result):
     base, port = c.base.get(sides), c.port.get(sides)
     if base is None or port is None:
@@ -360,25 +431,22 @@ def _pruning(c: Pruning, sides, module, dtype, result):
                     c.finding)
 
 
-def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tuple, ref_drop=(), greedy_drop=(),
-               greedy_prefix: bool = False, proposals: bool = True, draft_logits: str | None = None,
-               tau: Src | None = None) -> Plan:
+def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tuple, drafts: Round, ref_drop=(),
+               greedy_drop=(), greedy_prefix: bool = False, draft_logits: str = "", tau: Src | None = None) -> Plan:
     """The one serve-loop comparison, for every draft source. Findings: lossless against the
     target's greedy stream (n tokens, `eos`; `greedy_prefix` cuts it to the port's length), the
-    stream against the reference loop's, the drafts (tokens, and logits where the reference keeps
-    them: quantity `draft_logits`), and the schedule (per-round columns, tau)."""
+    stream against the reference loop's, the drafts round by round on the same context (the
+    reference's side: `drafts`; logits within quantity `draft_logits` where it keeps them), and the
+    schedule (per-round columns, tau)."""
     checks = [Tokens("lossless_vs_greedy", P("stream.tokens"), G("greedy.tokens", drop=greedy_drop), G("greedy.logits"),
                      "not lossless: the stream vs the target's greedy one", "lossless", prefix=greedy_prefix),
               Tensor("path_logits_vs_greedy", P("stream.logits"), G("greedy.logits"), "path_logits", "lossless",
                      upto="common"),
               Tokens("stream_vs_ref", P("stream.tokens"), R("stream.tokens", drop=ref_drop), G("greedy.logits"),
                      f"token stream vs {ref_name}'s")]
-    if proposals:
-        checks.append(Same("proposals", P("stream.proposals"), R("stream.proposals"), f"draft tokens vs {ref_name}'s",
-                           "drafts"))
-    if draft_logits:
-        checks.append(Tensor("draft_logits_vs_ref", P("stream.draft_logits"), R("stream.draft_logits"), draft_logits,
-                             "drafts", upto="common"))
+    ours = Round(P("stream.drafted"), P("stream.emitted"), P("stream.proposals"),
+                 P("stream.draft_logits") if drafts.logits is not None else None)
+    checks.append(Drafts("drafts_vs_ref", ours, drafts, draft_logits))
     checks.append(Trace("schedule_vs_ref", schedule, ref_schedule, f"per-round schedule vs {ref_name}'s"))
     if tau is not None:
         checks.append(Mean("tau", P("tau"), tau, "tau"))
@@ -386,5 +454,5 @@ def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tup
     return Plan(checks, greedy=(n, frozenset(eos)))
 
 
-_JUDGES = {Shift: _shift, Pruning: _pruning, FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,
+_JUDGES = {Drafts: _drafts, Shift: _shift, Pruning: _pruning, FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,
            Scored: _scored}

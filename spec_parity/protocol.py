@@ -157,4 +157,7 @@ def markdown() -> str:
         lines += [f"| `{q.name}` | {q.shape} | {q.dtype} | {'yes' if q.required else 'no'} | {q.meaning} |"
                   for q in p.returns]
         lines.append("")
+    from . import exchange
+
+    lines += ["## The file protocol (a port in any language)", "", exchange.__doc__.split("\n\n", 1)[1].strip(), ""]
     return "\n".join(lines)

@@ -16,7 +16,7 @@ import numpy as np
 from .. import controls
 from ..adapters.assistant import CONVENTIONS
 from ..case import Case
-from ..checks import P, Plan, R, Tensor, Tokens, serve_loop
+from ..checks import P, Plan, R, Round, Tensor, Tokens, serve_loop
 
 NAME = "assistant"
 ORACLE = "optiq"
@@ -68,8 +68,11 @@ def step_case(target: str, head: str, oracle: str, control: str | None = None, c
                 control=ctl, oracle=oracle)
 
 
-# Planted bugs in the serve loop (spec_parity/controls/serve.py: trim, eos, bonus), caught by the
-# loop comparisons against optiq's spec_generate.
+# Planted bugs in a loop case, caught by the loop comparisons against optiq's spec_generate, and
+# the controls module each is written in: the serve loop's (trim one too few, EOS emitted as
+# content, bonus dropped on a full accept), and a drafter bug that leaves a random drafter's
+# acceptance as it is (only the drafts show it).
+LOOP_CONTROLS = {"trim": "serve", "eos": "serve", "bonus": "serve", "scale": NAME}
 
 def loop_case(head: str, gamma: int, drafter: str = "random", control: str | None = None, eos: int = -1) -> Case:
     """eos -1: no stop token, every case runs max_tokens; eos 1 (the config's): ends at EOS."""
@@ -80,7 +83,7 @@ def loop_case(head: str, gamma: int, drafter: str = "random", control: str | Non
               "drafter": [kind, 0, drafter_overrides("gemma4", head)]}
     ctl = None
     if control:
-        ctl = controls.case_control("serve", control, name)
+        ctl = controls.case_control(LOOP_CONTROLS[control], control, name)
         name = f"{name}-control-{control}"
     return Case(NAME, name, "L2", target, 0, {}, params, control=ctl, oracle="optiq")
 
@@ -99,6 +102,7 @@ def cases() -> list[Case]:
     out.append(loop_case("centroid", 3, "agreeing", control="trim"))
     out.append(loop_case("centroid", 2, control="eos", eos=EOS))
     out.append(loop_case("centroid", 3, "agreeing", control="bonus"))
+    out.append(loop_case("centroid", 2, control="scale"))
     return out
 
 
@@ -153,7 +157,9 @@ def plan(case: Case, ref: dict) -> Plan:
         eos = {case.params["eos"]}
         return serve_loop("optiq", case.params["max_tokens"], eos, ref_drop=eos, greedy_drop=eos,
                           schedule=(P("stream.drafted"), P("stream.accepted"), P("stream.emitted")),
-                          ref_schedule=(R("stream.trace"),), proposals=False)
+                          ref_schedule=(R("stream.trace"),), draft_logits="loop_draft_logits",
+                          drafts=Round(R("stream.trace", col=0), R("stream.trace", col=2), R("stream.proposals"),
+                                       R("stream.draft_logits")))
     gamma = case.params["gamma"]
     checks = []
     if case.oracle == "optiq":

@@ -31,7 +31,20 @@ import numpy as np
 from .. import controls
 from ..budgets import L3_GATES
 from ..case import Case
-from ..checks import FirstRound, G, P, Plan, Pruning, R, Scored, Shift, Tensor, Tokens, serve_loop
+from ..checks import (
+    FirstRound,
+    G,
+    P,
+    Plan,
+    Pruning,
+    R,
+    Round,
+    Scored,
+    Shift,
+    Tensor,
+    Tokens,
+    serve_loop,
+)
 
 NAME = "dflash"
 ORACLE = "zlab-mlx"
@@ -178,6 +191,7 @@ def plan(case: Case, ref: dict) -> Plan:
         cols = ("stream.drafted", "stream.accepted", "stream.emitted")
         return serve_loop("z-lab", case.params["max_tokens"], eos, ref_drop=eos, greedy_prefix=True,
                           schedule=tuple(P(c) for c in cols), ref_schedule=tuple(R(c) for c in cols),
+                          drafts=Round(R(cols[0]), R(cols[2]), R("stream.proposals"), R("stream.draft_logits")),
                           draft_logits="loop_draft_logits_torch" if case.oracle == TORCH else "loop_draft_logits")
     rounds = len(case.params["accepts"])
     checks = [Tensor("taps.0", P("taps.0"), R("taps.0"), "taps")]

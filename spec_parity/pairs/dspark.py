@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import controls
 from ..case import Case
-from ..checks import P, Plan, R, Same, Tensor, Tokens, serve_loop
+from ..checks import P, Plan, R, Round, Same, Tensor, Tokens, serve_loop
 
 NAME = "dspark"
 ORACLE = "deepspec"
@@ -114,7 +114,8 @@ def plan(case: Case, ref: dict) -> Plan:
         return serve_loop("DeepSpec", case.params["max_new_tokens"] + 1, set(), greedy_prefix=True,
                           schedule=(P("stream.drafted"), P("stream.accepted")),
                           ref_schedule=(R("stream.proposed"), R("stream.accepted")),
-                          tau=R("stream.acceptance_lengths"))
+                          tau=R("stream.acceptance_lengths"),
+                          drafts=Round(R("stream.proposal_sizes"), R("stream.acceptance_lengths"), R("stream.proposals")))
     checks = [Same("anchor", P("anchor"), R("anchor"), "anchor token")]
     checks += [Tensor(key, P(key), R(key), quantity) for key, quantity in MODULE_TENSORS if key in ref]
     checks += [Tensor(k, P(k), R(k), "context_kv") for k in sorted(k for k in ref if k.startswith("context_"))]

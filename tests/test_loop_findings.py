@@ -1,0 +1,33 @@
+"""A loop verdict is separate findings (spec_parity/checks.py serve_loop): lossless against the
+target's greedy stream, the drafts against the reference drafter's on the same context, the
+schedule against the reference loop's. The ports here are ours behind a wrapper (outside product
+code): one that schedules its rounds otherwise (another gamma) reads as that, not as a wrong drafter."""
+
+from dataclasses import replace
+
+from spec_parity import harness, ports
+
+
+def _case(case_id):
+    return next(c for c in harness.all_cases() if c.id == case_id)
+
+
+def test_other_schedule_right_drafts_reads_as_schedule(monkeypatch):
+    ours = ports.ours().runs["assistant"]
+    port = ports.Port("gamma-2", "0", {"assistant": lambda req: ours(replace(req, options={**req.options, "gamma": 2}))},
+                      (__file__,))
+    monkeypatch.setitem(ports._SELECTED, "assistant", port)
+    r = harness.evaluate(_case("assistant/loop-agreeing-centroid-g3"), "golden")
+    assert r.verdict == "FAIL" and set(r.findings) == {"schedule"}, r.message()
+    assert r.metrics["drafts_vs_ref"]["ok"] and r.metrics["drafts_vs_ref"]["rounds_compared"] > 0
+    assert r.metrics["lossless_vs_greedy"]["ok"]
+
+
+def test_a_drafter_bug_with_unchanged_acceptance_fails_the_drafts():
+    """A random drafter is never accepted: with its attention scale wrong the stream, the schedule
+    and the acceptance are all as before, and only the drafts finding fails."""
+    control = _case("assistant/loop-random-centroid-g2-control-scale")
+    r = harness.evaluate(control, "golden")
+    base = harness.evaluate(_case("assistant/loop-random-centroid-g2"), "golden")
+    assert r.verdict == "FAIL" and set(r.findings) == {"drafts"}, r.message()
+    assert r.metrics["acceptance"] == base.metrics["acceptance"]
