@@ -114,8 +114,6 @@ class VerifyCache(BucketCache):
     serve loop's rejected drafts) only moves offset, as KVCache's does; rows past it are masked
     until they are overwritten."""
 
-    extra = 0  # padded rows past the new ones the mask lets through: a planted control only
-
     def keys_and_values(self):
         return self.keys, self.values
 
@@ -126,7 +124,6 @@ class VerifyCache(BucketCache):
         end = self.offset + n
         j, pos = mx.arange(self.length_after(n))[None], mx.arange(self.offset, end)[:, None]
         seen = (j <= pos) if window is None else (j <= pos) & (j > pos - window)
-        seen = seen | ((j >= end) & (j < end + self.extra))
         return additive_mask(seen, dtype)[None, None]
 
 
@@ -177,10 +174,9 @@ def bucketed_attention(how: str, *args):
     return (joined_sdpa if how == "sdpa" else two_segment_attention)(*args)
 
 
-def valid_rows(valid, S: int, extra: int = 0):
-    """[S] bool: buffer rows below `valid` (a scalar array); `extra` lets that many more through
-    (a planted control only)."""
-    return mx.arange(S) < valid + extra
+def valid_rows(valid, S: int):
+    """[S] bool: buffer rows below `valid` (a scalar array)."""
+    return mx.arange(S) < valid
 
 
 class Bucketed:

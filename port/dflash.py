@@ -56,7 +56,7 @@ mask, or (bucket_attention="two-segment") a two-segment softmax (port/compiled.p
 default within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured).
 window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
 
-`bugs` plants the negative controls the tests must catch; it is empty in use.
+The negative controls (planted bugs) live outside the port, in spec_parity/controls/dflash.py.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache, partial
 from pathlib import Path
 
@@ -84,16 +84,6 @@ from . import compiled as compiled_pieces
 # top-level key is not read. The two agree on every checkpoint that nests them.
 SCALES = ("either", "nested")
 
-BUGS = {
-    "own_head": "the drafter scores with its own (random) lm head instead of the target's",
-    "ctx_input_layernorm": "the context rows pass through each layer's input_layernorm before K/V",
-    "block_position_shift": "the block's positions shifted by one (start+1..start+bs)",
-    "rejected_rows": "rejected verify rows kept in the context",
-    "bucket_mask_off_by_one": "kv_bucket: the context mask lets the first padded row through",
-    # extension controls (extras=True only)
-    "markov_before_softcap": "extension: Markov bias added before the softcap",
-    "thresholds_ignored": "extension: the confidence thresholds are not applied (no pruning)",
-}
 EXTRAS_ENV = "SPEC_PARITY_STS_THRESHOLDS"
 WINDOWS = ("positional", "zlab-mlx")
 EMBEDS = ("scaled", "raw")
@@ -130,7 +120,6 @@ class ModelArgs:
     markov_head_type: str = "vanilla"
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
-    bugs: frozenset = field(default_factory=frozenset)
 
     @classmethod
     def from_config(cls, c: dict, path: Path, scales: str = "either") -> ModelArgs:
@@ -254,13 +243,13 @@ class Attention(nn.Module):
             mask = create_causal_mask(L, offset=n_ctx)
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
 
-    def attend_bucketed(self, how: str, q, bk, bv, keys, values, valid, extra: int = 0):
+    def attend_bucketed(self, how: str, q, bk, bv, keys, values, valid):
         """`attend` over a bucketed context buffer (every context row kept, in time order: row j is
         position j; rows from `valid` on masked; the block sits at valid..): full layers see every
         valid row, sliding layers those within the window of each block row (window="positional");
         the block rows see each other (causal: the earlier ones only)."""
         L = q.shape[2]
-        seen = compiled_pieces.valid_rows(valid, keys.shape[2], extra)
+        seen = compiled_pieces.valid_rows(valid, keys.shape[2])
         if self.sliding:
             seen = seen & (valid + mx.arange(L)[:, None] - mx.arange(keys.shape[2]) < self.a.sliding_window)
         causal = mx.arange(L)[None] <= mx.arange(L)[:, None] if self.causal else None
@@ -282,11 +271,9 @@ class DecoderLayer(nn.Module):
     def qkv(self, x, block_at, rope):
         return self.self_attn.block_qkv(self.input_layernorm(x), block_at, rope)
 
-    def context_rows(self, ctx):
-        return self.input_layernorm(ctx) if "ctx_input_layernorm" in self.a.bugs else ctx
-
     def attend(self, q, bk, bv, ctx, cache, rope):
-        return self.self_attn.attend(q, bk, bv, self.context_rows(ctx), cache, rope)
+        """The block rows' attention; the context rows enter K/V without the input_layernorm."""
+        return self.self_attn.attend(q, bk, bv, ctx, cache, rope)
 
     def finish(self, x, o):
         """The layer's output from its input x and the attention heads o."""
@@ -334,7 +321,6 @@ class Model(nn.Module):
         self.norm = nn.RMSNorm(H, eps=a.rms_norm_eps)
         self._rope = initialize_rope(a.head_dim, base=a.rope_theta, traditional=False, scaling_config=a.rope_scaling,
                                      max_position_embeddings=a.max_position_embeddings)
-        self._own_head = None
         self.extras = extras
         if extras:
             from .dspark import ConfidenceHead, MarkovHead
@@ -393,23 +379,16 @@ class Model(nn.Module):
         scale = getattr(tm, "embed_scale", 1.0) if self.embed_mode == "scaled" else 1.0
         return tm.embed_tokens(ids) * (scale * self.args.input_embedding_scale)
 
-    def logits(self, target: targets.Target, h: mx.array) -> mx.array:
-        """The target's lm head (tied: its embedding) x output_multiplier, then the softcap."""
-        if "own_head" in self.args.bugs:
-            out = self.own_head()(h)
-        else:
-            m = target.model
-            out = m.lm_head(h) if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear(h)
-        out = out * self.args.output_multiplier
-        cap = self.args.final_logit_softcapping
-        return mx.tanh(out / cap) * cap if cap else out
-
-    def _biased_before_softcap(self, target: targets.Target, h: mx.array, bias: mx.array) -> mx.array:
-        """Control only (markov_before_softcap): the Markov bias joins the head's output before the
-        softcap."""
+    def head(self, target: targets.Target, h: mx.array) -> mx.array:
+        """The target's lm head (tied: its embedding) x output_multiplier: the logits before the
+        softcap (the extension's Markov bias joins after it)."""
         m = target.model
         out = m.lm_head(h) if hasattr(m, "lm_head") else m.model.embed_tokens.as_linear(h)
-        out = out * self.args.output_multiplier + bias
+        return out * self.args.output_multiplier
+
+    def logits(self, target: targets.Target, h: mx.array) -> mx.array:
+        """`head`, then the softcap."""
+        out = self.head(target, h)
         cap = self.args.final_logit_softcapping
         return mx.tanh(out / cap) * cap if cap else out
 
@@ -422,9 +401,7 @@ class Model(nn.Module):
 
         a = self.args
         anchor = anchor if isinstance(anchor, mx.array) else mx.array([anchor], mx.uint32)
-        rows, tokens = markov_chain(self.markov_head if a.markov_rank > 0 else None, hidden, base, anchor, pick,
-                                    (lambda h, bias: self._biased_before_softcap(target, h, bias))
-                                    if "markov_before_softcap" in a.bugs else None)
+        rows, tokens = markov_chain(self.markov_head if a.markov_rank > 0 else None, hidden, base, anchor, pick)
         conf = None
         if a.enable_confidence_head:
             feats = hidden
@@ -432,16 +409,6 @@ class Model(nn.Module):
                 feats = mx.concatenate([hidden, self.markov_head.markov_w1(previous_tokens(anchor, tokens))], axis=-1)
             conf = self.confidence_head.proj(feats)[:, 0]
         return Block(hidden, rows, tokens, base_logits=base, confidence=conf)
-
-    def own_head(self) -> nn.Linear:
-        """Control only: a random head of the drafter's own (what a port that forgot to borrow the
-        target's would score with)."""
-        if self._own_head is None:
-            a = self.args
-            head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)
-            head.weight = mx.random.normal((a.vocab_size, a.hidden_size), key=mx.random.key(7)) * a.hidden_size ** -0.5
-            self._own_head = head
-        return self._own_head
 
     def block(self, target: targets.Target, anchor: int, n: int, ctx_rows: mx.array | None, caches: list) -> Block:
         """Draft n tokens after `anchor`: block [anchor, MASK x n]; `ctx_rows` are the raw taps of the
@@ -456,9 +423,8 @@ class Model(nn.Module):
             return self._block_bucketed(target, ids, c, caches)
         h = self.embed(target, ids)
         enter, between, leave = self.pieces()
-        shift = 1 if "block_position_shift" in a.bugs else 0
         # the block sits after every context row seen (sliding layers count the skipped ones too)
-        at = [compiled_pieces.position(self, cache.offset + c.shape[1] + shift) for cache in caches]
+        at = [compiled_pieces.position(self, cache.offset + c.shape[1]) for cache in caches]
         q, bk, bv = enter(h, at[0])
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             o = layer.attend(q, bk, bv, c, cache, self._rope)
@@ -478,7 +444,7 @@ class Model(nn.Module):
         if not all(isinstance(cache, compiled_pieces.BucketCache) for cache in caches):
             raise DFlashError("kv_bucket: the caches must be BucketCaches (Model.make_caches makes them)")
         for layer, cache in zip(self.layers, caches):
-            cache.update_and_fetch(*layer.self_attn.context_kv(layer.context_rows(c), cache.offset, self._rope))
+            cache.update_and_fetch(*layer.self_attn.context_kv(c, cache.offset, self._rope))
         keys, values = zip(*(cache.buffers() for cache in caches))
         fn = self._bucketed.get(self, (id(target), self.bucket_attention), partial(self._bucketed_fn, target),
                                 [self.state, target.model.state])
@@ -491,15 +457,12 @@ class Model(nn.Module):
         """The whole block over the bucketed buffers (rows from `valid` masked), as arrays: hidden,
         logits, tokens (extras: then the base rows and the confidence)."""
         self._bucketed.traces += 1
-        a = self.args
-        extra = 1 if "bucket_mask_off_by_one" in a.bugs else 0
-        at = valid + 1 if "block_position_shift" in a.bugs else valid
         h = self.embed(target, ids)
-        q, bk, bv = self._enter(h, at)
+        q, bk, bv = self._enter(h, valid)
         for i, layer in enumerate(self.layers):
-            o = layer.self_attn.attend_bucketed(self.bucket_attention, q, bk, bv, keys[i], values[i], valid, extra)
+            o = layer.self_attn.attend_bucketed(self.bucket_attention, q, bk, bv, keys[i], values[i], valid)
             if i < len(self.layers) - 1:
-                h, q, bk, bv = self._between(i, h, o, at)
+                h, q, bk, bv = self._between(i, h, o, valid)
         hidden = self._exit(h, o)
         logits = self.logits(target, hidden)
         if not self.extras:
@@ -508,17 +471,13 @@ class Model(nn.Module):
         return (b.hidden, b.logits, b.token_ids, b.base_logits) + ((b.confidence,) if b.confidence is not None else ())
 
 
-def load(path: str | Path, window: str = "positional", bugs=(), embed: str = "scaled", extras: bool = False,
+def load(path: str | Path, window: str = "positional", embed: str = "scaled", extras: bool = False,
          compiled: bool = True, kv_bucket: int | None = None, bucket_attention: str = "sdpa",
          scales: str = "either") -> Model:
     path = Path(path)
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: no config.json")
     a = ModelArgs.from_config(json.loads((path / "config.json").read_text()), path, scales)
-    a.bugs = frozenset(bugs)
-    unknown = a.bugs - set(BUGS)
-    if unknown:
-        raise DFlashError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
     model = Model(a, window, embed, extras, compiled, kv_bucket, bucket_attention)
     checkpoint.load_into(model, path, checkpoint.read_tensors(path), DFlashError, lambda missing: (
         "does it carry the DSpark extras its config declares?"
@@ -618,13 +577,12 @@ class DflashSource:
             block = (self.m.extend(self.target, feed[-1], block.hidden, block.base_logits, pick) if self.m.extras
                      else Block(block.hidden, block.logits, mx.array([int(pick(row)) for row in block.logits], mx.uint32)))
         self.last_block = block
-        if block.confidence is not None and self.thresholds and "thresholds_ignored" not in self.m.args.bugs:
+        if block.confidence is not None and self.thresholds:
             return block.token_ids[: prune_length(block.confidence, self.thresholds)]
         return block.token_ids
 
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:
-        x = mx.concatenate(tapped, axis=-1)
-        self._queue(x if "rejected_rows" in self.m.args.bugs else x[:, : accepted + 1])
+        self._queue(targets.verified_rows(tapped, accepted))
         self.emitted += accepted + 1
         block = self.last_block
         if self.samples is not None and block is not None and block.confidence is not None and n_drafted:
@@ -690,12 +648,12 @@ class DflashProvider:
     `self.samples` (what port.calibration.fit_sts_thresholds fits); `kv_bucket`: the bucketed path
     (module docstring), None (default) the parity one."""
 
-    def __init__(self, path: str | Path, window: str = "positional", bugs=(), max_tokens: int | None = None,
+    def __init__(self, path: str | Path, window: str = "positional", max_tokens: int | None = None,
                  embed: str = "scaled", extras: bool = False, thresholds=None, collect_samples: bool = False,
                  kv_bucket: int | None = None, scales: str = "either"):
         self.path = Path(path)
         self.id = self.path.name
-        self.drafter = load(self.path, window, bugs, embed, extras, kv_bucket=kv_bucket, scales=scales)
+        self.drafter = load(self.path, window, embed, extras, kv_bucket=kv_bucket, scales=scales)
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.trained_gamma = self.drafter.args.block_size - 1
         self.max_tokens = max_tokens

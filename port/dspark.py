@@ -20,14 +20,14 @@ retraces only when the buffer grows; the attention is mx.fast's over [context | 
 a float mask, or (bucket_attention="two-segment") a two-segment softmax (port/compiled.py). Held
 to the default within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured).
 
-`bugs` plants the negative controls the tests must catch; it is empty in use.
+The negative controls (planted bugs) live outside the port, in spec_parity/controls/dspark.py.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -38,17 +38,6 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from . import checkpoint, targets
 from . import compiled as compiled_pieces
-
-BUGS = {
-    "markov_before_softcap": "Markov bias added before the softcap",
-    "cumulative_truncation": "truncation on the cumulative product of confidences",
-    "rejected_rows": "rejected rows appended to the context",
-    "rope_on_v": "RoPE applied to V",
-    "no_embed_scale": "the sqrt(H) embedding scale missing",
-    "anchor_not_predicting": "the anchor slot does not predict (slots 1..bs used)",
-    "tap_index": "taps read hidden_states[l] instead of [l + 1]",
-    "bucket_mask_off_by_one": "kv_bucket: the context mask lets the first padded row through",
-}
 
 
 class DSparkError(ValueError):
@@ -78,7 +67,6 @@ class ModelArgs:
     enable_confidence_head: bool = False
     confidence_head_with_markov: bool = False
     max_position_embeddings: int = 4096
-    bugs: frozenset = field(default_factory=frozenset)
 
     @classmethod
     def from_config(cls, c: dict, path: Path) -> ModelArgs:
@@ -140,10 +128,7 @@ class Attention(nn.Module):
         k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset=offset)
         if self.a.family == "gemma4":
             v = rms_norm(v, None, self.a.rms_norm_eps)
-        v = v.transpose(0, 2, 1, 3)
-        if "rope_on_v" in self.a.bugs:
-            v = self.rope(v, offset=offset)
-        return k, v
+        return k, v.transpose(0, 2, 1, 3)
 
     def block_qkv(self, x, offset):
         """Q, K, V of the block rows x [1, T, H] at offset.. (an int or a scalar array)."""
@@ -246,19 +231,18 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(dims, 1)
 
 
-def markov_chain(head: MarkovHead | None, hidden, base, anchor: mx.array, pick=None, before_softcap=None):
+def markov_chain(head: MarkovHead | None, hidden, base, anchor: mx.array, pick=None):
     """Rows and tokens of a block through a Markov head: row_k = base_k + bias(prev_k, h_k) (after
     the softcap), prev_0 = the anchor ([1] uint32), prev_k = token k-1. Greedy (pick None) the
     tokens stay on the device, chained into the next slot's bias; `pick(row)` chooses each on the
-    host instead. `before_softcap(h_k, bias)` (a planted bug) recomputes the row with the bias
-    before the cap. Returns (rows [n, V], tokens [n] uint32, on the device)."""
+    host instead. Returns (rows [n, V], tokens [n] uint32, on the device)."""
     if head is None and pick is None:
         return base, mx.argmax(base, axis=-1)
     rows, tokens, prev, state = [], [], anchor, None  # rows: base[k, ...], see port/dflash.py Model.block
     for k in range(hidden.shape[0]):
         if head is not None:
             bias, state = head.step(prev, hidden[k:k + 1], state)
-            row = before_softcap(hidden[k:k + 1], bias)[0, ...] if before_softcap else base[k, ...] + bias[0, ...]
+            row = base[k, ...] + bias[0, ...]
         else:
             row = base[k, ...]
         rows.append(row)
@@ -317,7 +301,7 @@ class Model(nn.Module):
     def tap_layers(self) -> list[int]:
         """The target layers whose outputs the drafter reads (hidden_states[l + 1]; -1 = embedding)."""
         ids = self.args.target_layer_ids
-        return [i - 1 if i >= 0 else i for i in ids] if "tap_index" in self.args.bugs else list(ids)
+        return list(ids)
 
     def taps(self, hidden: list) -> mx.array:
         """Concatenated taps from a target's hidden states (hidden[0] = the embedding output)."""
@@ -331,19 +315,15 @@ class Model(nn.Module):
 
     def embed(self, ids):
         e = self.embed_tokens(ids)
-        if self.args.family == "gemma4" and "no_embed_scale" not in self.args.bugs:
+        if self.args.family == "gemma4":
             e = e * mx.array(math.sqrt(self.args.hidden_size), dtype=e.dtype)
         return e
 
-    def logits(self, h, bias=None):
+    def logits(self, h):
+        """The lm head, then the Gemma-4 softcap (the Markov bias joins after it)."""
         out = self.lm_head(h)
-        if bias is not None and "markov_before_softcap" in self.args.bugs:
-            out = out + bias
-            bias = None
         cap = self.args.final_logit_softcapping
-        if cap:
-            out = mx.tanh(out / cap) * cap
-        return out if bias is None else out + bias
+        return mx.tanh(out / cap) * cap if cap else out
 
     def _enter(self, ids, start):
         """The block's embedding and layer 0's Q, K, V."""
@@ -357,18 +337,13 @@ class Model(nn.Module):
 
     def _exit(self, h, o):
         """The last layer's output -> final norm -> per-slot hidden and base logits."""
-        a = self.args
-        full = self.norm(self.layers[-1].finish(h, o))[0, ...]
-        hidden = full[1:] if "anchor_not_predicting" in a.bugs else full
-        if "anchor_not_predicting" in a.bugs:
-            hidden = mx.concatenate([hidden, hidden[-1:]], axis=0)
+        hidden = self.norm(self.layers[-1].finish(h, o))[0, ...]
         return hidden, self.logits(hidden)
 
     def _tail(self, hidden, base, anchor, pick=None):
         """Markov chain (rows, tokens) and the confidence logits of every slot."""
         a = self.args
-        rows, tokens = markov_chain(self.markov_head if a.markov_rank > 0 else None, hidden, base, anchor, pick,
-                                    self.logits if "markov_before_softcap" in a.bugs else None)
+        rows, tokens = markov_chain(self.markov_head if a.markov_rank > 0 else None, hidden, base, anchor, pick)
         if not a.enable_confidence_head:
             return rows, tokens
         feats = hidden
@@ -391,10 +366,9 @@ class Model(nn.Module):
         `valid` masked); greedy: with the Markov chain and confidence (the _tail), else up to the
         base logits (a host `pick` chains the tail after)."""
         self._bucketed.traces += 1
-        extra = 1 if "bucket_mask_off_by_one" in self.args.bugs else 0
         h, q, k, v = self._enter(ids, start)
         for i, layer in enumerate(self.layers):
-            seen = compiled_pieces.valid_rows(valid, keys[i].shape[2], extra)
+            seen = compiled_pieces.valid_rows(valid, keys[i].shape[2])
             o = compiled_pieces.bucketed_attention(self.bucket_attention, q, keys[i], values[i], seen, k, v, None,
                                                    layer.self_attn.scale)
             if i < len(self.layers) - 1:
@@ -443,21 +417,14 @@ class Model(nn.Module):
         """Draft tokens kept: up to the first slot whose sigmoid(confidence) < threshold."""
         if confidence is None or threshold <= 0.0:
             return self.args.block_size
-        p = mx.sigmoid(confidence)
-        if "cumulative_truncation" in self.args.bugs:
-            p = mx.cumprod(p)
-        return targets.first_true(p < threshold, self.args.block_size)
+        return targets.first_true(mx.sigmoid(confidence) < threshold, self.args.block_size)
 
 
-def load(path: str | Path, bugs=(), compiled: bool = True, kv_bucket: int | None = None,
+def load(path: str | Path, compiled: bool = True, kv_bucket: int | None = None,
          bucket_attention: str = "sdpa") -> Model:
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     a = ModelArgs.from_config(cfg, path)
-    a.bugs = frozenset(bugs)
-    unknown = a.bugs - set(BUGS)
-    if unknown:
-        raise DSparkError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
     model = Model(a, compiled, kv_bucket, bucket_attention)
     checkpoint.load_into(model, path, checkpoint.read_tensors(path), DSparkError,
                          "is this a complete DeepSpec DSpark checkpoint?")
@@ -533,8 +500,7 @@ class DeepspecSource:
         return self.last_block
 
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:
-        x = mx.concatenate(tapped, axis=-1)
-        self.pending = x if "rejected_rows" in self.m.args.bugs else x[:, : accepted + 1]
+        self.pending = targets.verified_rows(tapped, accepted)
 
     def dispose(self) -> None:
         self.cache = None
@@ -543,10 +509,10 @@ class DeepspecSource:
 class DeepspecProvider:
     """`kv_bucket`: the bucketed path (module docstring); None (default) is the parity path."""
 
-    def __init__(self, path: str | Path, threshold: float = 0.0, bugs=(), kv_bucket: int | None = None):
+    def __init__(self, path: str | Path, threshold: float = 0.0, kv_bucket: int | None = None):
         self.path = Path(path)
         self.id = self.path.name
-        self.drafter = load(self.path, bugs, kv_bucket=kv_bucket)
+        self.drafter = load(self.path, kv_bucket=kv_bucket)
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.trained_gamma = self.drafter.args.block_size
         self.threshold = threshold

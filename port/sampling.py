@@ -11,7 +11,7 @@ of the argmax. Every random number comes from an explicit MLX PRNG key (`Keys`) 
 draw, so a run is a function of the seed. A token is drawn from a probability row by inverse
 CDF against one uniform (`sample`): the row must be normalized; the leftover mass of a row that
 sums to less than 1 goes to its last token with nonzero mass (this is what makes an
-unnormalized residual visible, see BUGS).
+unnormalized residual visible: spec_parity/controls/serve.py plants one).
 
 Logits processors follow mlx-lm's convention: `processor(tokens, logits) -> logits` with
 `tokens` the 1-D int32 array of the prompt and every token before the position, `logits`
@@ -45,14 +45,6 @@ LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 MODES = ("match", "rejection")
 GREEDY_BELOW = 1e-5
 RESIDUAL_FLOOR = 1e-8
-
-# Planted bugs for the negative controls (empty in use): each must make the statistical
-# losslessness tests fail.
-BUGS = {
-    "residual_skipped": "on a rejection the correction is sampled from p_k instead of norm(max(0, p_k - q_k))",
-    "residual_unnormalized": "the residual max(0, p_k - q_k) is sampled without normalizing it",
-    "target_no_temperature": "the temperature is applied to the draft's q but not to the target's p",
-}
 
 
 class SamplingError(ValueError):
@@ -149,8 +141,8 @@ def accept_match(drafts: mx.array, p: mx.array, u: mx.array) -> tuple[mx.array, 
     return k, mx.take_along_axis(x, k[:, None], axis=1)[:, 0]
 
 
-def accept_rejection(drafts: mx.array, q: mx.array, p: mx.array, u_accept: mx.array, u_resample: mx.array,
-                     bugs: frozenset = frozenset()) -> tuple[mx.array, mx.array]:
+def accept_rejection(drafts: mx.array, q: mx.array, p: mx.array, u_accept: mx.array,
+                     u_resample: mx.array) -> tuple[mx.array, mx.array]:
     """Rejection sampling. drafts [B, n] drawn from q [B, n, V]; p [B, n+1, V]; u_accept [B, n],
     u_resample [B] uniforms -> (accepted [B], next token [B])."""
     B, n = drafts.shape
@@ -163,17 +155,24 @@ def accept_rejection(drafts: mx.array, q: mx.array, p: mx.array, u_accept: mx.ar
     else:
         k = mx.zeros((B,), mx.int32)
     qz = mx.concatenate([q.astype(mx.float32), mx.zeros((B, 1, V), mx.float32)], axis=1)
-    pk, qk = _row(p, k), _row(qz, k)
-    r = pk if "residual_skipped" in bugs else mx.maximum(pk - qk, 0.0)
-    if "residual_unnormalized" not in bugs:
-        mass = r.sum(axis=-1, keepdims=True)
-        r = mx.where(mass <= RESIDUAL_FLOOR, pk, r / mx.maximum(mass, RESIDUAL_FLOOR))
-    return k, sample(r, u_resample)
+    return k, sample(residual(_row(p, k), _row(qz, k)), u_resample)
 
 
-def verify_sampler(sampler: Sampler, bugs: frozenset = frozenset()) -> Sampler:
-    """The sampler the verify turns the target's logits into p with (the request's own)."""
-    return sampler.with_temperature(1.0) if "target_no_temperature" in bugs else sampler
+def residual(p: mx.array, q: mx.array) -> mx.array:
+    """What a rejection resamples from: normalize(max(0, p - q)) per row, p itself where that has
+    no mass (<= RESIDUAL_FLOOR, DeepSpec's fallback)."""
+    r = mx.maximum(p - q, 0.0)
+    mass = r.sum(axis=-1, keepdims=True)
+    return mx.where(mass <= RESIDUAL_FLOOR, p, r / mx.maximum(mass, RESIDUAL_FLOOR))
+
+
+def verify_probs(sampler: Sampler, rows: mx.array) -> mx.array:
+    """The target's p at verify: its (processed) logits rows through the request's sampler; rows
+    the processors left with no token the target may emit are refused."""
+    p = sampler.probs(rows)
+    if float(p.sum(axis=-1).min().item()) < 0.5:
+        raise SamplingError("the logits processors left no token the target may emit")
+    return p
 
 
 def drafting_sampler(sampler: Sampler, mode: str, draft_sampler: Sampler | None = None) -> Sampler:
@@ -182,14 +181,6 @@ def drafting_sampler(sampler: Sampler, mode: str, draft_sampler: Sampler | None 
     if draft_sampler is not None:
         return draft_sampler
     return sampler if mode == "rejection" else Sampler()
-
-
-def check_bugs(bugs) -> frozenset:
-    bugs = frozenset(bugs)
-    unknown = bugs - set(BUGS)
-    if unknown:
-        raise SamplingError(f"unknown planted bug(s) {sorted(unknown)}; known: {sorted(BUGS)}")
-    return bugs
 
 
 def process(processors: Sequence[LogitsProcessor], tokens: mx.array, logits: mx.array) -> mx.array:

@@ -206,8 +206,7 @@ class _Greedy:
 
     reads_history = False
 
-    def __init__(self, eos: set[int], bonus: bool):
-        self.bonus = bonus
+    def __init__(self, eos: set[int]):
         # built once per request; an array the host filled is CUDA managed memory (faults once)
         self.eos = mx.array(sorted(eos), mx.int32) if eos else None
 
@@ -226,7 +225,7 @@ class _Greedy:
         greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
         if not isinstance(drafts, mx.array):
             drafts = mx.array(drafts, mx.int32)
-        v = _verdict(drafts, greedy, self.eos, self.bonus).item()
+        v = _verdict(drafts, greedy, self.eos).item()
         return v & _FIELD, (v >> _BITS) & _FIELD, v >> (2 * _BITS), greedy
 
 
@@ -234,13 +233,13 @@ _BITS = 10
 _FIELD = (1 << _BITS) - 1
 
 
-def _verdict(drafts: mx.array, greedy: mx.array, eos: mx.array | None, bonus: bool) -> mx.array:
+def _verdict(drafts: mx.array, greedy: mx.array, eos: mx.array | None) -> mx.array:
     """A greedy round's outcome as ONE int64 scalar: on MLX CUDA a host read of more than 8 bytes
     puts the buffer in managed memory and the next round's kernels page-fault on it (0.1-0.56 ms,
     docs/benchmarks.md "Unified memory"); an 8-byte scalar costs nothing. Fields: k, the accepted
     drafts (the prefix where drafts == greedy); the index of the first EOS in greedy (n + 1: none);
-    the round's last new token, greedy[k] (greedy[k - 1] when a full accept drops the bonus, the
-    control). The round's new tokens are greedy[:k + 1]: the accepted drafts equal the target's."""
+    the round's last new token, greedy[k]. The round's new tokens are greedy[:k + 1]: the accepted
+    drafts equal the target's."""
     n = drafts.shape[0]
     if n:
         k = mx.cumprod((drafts == greedy[:n]).astype(mx.int32)).sum()
@@ -250,8 +249,7 @@ def _verdict(drafts: mx.array, greedy: mx.array, eos: mx.array | None, bonus: bo
         stop = mx.full((), n + 1, mx.int32)
     else:
         stop = targets.first_index((greedy[:, None] == eos[None, :]).any(axis=1), n + 1)
-    last = k - (k == n).astype(mx.int32) if (not bonus and n) else k
-    tok = mx.take(greedy, last)
+    tok = mx.take(greedy, k)
     return (k.astype(mx.int64) + (stop.astype(mx.int64) << _BITS) + (tok.astype(mx.int64) << (2 * _BITS)))
 
 
@@ -260,12 +258,10 @@ class _Sampled:
 
     reads_history = True
 
-    def __init__(self, sampler: sampling.Sampler, processors, mode: str, draft_sampler, bugs: frozenset,
-                 eos: set[int], bonus: bool):
-        self.processors, self.mode, self.bugs, self.eos, self.bonus = list(processors), mode, bugs, eos, bonus
+    def __init__(self, sampler: sampling.Sampler, processors, mode: str, draft_sampler, eos: set[int]):
+        self.processors, self.mode, self.eos = list(processors), mode, eos
         self.keys = sampling.Keys(sampler.seed)
         self.sampler = sampler
-        self.target_sampler = sampling.verify_sampler(sampler, bugs)
         self.draft_sampler = sampling.drafting_sampler(sampler, mode, draft_sampler)
 
     def _rows(self, logits, history: list[int], drafts: list[int]):
@@ -275,12 +271,6 @@ class _Sampled:
         toks = history + drafts
         return mx.stack([sampling.process(self.processors, mx.array(toks[: len(history) + i], mx.int32), logits[i, ...])
                          for i in range(logits.shape[0])])
-
-    def _target_probs(self, rows):
-        p = self.target_sampler.probs(rows)
-        if float(p.sum(axis=-1).min().item()) < 0.5:
-            raise sampling.SamplingError("the logits processors left no token the target may emit")
-        return p
 
     def first(self, logits, history: list[int]) -> int:
         p = self.sampler.probs(self._rows(logits[None], history, []))
@@ -319,25 +309,24 @@ class _Sampled:
     def verify(self, drafts: list[int], q, logits, history: list[int]) -> tuple[int, int, int, list[int]]:
         """As `_Greedy.verify`: (accepted, first EOS in the new tokens, last new token, new tokens)."""
         n = len(drafts)
-        p = self._target_probs(self._rows(logits[: n + 1], history, drafts))[None]
+        p = sampling.verify_probs(self.sampler, self._rows(logits[: n + 1], history, drafts))[None]
         d = mx.array(drafts, mx.int32).reshape(1, n)
         if self.mode == "match":
             k, nxt = sampling.accept_match(d, p, self.keys.uniform((1, n + 1)))
         else:
             if q is None:
                 q = (mx.arange(p.shape[-1])[None, :] == d.reshape(n, 1)).astype(mx.float32)
-            k, nxt = sampling.accept_rejection(d, q[None], p, self.keys.uniform((1, n)), self.keys.uniform((1,)),
-                                               self.bugs)
+            k, nxt = sampling.accept_rejection(d, q[None], p, self.keys.uniform((1, n)), self.keys.uniform((1,)))
         k = int(k.item())
         new = drafts[:k] + [int(nxt.item())]
         stop = next((i for i, t in enumerate(new) if t in self.eos), n + 1)
-        return k, stop, new[_kept(self.bonus, n, k) - 1], new
+        return k, stop, new[_kept(n, k) - 1], new
 
 
-def _kept(bonus: bool, n: int, k: int) -> int:
+def _kept(n: int, k: int) -> int:
     """How many new tokens a round of n drafts with k accepted commits: the accepted drafts and the
-    correction / bonus token (k + 1), or k when the control drops the bonus on a full accept."""
-    return k if (not bonus and n and k == n) else k + 1
+    correction (on a full accept: bonus) token."""
+    return k + 1
 
 
 def _verify_ids(pending: int, drafts) -> mx.array:
@@ -370,10 +359,9 @@ def _request_bytes(caches: list, source) -> tuple[int, int]:
 
 
 def generate(target: targets.Target, prompt: list[int], max_tokens: int, provider: DraftProvider | None = None,
-             gamma: int = 4, eos: set[int] | None = None, record: bool = False, trim_bias: int = 0,
-             emit_eos: bool = False, bonus: bool = True, sampler: sampling.Sampler | None = None,
-             processors=(), mode: str = "match", draft_sampler: sampling.Sampler | None = None,
-             bugs=frozenset(), kv_bucket: int | None = None) -> tuple[list[int], Stats]:
+             gamma: int = 4, eos: set[int] | None = None, record: bool = False,
+             sampler: sampling.Sampler | None = None, processors=(), mode: str = "match",
+             draft_sampler: sampling.Sampler | None = None, kv_bucket: int | None = None) -> tuple[list[int], Stats]:
     """Speculative decoding. Returns the content tokens and the stats (with the per-round
     trace). With no source it is plain decoding through the same verify path.
 
@@ -388,21 +376,18 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     forward attends over whole, masked, so on MLX CUDA the attention plans a kernel once per bucket,
     not once per round's key length. Within fp32 tolerance of the default; the same greedy stream.
 
-    `trim_bias`, `emit_eos`, `bonus` and `bugs` (sampling.BUGS) exist only to plant the negative
-    controls (trim one too few, EOS emitted as content, bonus token dropped on a full accept, the
-    sampling bugs): the tests show the suite catches each."""
+    Its negative controls (planted bugs) live in spec_parity/controls/serve.py."""
     if mode not in sampling.MODES:
         raise sampling.SamplingError(f"unknown acceptance mode {mode!r}; known: {sampling.MODES}")
     if not 0 <= gamma < _FIELD:
         raise ValueError(f"gamma={gamma}: expected 0..{_FIELD - 1} draft tokens per round (the round's verdict "
                          f"packs counts up to {_FIELD} in {_BITS} bits)")
-    bugs = sampling.check_bugs(bugs)
     processors = list(processors)
     eos = targets.eos_ids(target) if eos is None else eos
-    if sampler is None and not processors and mode == "match" and not bugs:
-        verifier = _Greedy(eos, bonus)
+    if sampler is None and not processors and mode == "match":
+        verifier = _Greedy(eos)
     else:
-        verifier = _Sampled(sampler or sampling.Sampler(), processors, mode, draft_sampler, bugs, eos, bonus)
+        verifier = _Sampled(sampler or sampling.Sampler(), processors, mode, draft_sampler, eos)
     caches = targets.make_caches(target, kv_bucket)
     source = provider.open(TargetView(target, caches)) if provider is not None else None
     stats = Stats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma,
@@ -437,14 +422,14 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
         for i in range(n):
             stats.drafted_by_position[i] += 1
             stats.accepted_by_position[i] += i < k
-        kept = _kept(bonus, n, k)
+        kept = _kept(n, k)
         emitted = min(max_tokens - count, stop + 1 if stop < kept else kept)
         pieces.append(new[:emitted])
         count += emitted
         if record:
             stats.logits += [trace.logits[0, i] for i in range(emitted)]
         stats.trace.append((n, k, emitted))
-        trim_caches(caches, n - kept + 1 - trim_bias)
+        trim_caches(caches, n - kept + 1)
         if source is not None:
             source.commit(n, k, _taps(trace, taps, slice(None)))
         cache_bytes, source_bytes = _request_bytes(caches, source)
@@ -461,8 +446,12 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     stats.target_cache_bytes = max(stats.target_cache_bytes, cache_bytes)
     stats.source_bytes = max(stats.source_bytes, source_bytes)
     stats.stop = "eos" if committed[-1] in eos else "length"
-    content = committed if emit_eos or committed[-1] not in eos else committed[:-1]
     stats.emitted = len(committed)
     if source is not None:
         source.dispose()
-    return content, stats
+    return _content(committed, eos), stats
+
+
+def _content(committed: list[int], eos: set[int]) -> list[int]:
+    """The request's content: the committed tokens less a final EOS (a stop token, not text)."""
+    return committed if committed[-1] not in eos else committed[:-1]

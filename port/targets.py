@@ -19,7 +19,6 @@ from pathlib import Path
 import mlx.core as mx
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import load_model
 
 from .compiled import VerifyCache, check_bucket
@@ -111,6 +110,12 @@ def first_index(mask: mx.array, default: int) -> mx.array:
     if not mask.shape[0]:
         return mx.array(default, mx.int32)
     return mx.where(mask, mx.arange(mask.shape[0]), default).min()
+
+
+def verified_rows(tapped: list, accepted: int) -> mx.array:
+    """The verify's tap rows a drafter's context keeps, concatenated: the pending token's and the
+    accepted drafts' (the rejected drafts' rows never enter it)."""
+    return mx.concatenate(tapped, axis=-1)[:, : accepted + 1]
 
 
 def first_true(mask: mx.array, default: int) -> int:
@@ -224,19 +229,3 @@ def greedy(target: Target, prompt: mx.array, n: int, eos: set[int] | None = None
             break
         logits = model(tok[:, None], cache=cache)[:, -1, :]
     return tokens, mx.stack(steps)
-
-
-def perturb_rope_base(target: Target, layer: int, factor: float) -> None:
-    """Negative control: scale one layer's RoPE base. Parity must fail and name this layer."""
-    attn = target.model.model.layers[layer].self_attn
-    c = target.config
-    if target.family == "gemma4":
-        params = dict(c["rope_parameters"][c["layer_types"][layer]])
-        params["rope_theta"] = params["rope_theta"] * factor
-        attn.rope = initialize_rope(dims=attn.head_dim, traditional=False, base=params["rope_theta"],
-                                    scaling_config=params,
-                                    max_position_embeddings=c["max_position_embeddings"])
-    else:
-        attn.rope = initialize_rope(dims=c["head_dim"], traditional=False, base=c["rope_theta"] * factor,
-                                    scaling_config=None,
-                                    max_position_embeddings=c["max_position_embeddings"])

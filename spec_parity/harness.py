@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from . import checks, deltas, goldens, ports, protocol, shared
+from . import checks, controls, deltas, goldens, ports, protocol, shared
 from .case import Case
 from .compare import Result
 from .pairs import assistant, dflash, dspark, targets
@@ -93,13 +93,16 @@ def live(case: Case):
 def port_run(case: Case, ref: dict, port: ports.Port | None = None) -> dict:
     """`port` (default: the one selected for the module) on the case, once per process for each
     port identity, case and reference bytes (spec_parity.shared). Only our own port takes a planted
-    bug (case.control)."""
+    bug (case.control: spec_parity.controls plants it around the run)."""
     port = port or ports.for_module(case.module)
     run = port.runs[case.module]
 
     def go():
         req = request(case, ref)
-        return run(req, case.control) if port.ours else run(req)
+        if not port.ours:
+            return run(req)
+        with controls.applied(case):
+            return run(req)
 
     if case.path:
         return go()

@@ -32,7 +32,7 @@ Statistics (stated once, used everywhere):
   it and assert a bound: <= 2 % on the chain; end to end <= 5 % for the PIT test and <= 8 % for
   the sequence and per-position tests (the first token, a single conditional drawn before any
   draft, is the weakest: ~7.5 %; the sequence and drafted positions of the agreeing pair ~4 %).
-- Negative controls (planted bugs, port/sampling.py BUGS) must be REJECTED by the same tests at
+- Negative controls (planted bugs, spec_parity/controls/sampling.py) must be REJECTED by the same tests at
   the same ALPHA.
 - Parity with the references' own sampled loops (tests/test_sampling_reference.py): the
   two-sample chi-square `two_sample`, at the level of that family.

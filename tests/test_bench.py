@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from spec_parity import bench, bench_shapes, bench_sides, cli, harness
+from spec_parity import bench, bench_shapes, bench_sides, cli, controls, harness
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -307,18 +307,15 @@ def test_bench_kernels_on_cpu_says_why_not(tmp_path):
     assert "GPU kernels per step" in (tmp_path / "out" / "bench.md").read_text()
 
 
-def test_port_blocks_index_without_gathers(tmp_path, monkeypatch):
+def test_port_blocks_index_without_gathers(tmp_path):
     """MLX makes a lone integer index (`logits[0]`) a Gather; on MLX CUDA one over a block's logits
     costs 22-257 us of device time (H200, docs/benchmarks.md), a slice (`logits[0, ...]`) is free. The
     DFlash block's one Gather is its embedding lookup. Control: a planted `[0]` on the logits adds one."""
-    from port import dflash
-
     spec = next(s for s in bench_shapes.tiny_specs() if s.name == "dflash-qwen3")
     prep = bench._prepare(bench_shapes.build(spec, "tiny", "float32", tmp_path), (None, "off"), 0)
     assert bench.count_step(bench_sides.port_side(prep))["op_kinds"].get("Gather") == 1
-    plain = dflash.Model.logits
-    monkeypatch.setattr(dflash.Model, "logits", lambda self, target, h: plain(self, target, h)[None][0])
-    assert bench.count_step(bench_sides.port_side(prep))["op_kinds"].get("Gather") == 2
+    with controls.planted("bench", "logits_gather"):
+        assert bench.count_step(bench_sides.port_side(prep))["op_kinds"].get("Gather") == 2
 
 
 def _host_buffers(prep, side) -> int:
@@ -327,17 +324,15 @@ def _host_buffers(prep, side) -> int:
 
 @pytest.mark.parametrize("name", harness.slow_except([s.name for s in bench_shapes.tiny_specs()], "dflash-qwen3",
                                                      "dspark-qwen3"))
-def test_port_steps_build_no_host_filled_buffers(name, tmp_path, monkeypatch):
+def test_port_steps_build_no_host_filled_buffers(name, tmp_path):
     """A draft step / block (plain and bucketed) builds no array from host data over 8 bytes: on MLX
     CUDA the GPU page-faults on such a buffer (H200: a block's embedding Gather 100-280 us instead of 3,
     docs/benchmarks.md). Control (blocks): the ids built as one host list, as they were, must count."""
-    from port import targets
-
     spec = next(s for s in bench_shapes.tiny_specs() if s.name == name)
     prep = bench._prepare(bench_shapes.build(spec, "tiny", "float32", tmp_path), (None, "off"), 0)
     for side in (bench_sides.port_side, bench_sides.port_bucketed_side):
         assert _host_buffers(prep, side) == 0, side.__name__
     if spec.source == "assistant":
         return
-    monkeypatch.setattr(targets, "block_ids", lambda first, fill, n: targets.mx.array([[first] + [fill] * n]))
-    assert _host_buffers(prep, bench_sides.port_side) == 1
+    with controls.planted("bench", "host_filled_block_ids"):
+        assert _host_buffers(prep, bench_sides.port_side) == 1

@@ -29,7 +29,7 @@ from test_speed import (
 )
 
 from port import assistant, compiled, dflash, dspark, serve, targets
-from spec_parity import budgets, checkpoints, compare, harness
+from spec_parity import budgets, checkpoints, compare, controls, harness
 
 BUCKET = 8
 FP32 = budgets.DTYPE_DEFAULTS["float32"]
@@ -49,13 +49,13 @@ def _taps(kind: str, path):
     return m.taps(targets.forward(_target(kind), mx.array([LONG_PROMPT])).hidden)
 
 
-def _dspark_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="sdpa", model=None):
+def _dspark_rounds(variant: str, kv_bucket, compiled=True, attention="sdpa", model=None):
     """Per round (context grown by FEEDS): the block's hidden, base and Markov rows, confidence,
     and its tokens; and the model (`model`: that one, already loaded)."""
     ov = DSPARK_VARIANTS[variant]
     kind = ov.get("target_kind", "gemma4-target")
     path = checkpoints.build("dspark-drafter", 0, ov)
-    m = model or dspark.load(path, bugs, compiled, kv_bucket, attention)
+    m = model or dspark.load(path, compiled, kv_bucket, attention)
     rows = _taps(kind, path)
     src = dspark.DeepspecSource(m, serve.TargetView(_target(kind), make_prompt_cache(_target(kind).model)))
     out = []
@@ -67,12 +67,12 @@ def _dspark_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="s
     return out, m
 
 
-def _dflash_rounds(variant: str, kv_bucket, bugs=(), compiled=True, attention="sdpa", model=None):
+def _dflash_rounds(variant: str, kv_bucket, compiled=True, attention="sdpa", model=None):
     ov = DFLASH_VARIANTS[variant]
     kind = ov.get("target_kind", "qwen3-target")
     path = checkpoints.build("dflash-drafter", 0, ov)
-    m = model or dflash.load(path, bugs=bugs, extras="dspark_extras" in ov, compiled=compiled, kv_bucket=kv_bucket,
-                    bucket_attention=attention)
+    m = model or dflash.load(path, extras="dspark_extras" in ov, compiled=compiled, kv_bucket=kv_bucket,
+                             bucket_attention=attention)
     rows, caches, out = _taps(kind, path), m.make_caches(), []
     for r, (lo, hi) in enumerate(FEEDS):
         b = m.block(_target(kind), 7 + r, m.args.block_size - 1, rows[:, lo:hi], caches)
@@ -149,7 +149,8 @@ def test_trace_counter_counts_every_call_uncompiled(source, variant):
 def test_planted_mask_off_by_one_fails_the_comparison(source, variant, attention):
     """Negative control: the context mask letting the first padded row through is caught."""
     plain, _ = ROUNDS[source](variant, None)
-    planted, _ = ROUNDS[source](variant, BUCKET, bugs=("bucket_mask_off_by_one",), attention=attention)
+    with controls.planted(source, "bucket_mask_off_by_one"):
+        planted, _ = ROUNDS[source](variant, BUCKET, attention=attention)
     ok, bad = _within_fp32(planted, plain)
     assert not ok and any(r == 0 for r, *_ in bad)   # round 0: 5 rows in a buffer of 8
 
@@ -297,20 +298,12 @@ def test_assistant_bucketed_chains_within_fp32_and_lossless(name):
 
 
 @pytest.mark.parametrize("layer", harness.slow_except(["sliding_attention", "full_attention"], "sliding_attention"))
-def test_assistant_planted_window_off_by_one_fails_the_comparison(layer, monkeypatch):
+def test_assistant_planted_window_off_by_one_fails_the_comparison(layer):
     """Negative control: one donor entry more than the window (sliding) or past the offset (full)
     let through on the bucketed path is caught."""
-    buffers = assistant.donor_buffers
-
-    def planted(*args):
-        out = buffers(*args)
-        k, v, where = out[layer]["kv"]
-        shift = (0, -1, 0) if layer == "sliding_attention" else (1,)
-        out[layer]["kv"] = (k, v, tuple(w + d for w, d in zip(where, shift)))
-        return out
-
-    monkeypatch.setattr(assistant, "donor_buffers", planted)
-    _, _, _, fast, plain = _assistant_loop("assistant-tied")
+    key = "bucketed_window_off_by_one" if layer == "sliding_attention" else "bucketed_full_past_offset"
+    with controls.planted("assistant", key):
+        _, _, _, fast, plain = _assistant_loop("assistant-tied")
     ok, _ = _within_fp32(fast, plain)
     assert not ok
 
@@ -348,16 +341,8 @@ def test_assistant_bucketed_over_a_wrapped_ring(window):
     assert ok, bad
 
 
-def test_assistant_ring_order_ignored_fails_the_comparison(monkeypatch):
+def test_assistant_ring_order_ignored_fails_the_comparison():
     """Negative control: the ring's rotation dropped (slot j taken as rank j) is caught."""
-    buffers = assistant.donor_buffers
-
-    def planted(*args):
-        out = buffers(*args)
-        k, v, where = out["sliding_attention"]["kv"]
-        out["sliding_attention"]["kv"] = (k, v, (where[0] * 0, *where[1:]))
-        return out
-
-    monkeypatch.setattr(assistant, "donor_buffers", planted)
-    _, fast, plain = _wrapped_ring_rounds("optiq")
+    with controls.planted("assistant", "ring_order_ignored"):
+        _, fast, plain = _wrapped_ring_rounds("optiq")
     assert not _within_fp32(fast, plain)[0]

@@ -13,6 +13,7 @@ the 12-token prompt and 40 tokens cross six bucket boundaries. A mask letting on
 or a window one row too wide, must fail the comparison.
 """
 
+import contextlib
 import functools
 
 import mlx.core as mx
@@ -28,8 +29,8 @@ from test_bucketed import (
 )
 from test_speed import PROMPT, SOURCES, _bits_equal
 
-from port import assistant, compiled, serve, targets
-from spec_parity import checkpoints, compare, harness, shared
+from port import assistant, serve, targets
+from spec_parity import checkpoints, compare, controls, harness, shared
 
 TOKENS = 40
 PLAIN = {None: "qwen3-target", "gemma4": "gemma4-target"}   # plain decoding through the loop (one row per verify)
@@ -123,24 +124,23 @@ def test_bucketed_verify_within_fp32_of_default(name):
 
 
 @pytest.mark.parametrize("name", harness.slow_except(LOOPS, None, "dflash"), ids=IDS)
-def test_planted_mask_off_by_one_fails_the_comparison(name, monkeypatch):
+def test_planted_mask_off_by_one_fails_the_comparison(name):
     """Negative control: the mask letting the first padded key through is caught (the prefill
     already: 12 prompt rows in a buffer of 16)."""
     _, _, plain = _default(name)
-    monkeypatch.setattr(compiled.VerifyCache, "extra", 1)
-    _, _, planted = _loop(name, BUCKET)
+    with controls.planted("serve", "verify_mask_off_by_one"):
+        _, _, planted = _loop(name, BUCKET)
     bad = _outside_fp32(planted[: len(plain)], plain[: len(planted)])
     assert bad and bad[0][0] == 0
 
 
 @pytest.mark.parametrize("name", harness.slow_except(["dspark", "assistant-tied"], "dspark"))
-def test_planted_window_off_by_one_fails_the_comparison(name, monkeypatch):
+def test_planted_window_off_by_one_fails_the_comparison(name):
     """Negative control: the sliding layers' window one row too wide on the bucketed verify is
     caught (Gemma-4 targets; the prompt is past the window)."""
     _, _, plain = _default(name)
-    tm = _setup(name)[0].model.model
-    monkeypatch.setattr(tm, "window_size", tm.window_size + 1)
-    _, _, planted = _loop(name, BUCKET)
+    with controls.planted("serve", "verify_window_off_by_one"):
+        _, _, planted = _loop(name, BUCKET)
     bad = _outside_fp32(planted[: len(plain)], plain[: len(planted)])
     assert bad and bad[0][0] == 0
 
@@ -176,22 +176,13 @@ def test_attention_sees_only_bucket_lengths(name, monkeypatch):
 
 
 @pytest.mark.parametrize("planted", [False, True])
-def test_assistant_bucketed_chains_over_the_bucketed_verify(planted, monkeypatch):
+def test_assistant_bucketed_chains_over_the_bucketed_verify(planted):
     """The bucketed assistant's donors over the bucketed verify's buffers (the sliding layer's:
     every row in time order, the window found from the offset): every draft chain within fp32 of
     the default assistant's over the same caches, the same tokens; the window one entry too wide
     (the control) is caught."""
-    if planted:
-        buffers = assistant.donor_buffers
-
-        def wider(*args):
-            out = buffers(*args)
-            k, v, where = out["sliding_attention"]["kv"]
-            out["sliding_attention"]["kv"] = (k, v, (where[0], where[1] - 1, where[2]))
-            return out
-
-        monkeypatch.setattr(assistant, "donor_buffers", wider)
-    _, _, _, fast, plain = _assistant_loop("assistant-tied", BUCKET)
+    with controls.planted("assistant", "bucketed_window_off_by_one") if planted else contextlib.nullcontext():
+        _, _, _, fast, plain = _assistant_loop("assistant-tied", BUCKET)
     ok, bad = _within_fp32(fast, plain)
     assert len(fast) > 10 and ok != planted, bad
 

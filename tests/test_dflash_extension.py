@@ -13,6 +13,7 @@ Random pairs accept almost nothing, so the calibration is fitted at a low precis
 (CAL_TARGET) for its thresholds to fall between the observed confidences instead of at 1.0.
 """
 
+import contextlib
 import functools
 import shutil
 
@@ -21,7 +22,7 @@ import numpy as np
 import pytest
 
 from port import ab, calibration, dflash, serve, targets
-from spec_parity import checkpoints, harness, shared
+from spec_parity import checkpoints, controls, harness, shared
 from spec_parity.pairs import dflash as pair
 
 EXTRAS = {"markov_rank": 8, "markov_head_type": "vanilla", "confidence": True}
@@ -61,9 +62,11 @@ def _run(target, prompt, provider):
 
 
 @functools.cache
-def _unpruned(t_dir, ck, bugs=()):
-    """One request with extras on and pruning off (read by the KL report and the softcap controls)."""
-    return _run(targets.load(t_dir), _prompts(1)[0], dflash.DflashProvider(ck, extras=True, thresholds=[], bugs=bugs))
+def _unpruned(t_dir, ck, control=None):
+    """One request with extras on and pruning off (read by the KL report and the softcap controls:
+    `control`, a key of spec_parity/controls/dflash.py)."""
+    with controls.planted("dflash", control) if control else contextlib.nullcontext():
+        return _run(targets.load(t_dir), _prompts(1)[0], dflash.DflashProvider(ck, extras=True, thresholds=[]))
 
 
 @pytest.fixture(autouse=True)
@@ -246,7 +249,8 @@ def test_control_thresholds_ignored_is_caught(calibrated):
     """Pruning skipped: some proposal runs past its first below-threshold position."""
     t_dir, ck, cal, _ = calibrated
     target = targets.load(t_dir)
-    _, _, rounds = _run(target, _prompts(1)[0], dflash.DflashProvider(ck, extras=True, bugs=["thresholds_ignored"]))
+    with controls.planted("dflash", "thresholds_ignored"):
+        _, _, rounds = _run(target, _prompts(1)[0], dflash.DflashProvider(ck, extras=True))
     assert any(len(t) > _first_below(b, cal.thresholds) for t, b in rounds)
 
 
@@ -262,7 +266,7 @@ def test_control_markov_before_softcap_is_caught():
     strong = checkpoints.build("dflash-drafter", 0, {**ov, "final_logit_softcapping": 2.0, "dspark_extras": EXTRAS})
     for ck, drafts_differ in ((ext_dir, False), (strong, True)):
         _, good_stats, good = _unpruned(t_dir, ck)
-        _, bad_stats, bad = _unpruned(t_dir, ck, ("markov_before_softcap",))
+        _, bad_stats, bad = _unpruned(t_dir, ck, "markov_before_softcap")
         gap = float(mx.abs(good[0][1].logits - bad[0][1].logits).max().item())
         assert gap > 1e-2, gap
         if drafts_differ:
@@ -276,5 +280,5 @@ def test_markov_before_softcap_coincides_without_a_softcap():
     extension's."""
     t_dir, _, ext_dir = _dirs("qwen3")
     _, good, _ = _unpruned(t_dir, ext_dir)
-    _, bad, _ = _unpruned(t_dir, ext_dir, ("markov_before_softcap",))
+    _, bad, _ = _unpruned(t_dir, ext_dir, "markov_before_softcap")
     assert good.proposals == bad.proposals

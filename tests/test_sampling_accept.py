@@ -2,7 +2,7 @@
 `accept_rejection`, the functions the loop calls, with a batch axis) driving 2 x 10^5
 independent streams at once over a small Markov-chain "target" and "drafter" (vocab 8, gamma 2,
 first 4 tokens), against the chain's exact distribution (tests/stats.py): well under a second
-per test. All three controls (port/sampling.py BUGS) are rejected here."""
+per test. All three controls (spec_parity/controls/sampling.py) are rejected here."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 
 from port import sampling
 from spec_parity import harness
+from spec_parity.controls import planted, registry
 
 from stats import assert_lossless, assert_rejected, stat_tests
 
@@ -43,11 +44,11 @@ def chain_exact(lp: np.ndarray, sampler: sampling.Sampler, start: int, n: int,
 
 
 def simulate(lp: np.ndarray, lq: np.ndarray, start: int, n: int, B: int, sampler: sampling.Sampler, mode: str,
-             gamma: int, seed: int, bugs=frozenset(), draft_sampler=None, bonus: bool = True) -> np.ndarray:
+             gamma: int, seed: int, draft_sampler=None, bonus: bool = True) -> np.ndarray:
     """B independent speculative-decoding streams over the chain, through the loop's own
     acceptance functions and samplers; returns the first n emitted tokens of each [B, n]."""
     keys = sampling.Keys(seed)
-    P = sampling.verify_sampler(sampler, frozenset(bugs)).probs(mx.array(lp))     # verify rows
+    P = sampling.verify_probs(sampler, mx.array(lp))     # verify rows
     Q = sampling.drafting_sampler(sampler, mode, draft_sampler).probs(mx.array(lq))
     first = sampler.probs(mx.array(lp[start]))
     cur = sampling.sample(mx.broadcast_to(first, (B, lp.shape[0])), keys.uniform((B,)))
@@ -69,7 +70,7 @@ def simulate(lp: np.ndarray, lq: np.ndarray, start: int, n: int, B: int, sampler
         if mode == "match":
             k, nxt = sampling.accept_match(d, p, keys.uniform((B, gamma + 1)))
         else:
-            k, nxt = sampling.accept_rejection(d, q, p, keys.uniform((B, gamma)), keys.uniform((B,)), frozenset(bugs))
+            k, nxt = sampling.accept_rejection(d, q, p, keys.uniform((B, gamma)), keys.uniform((B,)))
         k, nxt, dn = np.array(k), np.array(nxt), np.array(d)
         full = k == gamma
         new = np.concatenate([dn, np.zeros((B, 1), np.int64)], axis=1)
@@ -94,10 +95,10 @@ def _chain(agree: float = 0.6, seed: int = 0):
     return chain_logits(CHAIN["V"], seed, agree)
 
 
-def _chain_tests(sampler, mode, seed, bugs=frozenset(), draft_sampler=None, bonus=True, agree=0.6, B=None):
+def _chain_tests(sampler, mode, seed, draft_sampler=None, bonus=True, agree=0.6, B=None):
     lp, lq = _chain(agree)
     seqs = simulate(lp, lq, CHAIN["start"], CHAIN["n"], B or CHAIN["B"], sampler, mode, CHAIN["gamma"], seed,
-                    bugs, draft_sampler, bonus)
+                    draft_sampler, bonus)
     return stat_tests(seqs, chain_exact(lp, sampler, CHAIN["start"], CHAIN["n"]), CHAIN["V"])
 
 
@@ -119,7 +120,9 @@ def test_acceptance_rule_is_lossless_on_a_chain(name):
     assert_lossless(res, {"*": CHAIN_MAX_BIAS}, f"chain {name} ({time.perf_counter() - t0:.2f}s)")
 
 
-@pytest.mark.parametrize("bug", sorted(sampling.BUGS))
+@pytest.mark.parametrize("bug", sorted(registry("sampling")))
 def test_acceptance_rule_controls_are_rejected_on_a_chain(bug):
     sampler = sampling.Sampler(0.7)       # != 1, so the temperature bug has something to drop
-    assert_rejected(_chain_tests(sampler, "rejection", seed=7, bugs={bug}), f"chain control {bug}")
+    with planted("sampling", bug):
+        res = _chain_tests(sampler, "rejection", seed=7)
+    assert_rejected(res, f"chain control {bug}")

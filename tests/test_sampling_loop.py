@@ -11,6 +11,7 @@ without drafting."""
 import pytest
 
 from port import sampling, serve
+from spec_parity.controls import planted, registry
 
 from sampling_setup import BANNED, GAMMA, PROCESSORS, SOURCES, e2e_tests, setup
 from stats import assert_lossless, assert_rejected
@@ -51,16 +52,18 @@ def test_speculative_output_distribution_smoke(source):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setup_name,source,N", CONTROLS, ids=[f"{c[0]}-{c[1]}" for c in CONTROLS])
-@pytest.mark.parametrize("bug", sorted(sampling.BUGS))
+@pytest.mark.parametrize("bug", sorted(registry("sampling")))
 def test_loop_controls_are_rejected(bug, setup_name, source, N):
-    res, _, label = e2e_tests(setup_name, source, "rejection", N, seed0=2000, bugs={bug})
+    with planted("sampling", bug):
+        res, _, label = e2e_tests(setup_name, source, "rejection", N, seed0=2000)
     assert_rejected(res, f"{label} control {bug}")
 
 
 @pytest.mark.slow
 def test_loop_control_temperature_smoke():
     """One control end to end in the default set: the loop's own verify-sampler path."""
-    res, _, label = e2e_tests("agreeing", "dspark", "rejection", 150, seed0=3000, bugs={"target_no_temperature"})
+    with planted("sampling", "target_no_temperature"):
+        res, _, label = e2e_tests("agreeing", "dspark", "rejection", 150, seed0=3000)
     assert_rejected(res, f"{label} control target_no_temperature")
 
 

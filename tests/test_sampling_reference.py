@@ -1,8 +1,10 @@
+
 """Sampling at T > 0, layer 3: parity with the references (oracle, slow). The acceptance / tau
 distributions of our loop vs DeepSpec's rejection-sampling loop and vs optiq's sampled
 token-match loop, by two-sample chi-square in their own family (ALPHA_PARITY), and optiq's
 reference delta at T > 0 (it samples the logits without the final softcap)."""
 
+import contextlib
 import time
 
 import mlx.core as mx
@@ -11,6 +13,7 @@ import pytest
 
 from port import dspark, sampling, serve, targets
 from spec_parity import checkpoints
+from spec_parity.controls import planted
 
 from sampling_setup import GAMMA, setup
 from stats import POWER, detectable, gof, two_sample
@@ -171,19 +174,20 @@ def test_acceptance_and_tau_match_optiqs_sampled_loop(live_oracle):
     theirs = run_statistics([[(d, a, a + 1) for d, a in rs] for rs in ref["rounds"]], cfg["gamma"], cfg["max_tokens"])
     assert (theirs["first"] == ref["first_accepted"]).all()       # the per-round read agrees with the old one
 
-    def ours(seed0: int, runs: int = R, **bug) -> dict[str, np.ndarray]:
+    def ours(seed0: int, runs: int = R, control=None) -> dict[str, np.ndarray]:
         rounds = []
-        for seed in range(seed0, seed0 + runs):
-            _, st = serve.generate(target, prompt, cfg["max_tokens"], provider, gamma=cfg["gamma"], eos=set(),
-                                   sampler=sampling.Sampler(cfg["temperature"], seed=seed), **bug)
-            rounds.append(st.trace)
+        with planted(*control) if control else contextlib.nullcontext():
+            for seed in range(seed0, seed0 + runs):
+                _, st = serve.generate(target, prompt, cfg["max_tokens"], provider, gamma=cfg["gamma"], eos=set(),
+                                       sampler=sampling.Sampler(cfg["temperature"], seed=seed))
+                rounds.append(st.trace)
         return run_statistics(rounds, cfg["gamma"], cfg["max_tokens"])
 
     t0 = time.process_time()
     mine = ours(10_000)
     t_ours = time.process_time() - t0
-    controls = {"bonus dropped": ours(20_000, cfg["control_runs"], bonus=False),
-                "target_no_temperature": ours(30_000, cfg["control_runs"], bugs={"target_no_temperature"})}
+    controls = {"bonus dropped": ours(20_000, cfg["control_runs"], ("serve", "bonus")),
+                "target_no_temperature": ours(30_000, cfg["control_runs"], ("sampling", "target_no_temperature"))}
     lines = [f"optiq {t_ref:.1f}s, ours {t_ours:.1f}s CPU for {R} requests each (controls {cfg['control_runs']}; "
              f"max_tokens {cfg['max_tokens']}, T {cfg['temperature']})"]
     failed, rejected = [], {c: [] for c in controls}

@@ -145,12 +145,10 @@ def test_a_source_whose_drafts_are_not_its_picks_is_refused():
                            sampler=sampling.Sampler(3.0, seed=seed), mode="rejection")
 
 
-def test_unknown_mode_bug_and_sampler_values_are_refused():
+def test_unknown_mode_and_sampler_values_are_refused():
     target, _, k = setup("agreeing")
     with pytest.raises(sampling.SamplingError, match="unknown acceptance mode"):
         serve.generate(target, k["prompt"], 4, None, mode="typical")
-    with pytest.raises(sampling.SamplingError, match="unknown planted bug"):
-        serve.generate(target, k["prompt"], 4, None, bugs={"nope"})
     for bad in ({"temperature": -1.0}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(sampling.SamplingError):
             sampling.Sampler(**bad)

@@ -40,11 +40,11 @@ def step_inputs(target_dir, prompt: np.ndarray, dtype: str, target=None) -> dict
     return out
 
 
-def run(req: Request, control: dict | None = None) -> dict:
-    return run_loop(req, control) if req.kind == "loop" else run_steps(req, control)
+def run(req: Request) -> dict:
+    return run_loop(req) if req.kind == "loop" else run_steps(req)
 
 
-def run_steps(req: Request, control: dict | None = None) -> dict:
+def run_steps(req: Request) -> dict:
     import mlx.core as mx
 
     from port import assistant, targets
@@ -53,24 +53,14 @@ def run_steps(req: Request, control: dict | None = None) -> dict:
     target = targets.load(req.target, dt)
     drafter = assistant.load(req.drafter, dt)
     assistant.check_pairing(drafter, target)
-    bug = control["bug"] if control else None
     inputs = req.inputs or step_inputs(req.target, req.prompt, req.dtype, target)
     donors = {f"{n}_attention": (mx.array(inputs[f"in.donor.{n}.k"]).astype(dt), mx.array(inputs[f"in.donor.{n}.v"]).astype(dt))
               for n in ("sliding", "full")}
-    if bug == "donor":
-        donors["sliding_attention"] = _second_to_last_sliding(req.prompt, target)
-    if bug == "scale":
-        for layer in drafter.model.layers:
-            layer.self_attn.scale = layer.self_attn.head_dim ** -0.5
-    if bug == "ordering":
-        drafter.masked_embedding.token_ordering = mx.arange(drafter.args.vocab_size, dtype=mx.int64)
     conv = CONVENTIONS[req.options["convention"]]
-    position = int(inputs["in.position"][0]) + (1 if bug == "position" else 0)
-    window = drafter.args.sliding_window if bug == "window" else conv["window"]
     steps = assistant.draft_chain(drafter, target, donors, int(inputs["in.anchor.token"][0]),
-                                  mx.array(inputs["in.anchor.hidden"]).astype(dt), position, req.options["gamma"],
-                                  positions=conv["positions"], window=window)
-    k, v = assistant.sliding_view(*donors["sliding_attention"], drafter.args.sliding_window, window)
+                                  mx.array(inputs["in.anchor.hidden"]).astype(dt), int(inputs["in.position"][0]),
+                                  req.options["gamma"], positions=conv["positions"], window=conv["window"])
+    k, v = assistant.sliding_view(*donors["sliding_attention"], drafter.args.sliding_window, conv["window"])
     out = {"anchor.token": inputs["in.anchor.token"], "anchor.hidden": inputs["in.anchor.hidden"],
            "donor.sliding_attention.k": _np(k), "donor.sliding_attention.v": _np(v),
            "donor.full_attention.k": _np(donors["full_attention"][0]),
@@ -81,24 +71,8 @@ def run_steps(req: Request, control: dict | None = None) -> dict:
     return out
 
 
-def run_loop(req: Request, control: dict | None = None) -> dict:
+def run_loop(req: Request) -> dict:
     from port import assistant, targets
 
-    knobs = control.get("knobs", {}) if control else {}
-    provider = assistant.AssistantProvider(req.drafter)
-    if control and control["bug"] == "scale":
-        for layer in provider.drafter.model.layers:
-            layer.self_attn.scale = layer.self_attn.head_dim ** -0.5
-    return loop.run(targets.load(req.target), req.prompt, req.options["max_tokens"], provider, req.options["gamma"],
-                    {req.options["eos"]}, **knobs)
-
-
-def _second_to_last_sliding(prompt: np.ndarray, target):
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
-    caches = make_prompt_cache(target.model)
-    target.model(mx.array(prompt), cache=caches)
-    owners = [i for i, t in enumerate(target.config["layer_types"][: len(caches)]) if t == "sliding_attention"]
-    c = caches[owners[-2]]
-    return c._temporal_order(c.keys), c._temporal_order(c.values)
+    return loop.run(targets.load(req.target), req.prompt, req.options["max_tokens"],
+                    assistant.AssistantProvider(req.drafter), req.options["gamma"], {req.options["eos"]})

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import shared
+from .. import controls, shared
 from ..protocol import Request
 from . import loop
 
 
-def _bugs(control: dict | None) -> list[str]:
-    return [control["bug"]] if control else []
+def run(req: Request) -> dict:
+    return {"loop": run_loop, "extension": run_extension}.get(req.kind, run_modules)(req)
 
 
-def run(req: Request, control: dict | None = None) -> dict:
-    return {"loop": run_loop, "extension": run_extension}.get(req.kind, run_modules)(req, control)
-
-
-def run_extension(req: Request, control: dict | None = None) -> dict:
+def run_extension(req: Request) -> dict:
     """The DSpark-on-DFlash extension (extras on): the serve loop with pruning at the case's
     thresholds, and one with pruning off for the distribution shift (every block's base and
     extended rows)."""
@@ -26,8 +22,7 @@ def run_extension(req: Request, control: dict | None = None) -> dict:
     o, target = req.options, targets.load(req.target)
 
     def source(thresholds):
-        return dflash.DflashProvider(req.drafter, bugs=_bugs(control), max_tokens=o["max_tokens"], extras=True,
-                                     thresholds=thresholds)
+        return dflash.DflashProvider(req.drafter, max_tokens=o["max_tokens"], extras=True, thresholds=thresholds)
 
     pruned = source(o["thresholds"])
     out = loop.run(target, req.prompt, o["max_tokens"], pruned, pruned.trained_gamma, set())
@@ -37,7 +32,7 @@ def run_extension(req: Request, control: dict | None = None) -> dict:
     return out
 
 
-def run_modules(req: Request, control: dict | None = None) -> dict:
+def run_modules(req: Request) -> dict:
     """The module rounds through the DflashSource, prefilled as the reference does: z-lab MLX splits
     off the prompt's last token ("split"), z-lab torch runs it in one forward ("whole"). The stored
     context K/V are returned as the reference holds them: mlx-lm's buffers as they are ("split"),
@@ -49,7 +44,7 @@ def run_modules(req: Request, control: dict | None = None) -> dict:
 
     o = req.options
     target = targets.load(req.target)
-    m = dflash.load(req.drafter, o["window"], _bugs(control), o["embed"], scales=o["scales"])
+    m = dflash.load(req.drafter, o["window"], o["embed"], scales=o["scales"])
     caches = make_prompt_cache(target.model)
     src = dflash.DflashSource(m, serve.TargetView(target, caches))
     p = req.prompt
@@ -90,9 +85,9 @@ def run_modules(req: Request, control: dict | None = None) -> dict:
     return {k: np.array(v) for k, v in out.items()}
 
 
-def run_loop(req: Request, control: dict | None = None) -> dict:
+def run_loop(req: Request) -> dict:
     """Our serve loop, once per process for what it reads (spec_parity.shared): the checkpoints,
-    the prompt, the length, EOS, window, planted bugs and block embedding. On a target with no
+    the prompt, the length, EOS, window, the controls planted now and block embedding. On a target with no
     embed scale (Qwen3) embed "raw" and "scaled" are the same multiply (port/dflash.py `embed`), so
     the z-lab MLX and torch twins of a Qwen3 loop share one run."""
     from port import targets
@@ -101,15 +96,15 @@ def run_loop(req: Request, control: dict | None = None) -> dict:
     target = targets.load(req.target)
     embed = o["embed"] if hasattr(target.model.model, "embed_scale") else "scaled"
     key = ("dflash-loop", shared.stamp(req.target), shared.stamp(req.drafter), req.prompt.tobytes(), o["max_tokens"],
-           tuple(sorted(o["eos"])), o["window"], tuple(_bugs(control)), embed, o["scales"])
-    return shared.once(key, lambda: loop_uncached(req, control, target))
+           tuple(sorted(o["eos"])), o["window"], controls.active(), embed, o["scales"])
+    return shared.once(key, lambda: loop_uncached(req, target))
 
 
-def loop_uncached(req: Request, control: dict | None = None, target=None) -> dict:
+def loop_uncached(req: Request, target=None) -> dict:
     from port import dflash, targets
 
     o = req.options
-    provider = dflash.DflashProvider(req.drafter, o["window"], _bugs(control), max_tokens=o["max_tokens"],
+    provider = dflash.DflashProvider(req.drafter, o["window"], max_tokens=o["max_tokens"],
                                      embed=o["embed"], scales=o["scales"])
     return loop.run(target or targets.load(req.target), req.prompt, o["max_tokens"], provider, provider.trained_gamma,
                     set(o["eos"]))

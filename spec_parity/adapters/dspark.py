@@ -8,20 +8,19 @@ from ..protocol import Request
 from . import loop
 
 
-def run(req: Request, control: dict | None = None) -> dict:
+def run(req: Request) -> dict:
     import mlx.core as mx
 
     from port import dspark, targets
 
-    bugs = [control["bug"]] if control else []
     target = targets.load(req.target)
     p = req.prompt
     if req.kind == "loop":
-        provider = dspark.DeepspecProvider(req.drafter, req.options["threshold"], bugs)
+        provider = dspark.DeepspecProvider(req.drafter, req.options["threshold"])
         n = req.options["max_new_tokens"]
         # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
         return loop.run(target, p, n + 1, provider, provider.trained_gamma, set(), keep=n)
-    m = dspark.load(req.drafter, bugs)
+    m = dspark.load(req.drafter)
     dspark.check_pairing(m, target)
     trace = targets.forward(target, mx.array(p))
     taps = m.taps(trace.hidden)

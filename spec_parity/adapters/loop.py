@@ -37,8 +37,8 @@ def _blocks(blocks: list, V: int) -> dict:
     return out
 
 
-def run(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, eos: set[int], keep: int | None = None,
-        **knobs) -> dict:
+def run(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, eos: set[int],
+        keep: int | None = None) -> dict:
     """Our loop on `prompt`; `keep` cuts the content to its first tokens (DeepSpec decodes while
     fewer than n + 1 are committed, then trims to n)."""
     import mlx.core as mx
@@ -47,7 +47,7 @@ def run(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, eos: 
 
     blocks: list = []
     tokens, stats = serve.generate(target, prompt[0].tolist(), max_tokens, _recording(provider, blocks), gamma=gamma,
-                                   eos=eos, record=True, **knobs)
+                                   eos=eos, record=True)
     out = {"stream.tokens": np.array(tokens[:keep], np.int32),
            "stream.drafted": np.array([d for d, _, _ in stats.trace], np.int32),
            "stream.accepted": np.array([k for _, k, _ in stats.trace], np.int32),

@@ -7,14 +7,12 @@ import numpy as np
 from ..protocol import Request
 
 
-def run(req: Request, control: dict | None = None) -> dict:
+def run(req: Request) -> dict:
     import mlx.core as mx
 
     from port import targets as port
 
     target = port.load(req.target)
-    if control:
-        port.perturb_rope_base(target, control["layer"], control["rope_base_scale"])
     ids = req.prompt
     trace = port.forward(target, mx.array(ids))
     L = target.num_layers

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import controls
 from ..adapters.assistant import CONVENTIONS
 from ..case import Case
 from ..checks import P, Plan, R, Round, Tensor, Tokens, serve_loop
@@ -35,14 +36,9 @@ STEP_PAIRS = [("gemma4", "centroid"), ("gemma4", "tied"), ("gemma4", "unified"),
               ("gemma4-keqv", "centroid"), ("gemma4-ple-kvshared", "tied")]
 TIER = {"optiq": "L1", "transformers": "L2"}
 
-# Planted bugs the step comparisons must catch (each against both oracles' goldens).
-STEP_CONTROLS = {
-    "scale": "attention scale 1/sqrt(d) instead of 1.0",
-    "position": "draft position off by one",
-    "window": "sliding window off by one (newest W entries instead of W-1)",
-    "donor": "wrong donor layer (the second-to-last sliding layer)",
-    "ordering": "centroid token ordering ignored",
-}
+# Planted bugs the step comparisons must catch (each against both oracles' goldens), from
+# spec_parity/controls/assistant.py.
+STEP_CONTROLS = ("scale", "position", "window", "donor", "ordering")
 
 
 def drafter_overrides(target: str, head: str) -> dict:
@@ -66,21 +62,17 @@ def step_case(target: str, head: str, oracle: str, control: str | None = None, c
               "convention": convention}
     ctl = None
     if control:
-        ctl = {"base": name, "what": STEP_CONTROLS[control], "bug": control}
+        ctl = controls.case_control(NAME, control, name)
         name = f"{name}-control-{control}"
     return Case(NAME, name, TIER[oracle], "gemma4-target", 0, TARGETS[target], params, dtype=dtype,
                 control=ctl, oracle=oracle)
 
 
-# Planted bugs in the serve loop, caught by the loop comparisons against optiq's spec_generate.
-LOOP_CONTROLS = {
-    "trim": ("trim one too few", {"trim_bias": 1}),
-    "eos": ("EOS emitted as content", {"emit_eos": True}),
-    "bonus": ("bonus token dropped on a full accept", {"bonus": False}),
-    # a drafter bug that leaves a random drafter's acceptance as it is: only the drafts show it
-    "scale": (STEP_CONTROLS["scale"], {}),
-}
-
+# Planted bugs in a loop case, caught by the loop comparisons against optiq's spec_generate, and
+# the controls module each is written in: the serve loop's (trim one too few, EOS emitted as
+# content, bonus dropped on a full accept), and a drafter bug that leaves a random drafter's
+# acceptance as it is (only the drafts show it).
+LOOP_CONTROLS = {"trim": "serve", "eos": "serve", "bonus": "serve", "scale": NAME}
 
 def loop_case(head: str, gamma: int, drafter: str = "random", control: str | None = None, eos: int = -1) -> Case:
     """eos -1: no stop token, every case runs max_tokens; eos 1 (the config's): ends at EOS."""
@@ -91,8 +83,7 @@ def loop_case(head: str, gamma: int, drafter: str = "random", control: str | Non
               "drafter": [kind, 0, drafter_overrides("gemma4", head)]}
     ctl = None
     if control:
-        what, knobs = LOOP_CONTROLS[control]
-        ctl = {"base": name, "what": what, "bug": control, "knobs": knobs}
+        ctl = controls.case_control(LOOP_CONTROLS[control], control, name)
         name = f"{name}-control-{control}"
     return Case(NAME, name, "L2", target, 0, {}, params, control=ctl, oracle="optiq")
 

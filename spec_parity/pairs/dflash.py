@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import controls
 from ..budgets import L3_GATES
 from ..case import Case
 from ..checks import (
@@ -80,7 +81,7 @@ AGREEING = [
 TORCH_MODULES = list(VARIANTS)
 TORCH_LOOPS = ["qwen3", "qwen3-swa", "qwen3-bs16", "gemma4", "gemma4-keqv"]
 
-# Planted bugs (port.dflash.BUGS) and the cases that must catch each.
+# Planted bugs (spec_parity/controls/dflash.py) and the cases that must catch each.
 CONTROLS = [
     ("own_head", "mod-qwen3"), ("own_head", "mod-gemma4"),
     ("ctx_input_layernorm", "mod-qwen3"), ("ctx_input_layernorm", "mod-gemma4"),
@@ -134,13 +135,11 @@ def cases() -> list[Case]:
                  {"extension": True, "prompt_len": 12, "max_tokens": MAX_TOKENS, "thresholds": EXT_THRESHOLDS,
                   "drafter": ["dflash-drafter", 0, {**VARIANTS[v], "dspark_extras": EXT_EXTRAS}]}, oracle=L3)
             for v in ("qwen3", "gemma4")]
-    from port.dflash import BUGS
-
     by_name = {c.name: c for c in out}
     for bug, base in CONTROLS:
         b = by_name[base]
         out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, dict(b.params),
-                        control={"base": base, "what": BUGS[bug], "bug": bug}, oracle=b.oracle))
+                        control=controls.case_control(NAME, bug, base), oracle=b.oracle))
     return out
 
 

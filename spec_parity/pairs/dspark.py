@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import controls
 from ..case import Case
 from ..checks import P, Plan, R, Round, Same, Tensor, Tokens, serve_loop
 
@@ -38,7 +39,7 @@ LOOPS = [("gemma4", 0.0), ("gemma4", 0.5), ("gemma4-keqv", 0.5), ("qwen3", 0.0),
 AGREEING = [("gemma4", 1.0, 0.0), ("gemma4", 0.8, 0.0), ("gemma4-keqv", 0.8, 0.5), ("qwen3", 0.8, 0.0),
             ("qwen3", 0.6, 0.5), ("gemma4-rnn", 0.8, 0.0)]
 
-# Planted bugs (port.dspark.BUGS) and the case that must catch each.
+# Planted bugs (spec_parity/controls/dspark.py) and the case that must catch each.
 CONTROLS = {
     "markov_before_softcap": "mod-gemma4",
     "cumulative_truncation": "mod-qwen3",
@@ -66,13 +67,11 @@ def cases() -> list[Case]:
     loop = {"loop": True, "prompt_len": 12, "max_new_tokens": 24}
     out += [_case(f"loop-{v}-t{t}", v, {**loop, "threshold": t}) for v, t in LOOPS]
     out += [_case(f"loop-agree{f}-{v}-t{t}", v, {**loop, "max_new_tokens": 32, "threshold": t}, f) for v, f, t in AGREEING]
-    from port.dspark import BUGS
-
     by_name = {c.name: c for c in out}
     for bug, base in CONTROLS.items():
         b = by_name[base]
         out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, dict(b.params),
-                        control={"base": base, "what": BUGS[bug], "bug": bug}))
+                        control=controls.case_control(NAME, bug, base)))
     return out
 
 

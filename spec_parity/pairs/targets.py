@@ -9,6 +9,7 @@ import importlib.util
 
 import numpy as np
 
+from .. import controls
 from ..case import Case
 from ..checks import Layers, P, Plan, R, Scored, Tensor, Tokens
 
@@ -30,8 +31,7 @@ def cases() -> list[Case]:
     for base, kind, layer in (("gemma4", "gemma4-target", 3), ("qwen3", "qwen3-target", 1)):
         ov = GEMMA4.get(base, {})
         out.append(Case(NAME, f"{base}-control-rope-L{layer}", "L2", kind, 0, ov, dict(PARAMS),
-                        control={"base": base, "what": f"RoPE base x1.001 in layer {layer}",
-                                 "rope_base_scale": 1.001, "layer": layer}))
+                        control=controls.case_control(NAME, f"rope-L{layer}", base, layer=layer)))
     return out
 
 

@@ -1,0 +1,114 @@
+"""Negative controls: the planted bugs every comparison must catch, applied to the port from outside.
+
+One mechanism for every module. A control is a named set of swaps: attributes of port classes or
+modules (a method, a function) replaced by a buggy variant for the duration of a `with` block and
+restored after; the port has no switch for any of them. Each module's controls are written in
+spec_parity/controls/<module>.py and registered there by key with their one-line description:
+
+    @control("dspark", "no_embed_scale", "the sqrt(H) embedding scale missing")
+    def _(case):
+        return {(dspark.Model, "embed"): lambda self, ids: self.embed_tokens(ids)}
+
+`case` is the case the control is applied to (None when a test plants it); only a control that
+perturbs a case's inputs reads it. A pair's case names its control (`case_control`), the harness
+runs the port under `applied(case)`, and a test plants one with `planted(module, key)`. Only what is
+built while a control is applied carries it: load (and compile) the model inside the block.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+MODULES = ("targets", "assistant", "dspark", "dflash", "serve", "sampling", "bench")
+
+
+class ControlError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Control:
+    module: str
+    key: str
+    what: str
+    swaps: Callable  # (case or None) -> {(owner, attribute): buggy value}
+
+
+_REGISTRY: dict[tuple[str, str], Control] = {}
+
+
+def control(module: str, key: str, what: str):
+    """Register the decorated swaps function as control `key` of `module`."""
+    def register(swaps):
+        _REGISTRY[(module, key)] = Control(module, key, what, swaps)
+        return swaps
+    return register
+
+
+def registry(module: str) -> dict[str, Control]:
+    """The controls of `module` by key."""
+    if module not in MODULES:
+        raise ControlError(f"unknown control module {module!r}; known: {list(MODULES)}")
+    importlib.import_module(f"{__name__}.{module}")
+    return {k: c for (m, k), c in _REGISTRY.items() if m == module}
+
+
+def get(module: str, key: str) -> Control:
+    known = registry(module)
+    if key not in known:
+        raise ControlError(f"no control {key!r} in spec_parity/controls/{module}.py; known: {sorted(known)}")
+    return known[key]
+
+
+def case_control(module: str, key: str, base: str, **extra) -> dict:
+    """A case's `control` field: the base case it perturbs, the description, the key and the
+    controls module (when it is not the case's own, e.g. a serve-loop control of a pair)."""
+    return {"base": base, "what": get(module, key).what, "bug": key, "module": module, **extra}
+
+
+@contextmanager
+def swapped(swaps: dict):
+    """Each (owner, attribute) set to its value inside the block; the old values back after (an
+    attribute the owner only inherited is removed again)."""
+    missing = object()
+    saved = [(owner, name, vars(owner).get(name, missing)) for owner, name in swaps]
+    try:
+        for (owner, name), value in swaps.items():
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, old in reversed(saved):
+            if old is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
+
+
+_ACTIVE: list[tuple[str, str]] = []
+
+
+@contextmanager
+def planted(module: str, key: str, case=None):
+    """The control `key` of `module` as a context manager."""
+    with swapped(get(module, key).swaps(case)):
+        _ACTIVE.append((module, key))
+        try:
+            yield
+        finally:
+            _ACTIVE.pop()
+
+
+def active() -> tuple:
+    """The (module, key) of every control planted now: part of the key of a run that is shared
+    across cases (adapters/dflash.py), so no normal case reads a planted run or the reverse."""
+    return tuple(_ACTIVE)
+
+
+def applied(case):
+    """The case's control as a context manager (nothing for a normal case)."""
+    if not case.control:
+        return nullcontext()
+    return planted(case.control.get("module", case.module), case.control["bug"], case)

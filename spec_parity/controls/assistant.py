@@ -1,0 +1,115 @@
+"""Negative controls of the Gemma-4 assistant drafter (port/assistant.py), caught by the step
+comparisons against both oracles' goldens."""
+
+from __future__ import annotations
+
+from . import control
+
+
+@control("assistant", "scale", "attention scale 1/sqrt(d) instead of 1.0")
+def _scale(case):
+    from port import assistant
+
+    init = assistant.Attention.__init__
+
+    def built(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.scale = self.head_dim ** -0.5
+
+    return {(assistant.Attention, "__init__"): built}
+
+
+@control("assistant", "position", "draft position off by one")
+def _position(case):
+    from port import assistant
+
+    chain = assistant.draft_chain
+
+    def shifted(drafter, target, donors, token, hidden, position, *args, **kwargs):
+        return chain(drafter, target, donors, token, hidden, position + 1, *args, **kwargs)
+
+    return {(assistant, "draft_chain"): shifted}
+
+
+@control("assistant", "window", "sliding window off by one (newest W entries instead of W-1)")
+def _window(case):
+    from port import assistant
+
+    chain, view = assistant.draft_chain, assistant.sliding_view
+
+    def wide_chain(drafter, *args, **kwargs):
+        return chain(drafter, *args, **{**kwargs, "window": drafter.args.sliding_window})
+
+    return {(assistant, "draft_chain"): wide_chain,
+            (assistant, "sliding_view"): lambda k, v, window, convention="optiq": view(k, v, window, window)}
+
+
+@control("assistant", "donor", "wrong donor layer (the second-to-last sliding layer)")
+def _donor(case):
+    """The drafter handed the second-to-last sliding layer's K/V of the case's prompt (in the
+    caller's donor dict, as a port that picked the wrong layer would hold them)."""
+    from port import assistant
+
+    chain = assistant.draft_chain
+
+    def wrong(drafter, target, donors, *args, **kwargs):
+        donors["sliding_attention"] = _second_to_last_sliding(case, target)
+        return chain(drafter, target, donors, *args, **kwargs)
+
+    return {(assistant, "draft_chain"): wrong}
+
+
+def _second_to_last_sliding(case, target):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..harness import prompt
+
+    caches = make_prompt_cache(target.model)
+    target.model(mx.array(prompt(case)), cache=caches)
+    owners = [i for i, t in enumerate(target.config["layer_types"][: len(caches)]) if t == "sliding_attention"]
+    c = caches[owners[-2]]
+    return c._temporal_order(c.keys), c._temporal_order(c.values)
+
+
+@control("assistant", "ordering", "centroid token ordering ignored")
+def _ordering(case):
+    import mlx.core as mx
+
+    from port import assistant
+
+    load = assistant.load
+
+    def unordered(*args, **kwargs):
+        drafter = load(*args, **kwargs)
+        drafter.masked_embedding.token_ordering = mx.arange(drafter.args.vocab_size, dtype=mx.int64)
+        return drafter
+
+    return {(assistant, "load"): unordered}
+
+
+def _donor_where(layer: str, shift):
+    """The bucketed path's donor window (assistant.donor_buffers' `where`) moved by `shift`, a
+    function of the old `where`."""
+    def swaps(case):
+        from port import assistant
+
+        buffers = assistant.donor_buffers
+
+        def moved(*args):
+            out = buffers(*args)
+            k, v, where = out[layer]["kv"]
+            out[layer]["kv"] = (k, v, shift(where))
+            return out
+
+        return {(assistant, "donor_buffers"): moved}
+    return swaps
+
+
+control("assistant", "bucketed_window_off_by_one",
+        "bucketed donors: one sliding entry more than the window let through")(
+    _donor_where("sliding_attention", lambda where: (where[0], where[1] - 1, where[2])))
+control("assistant", "bucketed_full_past_offset", "bucketed donors: one full-attention entry past the offset let through")(
+    _donor_where("full_attention", lambda where: (where[0] + 1,)))
+control("assistant", "ring_order_ignored", "bucketed donors: the ring's rotation dropped (slot j taken as rank j)")(
+    _donor_where("sliding_attention", lambda where: (where[0] * 0, *where[1:])))

@@ -1,0 +1,22 @@
+"""Negative controls of the bench's step counters (spec_parity/bench.py count_step): a draft step
+that costs what the port avoids must show in them."""
+
+from __future__ import annotations
+
+from . import control
+
+
+@control("bench", "logits_gather", "a lone integer index ([0]) on the DFlash block's logits: one more Gather")
+def _gather(case):
+    from port import dflash
+
+    logits = dflash.Model.logits
+    return {(dflash.Model, "logits"): lambda self, target, h: logits(self, target, h)[None][0]}
+
+
+@control("bench", "host_filled_block_ids", "a draft block's ids built as one host list: a host-filled buffer")
+def _block_ids(case):
+    """Built through port.targets' own `mx`, which the bench's HostBuffers watches."""
+    from port import targets
+
+    return {(targets, "block_ids"): lambda first, fill, n: targets.mx.array([[first] + [fill] * n])}

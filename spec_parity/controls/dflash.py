@@ -1,0 +1,74 @@
+"""Negative controls of z-lab's DFlash drafter and its DSpark extension (port/dflash.py)."""
+
+from __future__ import annotations
+
+import functools
+
+from . import control
+from .dspark import bucket_mask_off_by_one, chain_before_softcap, rejected_rows
+
+
+@functools.cache
+def _random_head(vocab: int, hidden: int):
+    """A fixed random head (what a port that forgot to borrow the target's would score with)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    head = nn.Linear(hidden, vocab, bias=False)
+    head.weight = mx.random.normal((vocab, hidden), key=mx.random.key(7)) * hidden ** -0.5
+    return head
+
+
+@control("dflash", "own_head", "the drafter scores with its own (random) lm head instead of the target's")
+def _own_head(case):
+    from port import dflash
+
+    def own(self, target, h):
+        return _random_head(self.args.vocab_size, self.args.hidden_size)(h) * self.args.output_multiplier
+
+    return {(dflash.Model, "head"): own}
+
+
+@control("dflash", "ctx_input_layernorm", "the context rows pass through each layer's input_layernorm before K/V")
+def _ctx_norm(case):
+    """On the default path (the pairs' cases), where each layer takes the context rows."""
+    from port import dflash
+
+    def normed(self, q, bk, bv, ctx, cache, rope):
+        return self.self_attn.attend(q, bk, bv, self.input_layernorm(ctx), cache, rope)
+
+    return {(dflash.DecoderLayer, "attend"): normed}
+
+
+@control("dflash", "block_position_shift", "the block's positions shifted by one (start+1..start+bs)")
+def _position(case):
+    from port import dflash
+
+    enter, between = dflash.Model._enter, dflash.Model._between
+    return {(dflash.Model, "_enter"): lambda self, h, at: enter(self, h, at + 1),
+            (dflash.Model, "_between"): lambda self, i, h, o, at: between(self, i, h, o, at + 1)}
+
+
+control("dflash", "rejected_rows", "rejected verify rows kept in the context")(rejected_rows)
+control("dflash", "bucket_mask_off_by_one", "kv_bucket: the context mask lets the first padded row through")(
+    bucket_mask_off_by_one)
+
+
+@control("dflash", "markov_before_softcap", "extension: Markov bias added before the softcap")
+def _markov(case):
+    from port import dflash
+
+    extend = dflash.Model.extend
+
+    def biased(self, target, anchor, hidden, base, pick=None):
+        with chain_before_softcap(lambda h: self.head(target, h), self.args.final_logit_softcapping):
+            return extend(self, target, anchor, hidden, base, pick)
+
+    return {(dflash.Model, "extend"): biased}
+
+
+@control("dflash", "thresholds_ignored", "extension: the confidence thresholds are not applied (no pruning)")
+def _thresholds(case):
+    from port import dflash
+
+    return {(dflash, "prune_length"): lambda confidence, thresholds: confidence.shape[0]}

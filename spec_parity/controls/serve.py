@@ -1,0 +1,72 @@
+"""Negative controls of the serve loop (port/serve.py), caught by the assistant pair's loop cases
+against optiq's spec_generate and by the loop tests."""
+
+from __future__ import annotations
+
+from . import control
+
+
+@control("serve", "trim", "trim one too few")
+def _trim(case):
+    from port import serve
+
+    trim = serve.trim_caches
+    return {(serve, "trim_caches"): lambda caches, n: trim(caches, n - 1)}
+
+
+@control("serve", "eos", "EOS emitted as content")
+def _eos(case):
+    from port import serve
+
+    return {(serve, "_content"): lambda committed, eos: committed}
+
+
+@control("serve", "bonus", "bonus token dropped on a full accept")
+def _bonus(case):
+    """A full accept commits the n drafts only: the last draft becomes the pending token (the
+    greedy verdict's last-token field too)."""
+    import mlx.core as mx
+
+    from port import serve
+
+    kept, verdict, shift = serve._kept, serve._verdict, 2 * serve._BITS
+
+    def dropped(n, k):
+        return k if n and k == n else kept(n, k)
+
+    def verdict_dropped(drafts, greedy, eos):
+        v, n = verdict(drafts, greedy, eos), drafts.shape[0]
+        if not n:
+            return v
+        k = v & serve._FIELD
+        last = mx.take(greedy, k - (k == n).astype(k.dtype))
+        return (v & ((1 << shift) - 1)) + (last.astype(mx.int64) << shift)
+
+    return {(serve, "_kept"): dropped, (serve, "_verdict"): verdict_dropped}
+
+
+@control("serve", "verify_mask_off_by_one", "kv_bucket verify: the mask lets the first padded key through")
+def _verify_mask(case):
+    import mlx.core as mx
+
+    from port import compiled
+
+    mask = compiled.VerifyCache.mask
+
+    def leaky(self, n, dtype, window=None):
+        m = mask(self, n, dtype, window)
+        return mx.where(mx.arange(m.shape[-1]) == self.offset + n, mx.array(0, m.dtype), m)
+
+    return {(compiled.VerifyCache, "mask"): leaky}
+
+
+@control("serve", "verify_window_off_by_one", "kv_bucket verify: the sliding layers' window one row too wide")
+def _verify_window(case):
+    from port import compiled
+
+    mask = compiled.VerifyCache.mask
+
+    def wide(self, n, dtype, window=None):
+        return mask(self, n, dtype, None if window is None else window + 1)
+
+    return {(compiled.VerifyCache, "mask"): wide}
