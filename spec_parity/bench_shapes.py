@@ -1,7 +1,7 @@
 """The cases `spec-parity bench` measures: a drafter and the target it borrows from, as checkpoint
 directories every side reads with its own loader.
 
-`tiny`: the factory's own tiny checkpoints (spec_parity/checkpoints.py), read from disk.
+`tiny`: the factory's own tiny checkpoints (spec_parity/checkpoints/), read from disk.
 `real`: the shapes of REFERENCES.md with RANDOM weights built in memory: the same factory kinds
 (so the tensor names and the config are the checkpoint format the loaders expect), with every draw
 taken from mx.random instead of numpy. Nothing large is written: the directory holds the
@@ -29,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 from safetensors.numpy import save_file
 
-from . import checkpoints, dflash_checkpoints
+from . import checkpoints
 
 SOURCES = ("assistant", "dspark", "dflash")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -208,14 +208,9 @@ class _MxDraw(checkpoints.Draw):
 
 @contextlib.contextmanager
 def _mx_draws(dtype: mx.Dtype):
-    """The factory kinds draw through `Draw(seed)`: hand them the mx.random one meanwhile."""
-    draw = type("_Draw", (_MxDraw,), {"mx_dtype": dtype})
-    saved = checkpoints.Draw, dflash_checkpoints.Draw
-    checkpoints.Draw = dflash_checkpoints.Draw = draw
-    try:
+    """The factory kinds draw through one Draw class: hand them the mx.random one meanwhile."""
+    with checkpoints.drawing_with(type("_Draw", (_MxDraw,), {"mx_dtype": dtype})):
         yield
-    finally:
-        checkpoints.Draw, dflash_checkpoints.Draw = saved
 
 
 def _in_memory_dir(root: Path, name: str, config: dict) -> Path:

@@ -31,7 +31,7 @@ def setup_kinds(name: str) -> dict:
     close to a point mass, and the prompt is the one whose first token is the flattest (the
     first token is one conditional; the later positions mix many).
 
-    "agreeing": vocab 64, the agreeing pair (spec_parity/agreeing.py, agree_frac 0.8) at T = 4:
+    "agreeing": vocab 64, the agreeing pair (spec_parity/checkpoints/, agree_frac 0.8) at T = 4:
         the successor has p ~ 0.16-0.3, the drafters propose it (or a wrong token) with q from
         ~0.05 (assistant) to ~1 (DSpark), so every accepted length 0..gamma occurs and
         rejections with q != p are frequent. Prompt [3, 4, 17] (its first token: max p 0.16).

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from spec_parity import checkpoints
-from spec_parity.pairs.targets import GEMMA4
 
-VARIANTS = [("gemma4-target", ov) for ov in GEMMA4.values()] + [("qwen3-target", {})]
+VARIANTS = [("gemma4-target", ov) for ov in checkpoints.GEMMA4_VARIANTS.values()] + [("qwen3-target", {})]
 TARGETS = VARIANTS + [("gemma4-target-agreeing", {})]
 DRAFTERS = [("gemma4-assistant", {}), ("gemma4-assistant", {"use_ordered_embeddings": False}),
             ("gemma4-assistant", {"model_type": "gemma4_unified_assistant", "use_ordered_embeddings": False}),
@@ -77,9 +76,7 @@ def test_agreeing_target_greedy_walks_its_permutation(tmp_path):
     import mlx.core as mx
 
     from port import targets
-    from spec_parity import agreeing
-
-    f = agreeing.agreement(0, 0.6).f
+    f = checkpoints.agreeing.agreement(0, 0.6).f
     t = targets.load(checkpoints.build("gemma4-target-agreeing", 0, {}, root=tmp_path))
     prompt = [5, 9, 17, 33, 40]
     tokens, logits = targets.greedy(t, mx.array([prompt]), 30, set())

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from port import assistant, dflash, dspark, serve, targets
 from spec_parity import bench, checkpoints, harness
+from spec_parity.pairs import dspark as dspark_pair
 
 PROMPT = list(range(3, 15))
 
@@ -361,12 +362,8 @@ def test_assistant_fp32_norm_weights_are_the_bf16_path_bit_for_bit(head):
     assert not all(_bits_equal(a, b) for a, b in zip(run(fp32), run(nudged)))
 
 
-DSPARK_VARIANTS = {
-    "gemma4": {}, "gemma4-keqv": {"target_overrides": {"attention_k_eq_v": True, "num_global_key_value_heads": 1}},
-    "qwen3": {"target_kind": "qwen3-target"}, "gemma4-gated": {"markov_head_type": "gated"},
-    "gemma4-rnn": {"markov_head_type": "rnn"}, "qwen3-dflash": {"target_kind": "qwen3-target", "markov_rank": 0,
-                                                                 "confidence_head_alpha": 0.0},
-}
+DSPARK_VARIANTS = {v: dspark_pair.VARIANTS[v]
+                   for v in ("gemma4", "gemma4-keqv", "qwen3", "gemma4-gated", "gemma4-rnn", "qwen3-dflash")}
 
 
 # Measured on an H200 (MLX CUDA 0.32.4): the fused kernel of the RNN Markov head's state update

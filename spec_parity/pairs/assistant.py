@@ -16,17 +16,13 @@ import numpy as np
 from .. import controls
 from ..adapters.assistant import CONVENTIONS
 from ..case import Case
+from ..checkpoints import GEMMA4_VARIANTS
 from ..checks import P, Plan, R, Round, Tensor, Tokens, serve_loop
 
 NAME = "assistant"
 ORACLE = "optiq"
 
-TARGETS = {
-    "gemma4": {},
-    "gemma4-keqv": {"attention_k_eq_v": True, "num_global_key_value_heads": 1},
-    "gemma4-ple-kvshared": {"hidden_size_per_layer_input": 16, "num_kv_shared_layers": 2,
-                            "use_double_wide_mlp": True},
-}
+TARGETS = GEMMA4_VARIANTS
 HEADS = {
     "centroid": {},
     "tied": {"use_ordered_embeddings": False},

@@ -31,6 +31,7 @@ import numpy as np
 from .. import controls
 from ..budgets import L3_GATES
 from ..case import Case
+from ..checkpoints import GEMMA4_VARIANTS
 from ..checks import (
     FirstRound,
     G,
@@ -58,14 +59,14 @@ VARIANTS = {
     "qwen3-swa": {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 10},
     "qwen3-bs16": {"block_size": 16, "num_draft_layers": 3, "target_layer_ids": [1, 3]},
     "gemma4": GEMMA4,
-    "gemma4-keqv": {**GEMMA4, "target_overrides": {"attention_k_eq_v": True, "num_global_key_value_heads": 1}},
+    "gemma4-keqv": {**GEMMA4, "target_overrides": GEMMA4_VARIANTS["gemma4-keqv"]},
 }
 ACCEPTS = [3, 0, 0, 7, 0, 1, 0, 2]      # forced commits per module round (clipped to bs-1)
 ACCEPTS_BS16 = [3, 0, 0, 15, 0, 1, 0, 9]
 LOOPS = [("qwen3", []), ("qwen3", [4]),  # token 4 is 13th in the seed-0 stream: the stop path runs
          ("qwen3-swa", []), ("qwen3-bs16", []), ("gemma4", []), ("gemma4-keqv", [])]
 MAX_TOKENS = 40
-# Agreeing loops (spec_parity.agreeing "dflash-drafter-agreeing" on an agreeing target): drafts
+# Agreeing loops ("dflash-drafter-agreeing", spec_parity/checkpoints/dflash.py, on an agreeing target): drafts
 # follow h along the chain, so long, partial and empty accepts all occur (every length 0..bs-1
 # within max_tokens). (name, target kind, target overrides, drafter overrides, max_tokens); the
 # slot maps are exact for hidden_size >= vocab_size.

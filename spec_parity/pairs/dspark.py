@@ -15,16 +15,16 @@ import numpy as np
 
 from .. import controls
 from ..case import Case
+from ..checkpoints import GEMMA4_VARIANTS
 from ..checks import P, Plan, R, Round, Same, Tensor, Tokens, serve_loop
 
 NAME = "dspark"
 ORACLE = "deepspec"
-KEQV = {"attention_k_eq_v": True, "num_global_key_value_heads": 1}
 THRESHOLDS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 
 VARIANTS = {
     "gemma4": {},
-    "gemma4-keqv": {"target_overrides": KEQV},
+    "gemma4-keqv": {"target_overrides": GEMMA4_VARIANTS["gemma4-keqv"]},
     "qwen3": {"target_kind": "qwen3-target"},
     "gemma4-gated": {"markov_head_type": "gated"},
     "gemma4-rnn": {"markov_head_type": "rnn"},
@@ -34,7 +34,7 @@ VARIANTS = {
 }
 LOOPS = [("gemma4", 0.0), ("gemma4", 0.5), ("gemma4-keqv", 0.5), ("qwen3", 0.0), ("qwen3", 0.3),
          ("gemma4-rnn", 0.0), ("gemma4-dflash", 0.0), ("qwen3-dflash", 0.0)]
-# Agreeing pairs (spec_parity/agreeing.py): the Markov head carries the target's successor on a
+# Agreeing pairs ("dspark-drafter-agreeing", spec_parity/checkpoints/dspark.py): the Markov head carries the target's successor on a
 # share `agree_frac` of the vocabulary; 1.0 accepts every draft (tau = block size + 1 = 8).
 AGREEING = [("gemma4", 1.0, 0.0), ("gemma4", 0.8, 0.0), ("gemma4-keqv", 0.8, 0.5), ("qwen3", 0.8, 0.0),
             ("qwen3", 0.6, 0.5), ("gemma4-rnn", 0.8, 0.0)]

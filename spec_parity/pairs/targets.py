@@ -11,25 +11,20 @@ import numpy as np
 
 from .. import controls
 from ..case import Case
+from ..checkpoints import GEMMA4_VARIANTS
 from ..checks import Layers, P, Plan, R, Scored, Tensor, Tokens
 
 NAME = "targets"
 ORACLE = "transformers"
 
-GEMMA4 = {
-    "gemma4": {},
-    "gemma4-keqv": {"attention_k_eq_v": True, "num_global_key_value_heads": 1},
-    "gemma4-ple-kvshared": {"hidden_size_per_layer_input": 16, "num_kv_shared_layers": 2,
-                            "use_double_wide_mlp": True},
-}
 PARAMS = {"prompt_len": 20, "new_tokens": 32}
 
 
 def cases() -> list[Case]:
-    out = [Case(NAME, name, "L2", "gemma4-target", 0, ov, dict(PARAMS)) for name, ov in GEMMA4.items()]
+    out = [Case(NAME, name, "L2", "gemma4-target", 0, ov, dict(PARAMS)) for name, ov in GEMMA4_VARIANTS.items()]
     out.append(Case(NAME, "qwen3", "L2", "qwen3-target", 0, {}, dict(PARAMS)))
     for base, kind, layer in (("gemma4", "gemma4-target", 3), ("qwen3", "qwen3-target", 1)):
-        ov = GEMMA4.get(base, {})
+        ov = GEMMA4_VARIANTS.get(base, {})
         out.append(Case(NAME, f"{base}-control-rope-L{layer}", "L2", kind, 0, ov, dict(PARAMS),
                         control=controls.case_control(NAME, f"rope-L{layer}", base, layer=layer)))
     return out
