@@ -102,10 +102,6 @@ def to_fixed(x: float, digits: int) -> str:
     return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
 
 
-def _fmt_delta(x: float) -> str:
-    return f"{'+' if x >= 0 else ''}{to_fixed(x, 1)}"
-
-
 def paired_verdict(a_results: Sequence[AbPromptResult], b_results: Sequence[AbPromptResult],
                    max_drop_pts: float = 3) -> AbVerdict:
     """PASS iff B's acceptance is at most `max_drop_pts` points below A's AND B is strictly faster
@@ -124,17 +120,20 @@ def paired_verdict(a_results: Sequence[AbPromptResult], b_results: Sequence[AbPr
     acceptance_ok = delta >= -max_drop_pts
     speed_ok = ratio > 1
     passed = acceptance_ok and speed_ok
-    limit = _js_number(max_drop_pts)
+    return AbVerdict(a, b, delta, ratio, holds, max_drop_pts, passed,
+                     verdict_text(delta, ratio, max_drop_pts, acceptance_ok, passed))
+
+
+def verdict_text(delta: float, ratio: float, max_drop_pts: float, acceptance_ok: bool, passed: bool) -> str:
+    """The seed's three verdicts, saying truthfully whether B's acceptance rose or dropped."""
+    limit, d = _js_number(max_drop_pts), to_fixed(abs(delta), 1)
+    moved = "rose" if d != "0.0" and delta > 0 else "dropped" if d != "0.0" else "unchanged at"
     if passed:
-        verdict = (f"PASS — acceptance {_fmt_delta(delta)} pts (within {limit}), "
-                   f"wall-clock ×{to_fixed(ratio, 2)}")
-    elif not acceptance_ok:
-        verdict = (f"FAIL — acceptance dropped {_fmt_delta(delta)} pts (limit {limit}); "
-                   f"B does not preserve A's acceptance")
-    else:
-        verdict = (f"FAIL — acceptance held ({_fmt_delta(delta)} pts) but wall-clock did not "
-                   f"improve (×{to_fixed(ratio, 2)})")
-    return AbVerdict(a, b, delta, ratio, holds, max_drop_pts, passed, verdict)
+        return f"PASS — acceptance {moved} {d} pts (within {limit}), wall-clock ×{to_fixed(ratio, 2)}"
+    if not acceptance_ok:
+        return f"FAIL — acceptance dropped {d} pts (limit {limit}); B does not preserve A's acceptance"
+    return (f"FAIL — acceptance {moved} {d} pts (within {limit}) but wall-clock did not improve "
+            f"(×{to_fixed(ratio, 2)})")
 
 
 def _js_number(x: float) -> str:
@@ -222,30 +221,54 @@ def _result(prompt: list[int], stats) -> AbPromptResult:
     )
 
 
+def provider_for(path: str | Path):
+    """The serve-loop provider of any drafter family, from its config.json: the assistant,
+    DSpark, DFlash, or DFlash with the DSpark extras on (its thresholds resolved as the provider
+    resolves them: env, then calibration.json)."""
+    from . import checkpoint
+
+    kind = checkpoint.drafter_kind(checkpoint.read_config(Path(path)))
+    if kind == "assistant":
+        from .assistant import AssistantProvider
+
+        return AssistantProvider(path)
+    if kind == "dspark":
+        from .dspark import DeepspecProvider
+
+        return DeepspecProvider(path)
+    if kind in ("dflash", "dflash-extension"):
+        from .dflash import DflashProvider
+
+        return DflashProvider(path, extras=kind == "dflash-extension")
+    raise checkpoint.CheckpointError(f"{Path(path) / 'config.json'}: not a drafter the A/B takes (a Gemma-4 "
+                                     "assistant, DSpark, DFlash or DSpark-on-DFlash checkpoint)")
+
+
 def run_ab(target_dir: str | Path, drafter_a: str | Path, drafter_b: str | Path,
-           prompts: Sequence[Sequence[int]], gamma: int = 4, max_tokens: int = 32,
+           prompts: Sequence[Sequence[int]], gamma: int | None = None, max_tokens: int = 32,
            warmup: bool = True, provider_factory=None) -> tuple[list[AbPromptResult], list[AbPromptResult]]:
     """Both arms over the prompts at T=0 (greedy), prompt by prompt: A then B on even prompts, B
     then A on odd ones, so load drift and cache warmth do not favour one arm. With `warmup`, each
     arm first runs the first prompt once untimed (MLX's first calls pay one-off costs). Returns
     (A's per-prompt results, B's), in prompt order. Raises if the arms' streams differ (T=0 must
-    emit the target's greedy stream whatever the drafter)."""
+    emit the target's greedy stream whatever the drafter). `gamma` None: each arm's trained
+    block (block drafters), 4 for the assistant."""
     from . import serve, targets
-    from .assistant import AssistantProvider
 
-    factory = provider_factory or AssistantProvider
+    factory = provider_factory or provider_for
     target = targets.load(target_dir)
     providers = {"a": factory(drafter_a), "b": factory(drafter_b)}
+    gammas = {arm: gamma or getattr(p, "trained_gamma", None) or 4 for arm, p in providers.items()}
     prompts = [list(map(int, p)) for p in prompts]
     try:
         if warmup and prompts:
             for arm in ("a", "b"):
-                serve.generate(target, prompts[0], max_tokens, providers[arm], gamma=gamma)
+                serve.generate(target, prompts[0], max_tokens, providers[arm], gamma=gammas[arm])
         results: dict[str, list[AbPromptResult]] = {"a": [], "b": []}
         for i, prompt in enumerate(prompts):
             streams = {}
             for arm in (("a", "b") if i % 2 == 0 else ("b", "a")):
-                tokens, stats = serve.generate(target, prompt, max_tokens, providers[arm], gamma=gamma)
+                tokens, stats = serve.generate(target, prompt, max_tokens, providers[arm], gamma=gammas[arm])
                 streams[arm] = tokens
                 results[arm].append(_result(prompt, stats))
             if streams["a"] != streams["b"]:

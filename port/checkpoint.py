@@ -54,7 +54,8 @@ LABELS = {"qwen3": "Qwen3 target", "gemma4_text": "Gemma-4 target", "assistant":
           "dspark-gemma4": "DeepSpec DSpark (Gemma-4)", "dspark-qwen3": "DeepSpec DSpark (Qwen3)",
           "dflash": "z-lab DFlash"}
 TARGETS = ("qwen3", "gemma4_text")
-ASSISTANT_TYPES = ("gemma4_assistant",)
+ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
+EXTRAS = ("markov_rank", "enable_confidence_head")   # a DFlash config declaring the DSpark extras
 
 
 def family(cfg: dict) -> str | None:
@@ -70,6 +71,16 @@ def family(cfg: dict) -> str | None:
         return "assistant"
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     return text.get("model_type") if text.get("model_type") in TARGETS else None
+
+
+def drafter_kind(cfg: dict) -> str | None:
+    """assistant, dspark, dflash or dflash-extension (a DFlash drafter declaring the DSpark extras);
+    None for a config that is no drafter the ports read."""
+    f = family(cfg)
+    if f in ("assistant", "dflash"):
+        nested = cfg.get("dflash_config") or {}
+        return "dflash-extension" if f == "dflash" and any(nested.get(k, cfg.get(k)) for k in EXTRAS) else f
+    return "dspark" if f and f.startswith("dspark") else None
 
 
 def _has(cfg: dict, key: str) -> bool:

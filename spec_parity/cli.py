@@ -201,7 +201,7 @@ def cmd_ab(args) -> int:
     verdict = ab.paired_verdict(a_results, b_results, max_drop_pts=args.max_drop_pts)
     text, doc = ab.render_report(Path(args.a).name, Path(args.b).name, verdict)
     print(f"{_header()}; target {Path(args.target).name}, {len(prompts)} prompts, "
-          f"gamma {args.gamma}, max {args.max_tokens} tokens, T=0")
+          f"gamma {args.gamma or 'per drafter'}, max {args.max_tokens} tokens, T=0")
     print(text)
     if args.json:
         doc = {**doc, "target": str(args.target), "drafters": {"a": str(args.a), "b": str(args.b)},
@@ -315,13 +315,15 @@ def main(argv=None) -> int:
     ms.add_argument("--case")
     ms.add_argument("--seeds", type=int, default=5)
     ms.set_defaults(fn=cmd_measure)
-    abp = sub.add_parser("ab", help="paired drafter A/B through the serve loop at T=0 (exit 1 on FAIL)")
+    abp = sub.add_parser("ab", help="paired drafter A/B through the serve loop at T=0 (exit 1 on FAIL); each "
+                         "arm any drafter family: assistant, DSpark, DFlash, DSpark-on-DFlash")
     abp.add_argument("--target", required=True, help="target checkpoint directory")
     abp.add_argument("--a", required=True, help="drafter A checkpoint directory (the baseline)")
     abp.add_argument("--b", required=True, help="drafter B checkpoint directory (the candidate)")
     abp.add_argument("--prompts", required=True,
                      help="one prompt per line as whitespace-separated token ids (# comments, blank lines skipped)")
-    abp.add_argument("--gamma", type=int, default=4)
+    abp.add_argument("--gamma", type=int, help="draft tokens per round (default: each block drafter's trained "
+                     "block, 4 for the assistant)")
     abp.add_argument("--max-tokens", type=int, default=32)
     abp.add_argument("--max-drop-pts", type=float, default=3,
                      help="largest acceptance drop of B vs A, absolute points, that still passes")

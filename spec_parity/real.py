@@ -15,10 +15,6 @@ from pathlib import Path
 
 from .case import Case
 
-ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
-DSPARK_ARCHS = ("Gemma4DSparkModel", "Qwen3DSparkModel")
-EXTRAS = ("markov_rank", "enable_confidence_head")
-
 
 class RealError(ValueError):
     """A directory that is not a checkpoint of a family spec-parity checks; names the file and fix."""
@@ -45,19 +41,16 @@ def target_family(path: Path) -> str:
 
 
 def drafter_family(path: Path) -> str:
+    from port.checkpoint import ASSISTANT_TYPES, drafter_kind
+
     cfg = _config(path, "drafter")
-    arch = (cfg.get("architectures") or [""])[0]
-    if cfg.get("model_type") in ASSISTANT_TYPES:
-        return "assistant"
-    if arch in DSPARK_ARCHS:
-        return "dspark"
-    if arch == "DFlashDraftModel":
-        nested = cfg.get("dflash_config") or {}
-        return "dflash-extension" if any(nested.get(k, cfg.get(k)) for k in EXTRAS) else "dflash"
-    raise RealError(f"{Path(path) / 'config.json'}: not a drafter spec-parity checks (model_type "
-                    f"{cfg.get('model_type')!r}, architectures {cfg.get('architectures')}); expected a Gemma-4 "
-                    f"assistant ({', '.join(ASSISTANT_TYPES)}), DSpark ({', '.join(DSPARK_ARCHS)}) or DFlash "
-                    "(DFlashDraftModel)")
+    kind = drafter_kind(cfg)
+    if kind is None:
+        raise RealError(f"{Path(path) / 'config.json'}: not a drafter spec-parity checks (model_type "
+                        f"{cfg.get('model_type')!r}, architectures {cfg.get('architectures')}); expected a Gemma-4 "
+                        f"assistant ({', '.join(ASSISTANT_TYPES)}), DSpark (Gemma4DSparkModel, Qwen3DSparkModel) or "
+                        "DFlash (DFlashDraftModel)")
+    return kind
 
 
 # Per family: (module, built-in case to take its run parameters from, label of what it checks).
