@@ -24,9 +24,9 @@ the logits are that hidden through `target_ops.logits_from_hidden`, as draft_gre
 
 What the case asks and dflash-mlx does not do is left as dflash-mlx does it, for the verdict
 to show: the drafter config's `is_causal`, `input_embedding_scale` and `output_multiplier` are
-never read (DFlashDraftModelArgs has no such fields), the block embedding is always the target's
-scaled one (option `embed`), and the sliding window is dflash-mlx's own (option `window`): every
-context row is kept and masked by position. Stored context K/V (`ctx_*`) are its caches' rows.
+never read, top level or nested (DFlashDraftModelArgs has no such fields; option `scales`),
+the block embedding is always the target's scaled one (option `embed`), and the sliding window
+is dflash-mlx's own (option `window`): every context row is kept and masked by position. Stored context K/V (`ctx_*`) are its caches' rows.
 
 Loop cases run `runtime.stream_dflash_generate` (its own loop) on the prompt ids at T=0 with
 verify_mode "dflash" (fixed blocks; the default "adaptive" shortens blocks on wall-clock
