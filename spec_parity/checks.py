@@ -235,11 +235,15 @@ def judge(plan: Plan, sides: dict, module: str, dtype: str, result: Result, prot
 
 
 def _port_srcs(check) -> list[Src]:
+    """Every port-side Src a check needs, through tuples and the Rounds of a Drafts check (whose
+    logits are compared only where the port returns them)."""
     out = []
     for v in vars(check).values():
         for s in v if isinstance(v, tuple) else (v,):
             if isinstance(s, Src) and s.side == "port":
                 out.append(s)
+            elif isinstance(s, Round):
+                out += [x for x in (s.sizes, s.emitted, s.tokens) if x.side == "port"]
     return out
 
 

@@ -96,8 +96,20 @@ def run_loop(req: Request) -> dict:
     target = targets.load(req.target)
     embed = o["embed"] if hasattr(target.model.model, "embed_scale") else "scaled"
     key = ("dflash-loop", shared.stamp(req.target), shared.stamp(req.drafter), req.prompt.tobytes(), o["max_tokens"],
-           tuple(sorted(o["eos"])), o["window"], controls.active(), embed, o["scales"])
+           tuple(sorted(o["eos"])), o["window"], controls.active(), embed, _scales(req))
     return shared.once(key, lambda: loop_uncached(req, target))
+
+
+def _scales(req: Request) -> tuple[float, float]:
+    """The two scales the drafter runs with under the case's convention: the twins of a checkpoint
+    that nests them (every factory one) read the same values, so they share one run."""
+    import json
+
+    from port import dflash
+
+    cfg = json.loads((req.drafter / "config.json").read_text())
+    a = dflash.ModelArgs.from_config(cfg, req.drafter, req.options["scales"])
+    return a.input_embedding_scale, a.output_multiplier
 
 
 def loop_uncached(req: Request, target=None) -> dict:
