@@ -36,7 +36,8 @@ prompt lookup ("copyspec", always on) where the context repeats; such rounds are
 dflash-mlx reports them. Its stop token arrives as a TokenEvent; the protocol's stream is content,
 so a trailing EOS is dropped (the schedule keeps it, as dflash-mlx counts it). Proposals and draft
 logits are not exposed by its loop. The L3 extension cases (DSpark heads on the DFlash drafter)
-have no counterpart in dflash-mlx: they raise, and read as ERROR.
+have no counterpart in dflash-mlx: the adapter declines them (`ports.Declined`), and they read
+DECLINED.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ def make_port() -> ports.Port:
 
 def run(req) -> dict:
     if req.kind == "extension":
-        raise NotImplementedError("dflash-mlx 0.1.8 has no DSpark-on-DFlash extension (Markov and confidence "
-                                  "heads on the DFlash drafter): nothing to run for this case")
+        raise ports.Declined("dflash-mlx 0.1.8 has no DSpark-on-DFlash extension (Markov and confidence "
+                             "heads on the DFlash drafter)")
     return _loop(req) if req.kind == "loop" else _modules(req)
 
 

@@ -8,10 +8,13 @@ True)`, with position and window set explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from pathlib import Path
 
 import numpy as np
+
+from .layers import as_numpy, mlx_recorded, torch_recorded
 
 OPTIQ_INSTALL = "pip install --no-deps mlx-optiq==0.7.7"
 HF_INSTALL = "pip install torch==2.13.0 transformers==5.12.1   (or: pip install -e '.[oracle]')"
@@ -66,16 +69,17 @@ def optiq_draft_steps(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, g
            "position": np.array([position], np.int32)}
     for name, (k, v) in shared.items():
         out[f"donor.{name}.k"], out[f"donor.{name}.v"] = _np(k), _np(v)
-    tok = token
+    tok, layers = token, {}
     for k in range(gamma):
         emb = runtime._target_embed(target, tok)
         if k == 0:
             out["anchor.emb"] = _np(emb)
-        lg, h = drafter.forward(last_token_emb=emb, target_hidden=h, shared_kv=shared, position=position + k)
+        with mlx_recorded(drafter.layers, layers) if k == 0 else contextlib.nullcontext():
+            lg, h = drafter.forward(last_token_emb=emb, target_hidden=h, shared_kv=shared, position=position + k)
         tok = int(mx.argmax(lg))
         out[f"step{k}.logits"], out[f"step{k}.next_hidden"] = _np(lg), _np(h)
         out[f"step{k}.token"] = np.array([tok], np.int32)
-    return out
+    return {**out, **as_numpy(layers)}
 
 
 class WordTokenizer:
@@ -202,17 +206,29 @@ def hf_draft_steps(drafter_dir: Path, inputs: dict, gamma: int, window_keep: int
               "full_attention": (t["in.donor.full.k"], t["in.donor.full.v"])}
     table, h = t["in.embed_table"], t["in.anchor.hidden"]
     tok, P = int(inputs["in.anchor.token"][0]), int(inputs["in.position"][0])
-    out = {}
+    out, layers = {}, {}
     with torch.no_grad():
         for step in range(gamma):
             pos = P + step if positions == "optiq" else P
-            r = drafter(inputs_embeds=torch.cat([table[tok][None, None], h], dim=-1),
-                        position_ids=torch.tensor([[pos]]), shared_kv_states=shared)
+            with torch_recorded(_layer_list(drafter), layers) if step == 0 else contextlib.nullcontext():
+                r = drafter(inputs_embeds=torch.cat([table[tok][None, None], h], dim=-1),
+                            position_ids=torch.tensor([[pos]]), shared_kv_states=shared)
             lg = r.logits[0, 0]
             tok, h = int(lg.argmax()), r.last_hidden_state
             out[f"step{step}.logits"], out[f"step{step}.next_hidden"] = lg.numpy(), h.numpy()
             out[f"step{step}.token"] = np.array([tok], np.int32)
-    return out
+    return {**out, **as_numpy(layers)}
+
+
+def _layer_list(model):
+    """The drafter's decoder layers: the one ModuleList named `layers`."""
+    import torch
+
+    found = [m for name, m in model.named_modules() if name.split(".")[-1] == "layers"
+             and isinstance(m, torch.nn.ModuleList)]
+    if len(found) != 1:
+        raise RuntimeError(f"{type(model).__name__}: expected one `layers` ModuleList, found {len(found)}")
+    return found[0]
 
 
 def hf_assisted_generate_record(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_new_tokens: int,

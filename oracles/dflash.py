@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .layers import as_numpy, mlx_recorded
+
 INSTALL = "pip install --no-deps dflash==0.1.0   (it imports huggingface_hub: pip install huggingface_hub)"
 
 
@@ -109,9 +111,11 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accepts: li
     out = {"taps.0": hidden[0]}
     anchor = int(mx.argmax(logits[0, -1]).item())
     anchors = [anchor]
+    layers: dict = {}
     for r, a in enumerate(accepts):
         block = mx.array([[anchor] + [int(cfg.mask_token_id)] * (bs - 1)])
-        h = draft.hidden_states(block, hidden, dcache, logits_start=1)
+        with mlx_recorded(draft.layers, layers) if r == 0 else contextlib.nullcontext():
+            h = draft.hidden_states(block, hidden, dcache, logits_start=1)
         dl = draft.compute_logits(h)
         tokens = mx.argmax(dl, axis=-1)
         out[f"hidden.{r}"], out[f"logits.{r}"], out[f"tokens.{r}"] = h[0], dl[0], tokens[0].astype(mx.int32)
@@ -126,7 +130,7 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accepts: li
     for i, c in enumerate(dcache):
         out[f"ctx_k.{i}"], out[f"ctx_v.{i}"] = c.keys[0, :, : _stored(c)], c.values[0, :, : _stored(c)]
     out["anchors"] = mx.array(anchors, dtype=mx.int32)
-    return {k: _np(v) for k, v in out.items()}
+    return {**{k: _np(v) for k, v in out.items()}, **as_numpy(layers)}
 
 
 def _stored(c) -> int:

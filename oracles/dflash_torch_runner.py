@@ -47,12 +47,20 @@ def _load(target_dir: str, drafter_dir: str):
     return target, draft
 
 
+def _recorder(out: dict, i: int):
+    """A forward hook that keeps layer i's output (returns None: the output is not replaced)."""
+    def hook(module, args, y):
+        out[f"layer.{i}"] = y[0]
+    return hook
+
+
 def modules(req: dict) -> dict:
     """The module rounds of the MLX oracle, on z-lab's torch pieces: one prefill of the prompt with
     hidden states, then per round the block through the drafter's forward (context = the new taps,
     positions start - ctx .. start + bs - 1, draft cache cropped back to start), compute_logits
     with the target's head, a verify of [anchor, drafts] through the target, the target cache
-    cropped to the committed length, and the verify's taps of the anchor + `a` drafts."""
+    cropped to the committed length, and the verify's taps of the anchor + `a` drafts. In the first
+    round each drafter layer's output is recorded through a forward hook (`layer.i`, [bs, H])."""
     import torch
     from dflash import model as z
 
@@ -74,9 +82,12 @@ def modules(req: dict) -> dict:
         for r, a in enumerate(req["accepts"]):
             block = torch.full((1, bs), int(m.mask_token_id), dtype=torch.long)
             block[0, 0] = anchor
+            hooks = [layer.register_forward_hook(_recorder(out, i)) for i, layer in enumerate(m.layers)] if r == 0 else []
             h = m(target_hidden=hidden, noise_embedding=z._raw_input_embeddings(target, block, ies),
                   position_ids=positions[:, start - hidden.shape[1]: start + bs], past_key_values=dcache,
                   use_cache=True)[:, 1 - bs:, :]
+            for hook in hooks:
+                hook.remove()
             z._crop_to(dcache, start)
             logits = m.compute_logits(h, z._output_head(target))
             tokens = logits.argmax(-1)

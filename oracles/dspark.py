@@ -19,6 +19,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from .layers import as_numpy, torch_recorded
+
 INSTALL = ("fetch github deepseek-ai/DeepSpec (HEAD afdfa7c), extract it outside this repo and "
            "`export DEEPSPEC_SRC=/path/to/DeepSpec`; it needs torch==2.13.0 transformers==5.12.1")
 
@@ -102,7 +104,8 @@ class _Args(dict):
 
 
 def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, thresholds: list[float]) -> dict:
-    """First draft round after prefill, module by module, through DeepSpec's functions."""
+    """First draft round after prefill, module by module, through DeepSpec's functions; each drafter
+    layer's output in the block (`layer.i`) through forward hooks."""
     import torch
     from transformers import DynamicCache
 
@@ -119,7 +122,7 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, thresholds:
     bs = int(m.block_size)
     ids = torch.from_numpy(prompt.astype(np.int64))
     P = ids.shape[1]
-    out = {}
+    out, layers = {}, {}
     with torch.no_grad():
         res = target(input_ids=ids, use_cache=False, output_hidden_states=True)
         anchor = int(res.logits[0, -1].argmax())
@@ -130,9 +133,10 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, thresholds:
         draft_ids[:, 0] = anchor
         position_ids = torch.arange(P + bs + 1).unsqueeze(0)
         cache = DynamicCache()
-        block = forward_dspark_draft_block(m, draft_input_ids=draft_ids, position_ids=position_ids,
-                                           past_key_values_draft=cache, target_hidden_states=taps,
-                                           start=P, block_size=bs)
+        with torch_recorded(m.layers, layers):
+                block = forward_dspark_draft_block(m, draft_input_ids=draft_ids, position_ids=position_ids,
+                                               past_key_values_draft=cache, target_hidden_states=taps,
+                                               start=P, block_size=bs)
         for i, layer in enumerate(cache.layers):
             out[f"context_k.{i}"], out[f"context_v.{i}"] = layer.keys[0], layer.values[0]
         out["block_hidden"] = block[0, :bs]
@@ -152,7 +156,8 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, thresholds:
                                          temperature=0.0, confidence_threshold=t)
             out[f"prefix@{t}"] = torch.tensor([n], dtype=torch.int32)
             out[f"proposal@{t}"] = prop.verify_input_ids[0, 1:].to(torch.int32)
-    return {k: v.detach().float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()}
+    return {**{k: v.detach().float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()},
+            **as_numpy(layers)}
 
 
 def loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_new_tokens: int, threshold: float) -> dict:

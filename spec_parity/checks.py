@@ -138,6 +138,7 @@ class Layers:
     ref: tuple[Src, ...]
     name: str = "layers"
     finding: str = "layers"
+    quantity: str = "hidden"
 
 
 @dataclass(frozen=True)
@@ -332,7 +333,7 @@ def _layers(c: Layers, sides, module, dtype, result):
     if any(a is None for group in got for a in group):
         result.metrics[c.name] = {"ok": True, "exposed": False}
         return result.note("per-layer outputs not exposed by the port: no layer localization")
-    m = localize(*got, module, dtype)
+    m = localize(*got, module, dtype, result.tier, c.quantity)
     result.metrics[c.name] = m
     i = m["first_divergent_layer"]
     if i is not None:
@@ -456,6 +457,23 @@ def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tup
         checks.append(Mean("tau", P("tau"), tau, "tau"))
     checks.append(Scored("acceptance", "acceptance", (P("stream.drafted"), P("stream.accepted"), P("tau"))))
     return Plan(checks, greedy=(n, frozenset(eos)))
+
+
+def drafter_layers(ref: dict) -> list:
+    """The first divergent drafter layer, where the reference recorded its layers (`layer.i` of
+    the first block / step): the port's free-running `layer.i` and teacher-forced `own.i` (layer i
+    fed the reference's `layer.{i-1}`, which drafter pairs feed it) against them."""
+    n = sum(1 for k in ref if k.startswith("layer."))
+    if not n:
+        return []
+    idx = range(n)
+    return [Layers(tuple(P(f"layer.{i}") for i in idx), tuple(P(f"own.{i}") for i in idx),
+                   tuple(R(f"layer.{i}") for i in idx), quantity="layer")]
+
+
+def layer_feeds(ref: dict) -> dict:
+    """What a drafter pair feeds the port for the own-error run: the reference's layer outputs."""
+    return {k: v for k, v in ref.items() if k.startswith("layer.")}
 
 
 _JUDGES = {Drafts: _drafts, Shift: _shift, Pruning: _pruning, FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,

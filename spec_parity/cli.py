@@ -104,12 +104,14 @@ def cmd_run(args) -> int:
     print(report.table(rows))
     out = Path(args.out)
     report.write(out, rows, header)
-    bad = [r for r, e in rows if r.verdict not in (e, "DELTA")]
+    bad = [r for r, e in rows if r.verdict not in (e, "DELTA", "DECLINED")]
     delta = [r for r, e in rows if r.verdict == "DELTA"]
-    print(f"\n{len(rows) - len(bad) - len(delta)}/{len(rows)} as expected (controls must FAIL)"
+    declined = [r for r, e in rows if r.verdict == "DECLINED"]
+    print(f"\n{len(rows) - len(bad) - len(delta) - len(declined)}/{len(rows)} as expected (controls must FAIL)"
           + (f", {len(delta)} explained by a known reference delta (docs/references.md)" if delta else "")
+          + (f", {len(declined)} declined by the port" if declined else "")
           + f"; reports in {out}/")
-    for r in bad + delta:
+    for r in bad + delta + declined:
         print(r.message())
     return 1 if bad else 0
 

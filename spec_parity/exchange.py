@@ -110,6 +110,8 @@ def command_port(cmd: str) -> ports.Port:
             done = subprocess.run(argv, capture_output=True, text=True)
             if done.returncode != 0:
                 tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+                if done.returncode == ports.DECLINE_EXIT:
+                    raise ports.Declined(tail[0])
                 raise ExchangeError(f"--port-cmd exited {done.returncode} on {req.module}/{req.case}: {tail[0]}")
             return read_outputs(out, req)
 

@@ -25,6 +25,15 @@ class PortError(ValueError):
     """A port spec that cannot be resolved; the message names it and the fix."""
 
 
+class Declined(Exception):
+    """Raised by a port's run for a case it does not implement (a kind, or a checkpoint variant
+    it has no counterpart for). The case reads DECLINED with the port's reason: counted apart,
+    never as a pass. Through the file protocol, a command declines by exiting with DECLINE_EXIT."""
+
+
+DECLINE_EXIT = 3
+
+
 @dataclass(frozen=True)
 class Port:
     """name/version: how the report names it; runs: module -> (Request -> dict of arrays);

@@ -78,6 +78,14 @@ LOOP_RETURNS = (
 )
 
 
+LAYER_INPUTS = {"layer.*": "the reference's output of each drafter layer in the first draft (block or step 0), "
+                          "for the own-error run"}
+LAYER_RETURNS = (
+    Quantity("layer.*", "[n, H]", "float32", "drafter layer i's output in the first draft (n: block rows, 1 for a step)"),
+    Quantity("own.*", "[n, H]", "float32", "layer i fed the reference's layer.{i-1} (own error; own.0 = layer.0)"),
+)
+
+
 def _loop(module: str) -> Protocol:
     return Protocol(module, "loop", "the serve loop: draft, one batched verify, accept, trim, at T=0",
                     LOOP_OPTIONS, {}, LOOP_RETURNS)
@@ -98,14 +106,16 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
               Quantity("tf.logits", "[N, V]", "float32", "logits on the reference's stream (teacher-forced)"))),
     Protocol("assistant", "step", "the assistant drafter's chained draft steps from the first anchor",
              {"gamma": "draft steps", "convention": "positions / window convention (optiq, hfpos, hfwin)"},
-             {"in.*": "transformers cases: the anchor, position, donor K/V and embedding table to draft from"},
+             {"in.*": "transformers cases: the anchor, position, donor K/V and embedding table to draft from",
+              **LAYER_INPUTS},
              (Quantity("step*.token", "[1]", "int32", "the draft token of step i", True),
               Quantity("step*.logits", "[V]", "float32", "the drafter's logits of step i", True),
               Quantity("step*.next_hidden", "[1, 1, H]", "float32", "the hidden the next step is fed"),
               Quantity("anchor.*", "[1] / [1, 1, H]", "", "the anchor token and hidden (from the target)"),
-              Quantity("donor.*", "[1, heads, S, d]", "float32", "the donor K/V views the drafter attends"))),
+              Quantity("donor.*", "[1, heads, S, d]", "float32", "the donor K/V views the drafter attends"))
+             + LAYER_RETURNS),
     Protocol("dspark", "modules", "the first DSpark draft round after prefill, module by module",
-             {"thresholds": "confidence thresholds for the proposal"}, {},
+             {"thresholds": "confidence thresholds for the proposal"}, LAYER_INPUTS,
              (Quantity("tokens", "[B-1]", "int32", "the block's draft tokens", True),
               Quantity("logits", "[B-1, V]", "float32", "Markov-corrected logits", True),
               Quantity("prefix@*", "[1]", "int32", "tokens kept at threshold t", True),
@@ -116,15 +126,16 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
               Quantity("context_*", "[heads, P, d]", "float32", "each drafter layer's context K/V"),
               Quantity("block_hidden", "[B-1, H]", "float32", "the block's final hidden (the rows that draft)"),
               Quantity("base_logits", "[B-1, V]", "float32", "logits before the Markov head"),
-              Quantity("confidence", "[B-1]", "float32", "the confidence head's logits"))),
+              Quantity("confidence", "[B-1]", "float32", "the confidence head's logits")) + LAYER_RETURNS),
     Protocol("dflash", "modules", "DFlash draft rounds with forced commits (the accept schedule)",
              {"accepts": "forced accepted count per round", "window / embed / prefill": "the reference's conventions"},
-             {}, (Quantity("tokens.*", "[B-1]", "int32", "round r's draft tokens", True),
+             LAYER_INPUTS, (Quantity("tokens.*", "[B-1]", "int32", "round r's draft tokens", True),
                   Quantity("logits.*", "[B-1, V]", "float32", "round r's drafter logits", True),
                   Quantity("anchors", "[R+1]", "int32", "each round's anchor", True),
                   Quantity("hidden.*", "[B-1, H]", "float32", "round r's final-normed block hidden (rows 1..B-1)"),
                   Quantity("taps.*", "[n, T]", "float32", "the tap rows entering the context before round r"),
-                  Quantity("ctx_*", "[heads, S, d]", "float32", "each layer's stored context K/V at the end"))),
+                  Quantity("ctx_*", "[heads, S, d]", "float32", "each layer's stored context K/V at the end"))
+             + LAYER_RETURNS),
     _loop("assistant"), _loop("dspark"), _loop("dflash"),
     Protocol("dflash", "extension", "the DSpark-on-DFlash extension (no reference: L3), extras on, at T=0",
              {"thresholds": "confidence thresholds (one for every position, or one per position)",

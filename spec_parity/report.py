@@ -90,6 +90,12 @@ def table(rows: list[tuple[Result, str]]) -> str:
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
 
 
+def _layers(r: Result) -> dict | None:
+    """The result's layer localization, None where the port exposed no per-layer outputs."""
+    lay = r.metrics.get("layers")
+    return lay if lay and lay.get("exposed", True) else None
+
+
 def markdown(rows: list[tuple[Result, str]], header: str = "") -> str:
     out = ["# spec-parity report", "", header, "",
            "| module | case | oracle | tier | verdict | worst max abs | reason |",
@@ -97,7 +103,7 @@ def markdown(rows: list[tuple[Result, str]], header: str = "") -> str:
     out += [r.markdown_row() for r, _ in rows]
     out += ["", "## Per-layer error (free-running / own teacher-forced max abs)", ""]
     for r, _ in rows:
-        lay = r.metrics.get("layers")
+        lay = _layers(r)
         if not lay:
             continue
         free = ", ".join(f"{x:.1e}" for x in lay["free_max_abs"])
@@ -122,7 +128,7 @@ def write(out_dir: Path, rows: list[tuple[Result, str]], header: str) -> list[Pa
                                    indent=2) + "\n").encode(),
         "report.md": markdown(rows, header).encode(),
     }
-    panels = [(f"{r.module}/{r.case}", r.metrics["layers"]) for r, _ in rows if "layers" in r.metrics]
+    panels = [(f"{r.module}/{r.case}", _layers(r)) for r, _ in rows if _layers(r)]
     if panels:
         files["layers.png"] = layer_chart(panels)
     for name, data in files.items():

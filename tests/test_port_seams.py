@@ -64,6 +64,28 @@ def test_a_port_that_fails_names_its_error(tmp_path, monkeypatch):
         harness.evaluate(_case("targets/qwen3"), "golden")
 
 
+DECLINE = "import sys; sys.stderr.write('no block kind here\\n'); sys.exit(3)"
+
+
+def test_a_port_that_declines_reads_declined_not_pass(monkeypatch):
+    """Exit 3 through the file protocol, `ports.Declined` in process: DECLINED with the reason;
+    exit 1 is an error, never a decline (the control)."""
+    case = _case("dflash/mod-qwen3")
+    port = exchange.command_port(f'{sys.executable} -c "{DECLINE}" {{case}} {{out}}')
+    verdict, reason, _ = _verdict(case, port, monkeypatch)
+    assert verdict == "DECLINED" and "no block kind here" in reason
+    failing = exchange.command_port(f'{sys.executable} -c "{DECLINE.replace("exit(3)", "exit(1)")}" {{case}} {{out}}')
+    monkeypatch.setitem(ports._SELECTED, case.module, failing)
+    with pytest.raises(exchange.ExchangeError, match="exited 1"):
+        harness.evaluate(case, "golden")
+
+    def declines(req):
+        raise ports.Declined("not implemented here")
+
+    verdict, reason, _ = _verdict(case, ports.Port("decliner", "0", {"dflash": declines}), monkeypatch)
+    assert verdict == "DECLINED" and "decliner declines this case: not implemented here" in reason
+
+
 MYPORT = """
 from spec_parity import ports
 

@@ -1,8 +1,8 @@
 """The third-party adapters in examples/ stay runnable: per package, module cases through the
 harness with its adapter selected, held to the verdicts docs/third-party.md records for them
 (read from that file, so the doc and the test cannot drift apart). Each package has one case
-that passes and one that does not (dflash-mlx: FAIL at a named array; dspark-mlx: cannot load
-the drafter, with the error the doc names), so neither verdict can be a constant.
+that passes and one that does not (dflash-mlx: FAIL at a named array, and a kind it declines;
+dspark-mlx: cannot load the drafter, with the error the doc names), so no verdict can be a constant.
 
 The packages are not spec-parity dependencies: install them beside it, e.g.
 `pip install --no-deps --target /tmp/peers dflash-mlx==0.1.8 dspark-mlx==0.1.0` and put
@@ -24,7 +24,7 @@ DOC = ROOT / "docs" / "third-party.md"
 # (module, import name, pip requirement, adapter module, doc section, cases)
 PEERS = [
     ("dflash", "dflash_mlx", "dflash-mlx==0.1.8", "dflash_mlx_adapter", "dflash-mlx 0.1.8",
-     ["mod-qwen3", "mod-qwen3-causal"]),
+     ["mod-qwen3", "mod-qwen3-causal", "ext-qwen3"]),
     ("dspark", "dspark_mlx", "dspark-mlx==0.1.0", "dspark_mlx_adapter", "dspark-mlx 0.1.0",
      ["mod-qwen3", "mod-gemma4-gated"]),
 ]
@@ -34,7 +34,7 @@ def recorded(section: str, case: str) -> tuple[str, str]:
     """(verdict, first failing check or error) of `case` in `section`'s verdict table of
     docs/third-party.md."""
     text = DOC.read_text().split(f"## {section}", 1)[1].split("\n## ", 1)[0]
-    m = re.search(rf"^\| {re.escape(case)} \| [^|]+ \| [^|]+ \| (PASS|FAIL|ERROR) \| ([^|]*) \|", text, re.M)
+    m = re.search(rf"^\| {re.escape(case)} \| [^|]+ \| [^|]+ \| (PASS|FAIL|ERROR|DECLINED) \| ([^|]*) \|", text, re.M)
     assert m, f"{DOC}: no row for {case} under '## {section}'"
     return m.group(1), m.group(2).strip().strip("`")
 
@@ -55,6 +55,9 @@ def test_adapter_gives_the_recorded_verdict(module, name, req, adapter, section,
         return
     result = harness.evaluate(c, "golden")
     assert result.metrics["port"]["identity"] == port.identity
+    if verdict == "DECLINED":                  # the adapter says it has no counterpart: not a pass
+        assert result.verdict == "DECLINED" and first in result.reason, result.message()
+        return
     assert result.verdict == verdict, f"{case}: {result.message()}"
     failed = [k for k, v in result.metrics.items() if isinstance(v, dict) and v.get("ok") is False]
     assert (failed[0] if failed else "") == first, f"{case}: first failing check {failed[:3]}, doc says {first!r}"

@@ -53,7 +53,8 @@ def run_steps(req: Request) -> dict:
     target = targets.load(req.target, dt)
     drafter = assistant.load(req.drafter, dt)
     assistant.check_pairing(drafter, target)
-    inputs = req.inputs or step_inputs(req.target, req.prompt, req.dtype, target)
+    inputs = {k: v for k, v in req.inputs.items() if k.startswith("in.")} or step_inputs(req.target, req.prompt,
+                                                                                        req.dtype, target)
     donors = {f"{n}_attention": (mx.array(inputs[f"in.donor.{n}.k"]).astype(dt), mx.array(inputs[f"in.donor.{n}.v"]).astype(dt))
               for n in ("sliding", "full")}
     conv = CONVENTIONS[req.options["convention"]]

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import controls
+from .. import controls, layers
 from ..adapters.assistant import CONVENTIONS
 from ..case import Case
 from ..checkpoints import GEMMA4_VARIANTS
-from ..checks import P, Plan, R, Round, Tensor, Tokens, serve_loop
+from ..checks import P, Plan, R, Round, Tensor, Tokens, drafter_layers, layer_feeds, serve_loop
 
 NAME = "assistant"
 ORACLE = "optiq"
@@ -149,7 +149,8 @@ def conventions(case: Case) -> dict:
 
 def feeds(case: Case, ref: dict) -> dict:
     """transformers is fed our target's anchor, donors and embedding table; so is the port."""
-    return {} if case.oracle == "optiq" else {k: v for k, v in ref.items() if k.startswith("in.")}
+    inputs = {} if case.oracle == "optiq" else {k: v for k, v in ref.items() if k.startswith("in.")}
+    return {**inputs, **layer_feeds(ref)}
 
 
 def plan(case: Case, ref: dict) -> Plan:
@@ -172,7 +173,7 @@ def plan(case: Case, ref: dict) -> Plan:
     steps = [f"step{i}" for i in range(gamma)]
     checks.append(Tokens("draft_tokens", P(*[s + ".token" for s in steps]), R(*[s + ".token" for s in steps]),
                          R(*[s + ".logits" for s in steps]), "draft token", finding="module"))
-    return Plan(checks)
+    return Plan(checks + drafter_layers(ref))
 
 
 def quantities(port: dict, ref: dict) -> dict[str, float]:
@@ -186,4 +187,4 @@ def quantities(port: dict, ref: dict) -> dict[str, float]:
         if k.endswith(".logits"):
             m = (port[k] > -1e29) & (ref[k] > ref[k].min()) if (port[k] <= -1e29).any() else np.ones_like(port[k], bool)
             out["logits"] = max(out["logits"], float(np.abs(port[k][m] - ref[k][m]).max()))
-    return out
+    return {**out, **layers.quantities(port, ref)}

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import controls
+from .. import controls, layers
 from ..budgets import L3_GATES
 from ..case import Case
 from ..checkpoints import GEMMA4_VARIANTS
@@ -44,6 +44,8 @@ from ..checks import (
     Shift,
     Tensor,
     Tokens,
+    drafter_layers,
+    layer_feeds,
     serve_loop,
 )
 
@@ -180,7 +182,7 @@ def conventions(case: Case) -> dict:
 
 
 def feeds(case: Case, ref: dict) -> dict:
-    return {}
+    return layer_feeds(ref)
 
 
 def plan(case: Case, ref: dict) -> Plan:
@@ -210,7 +212,7 @@ def plan(case: Case, ref: dict) -> Plan:
     checks.append(Tensor("anchors", P("anchors"), R("anchors"), "anchors"))
     checks += [Tensor(k, P(k), R(k), "context_kv") for k in sorted(k for k in ref if k.startswith("ctx_"))]
     checks.append(FirstRound("rounds", tuple(f"logits.{r}" for r in range(rounds))))
-    return Plan(checks)
+    return Plan(checks + drafter_layers(ref))
 
 
 def quantities(port: dict, ref: dict) -> dict[str, float]:
@@ -226,8 +228,8 @@ def quantities(port: dict, ref: dict) -> dict[str, float]:
     out: dict[str, float] = {}
     for key in ref:
         q = {"ctx_k": "context_kv", "ctx_v": "context_kv"}.get(key.split(".")[0], key.split(".")[0])
-        if q in ("tokens", "anchors"):
+        if q in ("tokens", "anchors", "layer"):
             continue
         if key in port and port[key].shape == ref[key].shape:
             out[q] = max(out.get(q, 0.0), gap(port[key], ref[key]))
-    return out
+    return {**out, **layers.quantities(port, ref)}

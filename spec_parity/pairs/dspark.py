@@ -13,10 +13,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import controls
+from .. import controls, layers
 from ..case import Case
 from ..checkpoints import GEMMA4_VARIANTS
-from ..checks import P, Plan, R, Round, Same, Tensor, Tokens, serve_loop
+from ..checks import (
+    P,
+    Plan,
+    R,
+    Round,
+    Same,
+    Tensor,
+    Tokens,
+    drafter_layers,
+    layer_feeds,
+    serve_loop,
+)
 
 NAME = "dspark"
 ORACLE = "deepspec"
@@ -105,7 +116,7 @@ def conventions(case: Case) -> dict:
 
 
 def feeds(case: Case, ref: dict) -> dict:
-    return {}
+    return layer_feeds(ref)
 
 
 MODULE_TENSORS = [("taps", "taps"), ("context", "context"), ("block_hidden", "block_hidden"),
@@ -127,7 +138,7 @@ def plan(case: Case, ref: dict) -> Plan:
     for t in case.params["thresholds"]:
         checks += [Same(f"prefix@{t}", P(f"prefix@{t}"), R(f"prefix@{t}"), f"prefix length at threshold {t}"),
                    Same(f"proposal@{t}", P(f"proposal@{t}"), R(f"proposal@{t}"), f"proposal at threshold {t}")]
-    return Plan(checks)
+    return Plan(checks + drafter_layers(ref))
 
 
 def quantities(port: dict, ref: dict) -> dict[str, float]:
@@ -139,4 +150,4 @@ def quantities(port: dict, ref: dict) -> dict[str, float]:
         if key in ref:
             out[quantity] = max(out.get(quantity, 0.0), float(np.abs(port[key] - ref[key]).max()))
     out["context_kv"] = max(float(np.abs(port[k] - ref[k]).max()) for k in ref if k.startswith("context_"))
-    return out
+    return {**out, **layers.quantities(port, ref)}
