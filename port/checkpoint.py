@@ -189,7 +189,8 @@ def load_into(model, path: Path, weights: dict[str, mx.array], error: type[Excep
     Every tensor is consumed: one the model has no parameter for is refused by name (a head or a
     layer the port would silently not compute), except under the prefixes in `unused`, which the
     caller leaves out on purpose as its reference does (e.g. the DSpark extras with extras off)."""
-    expected = {k for k, _ in tree_flatten(model.parameters())}
+    params = dict(tree_flatten(model.parameters()))
+    expected = set(params)
     missing = sorted(expected - set(weights))
     if missing:
         what = hint(missing) if callable(hint) else hint
@@ -198,4 +199,9 @@ def load_into(model, path: Path, weights: dict[str, mx.array], error: type[Excep
     if extra:
         raise error(f"{path}: tensor(s) {extra[:6]}{' …' if len(extra) > 6 else ''} have no place in this "
                     f"port's model; remove them, or fix the config.json keys that declare that part")
+    wrong = sorted(k for k in expected if tuple(weights[k].shape) != tuple(params[k].shape))
+    if wrong:
+        got = ", ".join(f"{k} {list(weights[k].shape)} (expected {list(params[k].shape)})" for k in wrong[:3])
+        raise error(f"{path}: tensor(s) of the wrong shape: {got}{' …' if len(wrong) > 3 else ''}; "
+                    "fix the config.json keys that size them, or re-save the checkpoint")
     model.load_weights([(k, v) for k, v in weights.items() if k in expected], strict=True)

@@ -89,12 +89,15 @@ def _assistant(c: dict, d, seed: int) -> None:
 
 @kind("published")
 def published(seed: int, overrides: dict):
-    """A published config (overrides: file, sha256) shrunk by the module's rule, random weights."""
+    """A published config (overrides: file, default the E2B assistant; sha256, which
+    `build_published` passes so an edited file is not served from the cache) shrunk by the
+    module's rule, random weights."""
     from port import checkpoint
 
-    raw = (ROOT / overrides["file"]).read_bytes()
-    if hashlib.sha256(raw).hexdigest() != overrides["sha256"]:
-        raise ValueError(f"{overrides['file']}: sha256 differs from the one asked for")
+    name = overrides.get("file", "assistant/gemma-4-E2B-it-assistant.json")
+    raw = (ROOT / name).read_bytes()
+    if hashlib.sha256(raw).hexdigest() != overrides.get("sha256", hashlib.sha256(raw).hexdigest()):
+        raise ValueError(f"{name}: sha256 differs from the one asked for")
     c = shrink(json.loads(raw))
     fam = checkpoint.family(c)
     d = draw(seed)
@@ -105,7 +108,7 @@ def published(seed: int, overrides: dict):
     elif fam == "assistant":
         _assistant(c, d, seed)
     else:
-        raise ValueError(f"{overrides['file']}: family {fam!r} has no published writer")
+        raise ValueError(f"{name}: family {fam!r} has no published writer")
     return c, d.tensors
 
 
