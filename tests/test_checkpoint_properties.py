@@ -60,6 +60,46 @@ def test_a_mismatched_pair_is_refused_naming_the_dimension(data):
     m.check_pair_mismatch(family, data.draw(st.sampled_from(sorted(m.PAIR_MISMATCHES[family]))))
 
 
+OPTIONAL = [(f, k) for f in sorted(m.OPTIONAL) for k in m.OPTIONAL[f]]
+OPS = ("removed", "moved", "renamed")
+
+
+@pytest.mark.oracle
+def test_an_optional_key_mutated_is_refused_or_computed_like_the_reference(live_oracle):
+    """A key the loaders read with a default (or not at all) removed, moved or renamed: refused by
+    name, or the port matches the live reference at the tier of the family's case (optiq L1 for the
+    assistant, z-lab MLX L1 for DFlash)."""
+    live_oracle("assistant")
+    live_oracle("dflash")
+
+    @FEW
+    @given(st.sampled_from([(f, k) for f, k in OPTIONAL if f != "dspark"]), st.sampled_from(OPS))
+    def prop(family_key, op):
+        m.check_optional_key(*family_key, op)
+
+    prop()
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(m.OPTIONAL))
+def test_every_optional_key_of_a_family(live_oracle, family):
+    """The sweep of the property above, DSpark (DeepSpec, torch) included."""
+    live_oracle(family)
+    for key in m.OPTIONAL[family]:
+        for op in OPS:
+            m.check_optional_key(family, key, op)
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="known: DeepSpec asserts markov_head_type, the port defaults it "
+                   "(tests/checkpoint_mutations.py KNOWN)")
+def test_known_dspark_markov_head_type_is_read_with_a_default(live_oracle):
+    live_oracle("dspark")
+    m.check_optional_key("dspark", "markov_head_type", "removed")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_required_key_and_tensor_of_a_family(family):
@@ -140,3 +180,18 @@ def test_control_a_shape_check_that_is_skipped_is_caught(monkeypatch):
     assert not _fails(m.check_tensor_misshaped, examples)
     monkeypatch.setattr(checkpoint, "load_into", unchecked)
     assert len(_fails(m.check_tensor_misshaped, examples)) == len(examples)
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("family, key, row", [
+    ("assistant", "centroid_intermediate_top_k", ("num_centroids", "centroid_intermediate_top_k")),
+    ("dflash", "rms_norm_eps", ("rms_norm_eps", "max_position_embeddings")),
+])
+def test_control_the_keys_the_property_made_required_are_load_bearing(monkeypatch, live_oracle, family, key, row):
+    """Without the REQUIRED keys this property found, the mutation loads: the port then computes
+    another draft than optiq (the assistant's top-k) or z-lab MLX stops on a KeyError (DFlash)."""
+    live_oracle(family)
+    fam = checkpoint.family(m.config(family))
+    assert m.check_optional_key(family, key, "removed") == "refused"
+    monkeypatch.setitem(checkpoint.REQUIRED, fam, tuple(k for k in checkpoint.REQUIRED[fam] if k not in row))
+    assert _fails(m.check_optional_key, [(family, key, "removed")])
