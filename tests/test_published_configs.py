@@ -99,3 +99,53 @@ def test_deepspec_loads_the_published_dspark(live_oracle):
     assert not info["unexpected_keys"] and not [k for k in info["missing_keys"] if "rotary" not in k], info
     cfg = json.loads((path / "config.json").read_text())
     assert draft.config.target_layer_ids == cfg["target_layer_ids"] and draft.config.markov_rank == cfg["markov_rank"]
+
+
+def _on_published(module, case_name, target, drafter):
+    """The harness case `case_name` with its target and drafter replaced by the given directories."""
+    from dataclasses import replace
+
+    from spec_parity import harness
+
+    base = next(c for c in harness.all_cases([module]) if c.name == case_name)
+    return replace(base, name=f"{case_name}-published", path=str(target),
+                   params={**base.params, "drafter_path": str(drafter)})
+
+
+# The E2B assistant's shrunk widths (backbone 96, head dims 16 / 32, 1 KV head, vocab 4096, window
+# 512) on a factory Gemma-4 target of the same dims: no verbatim Gemma-4 target config was found.
+E2B_TARGET = {"hidden_size": 96, "num_key_value_heads": 1, "vocab_size": 4096, "sliding_window": 512}
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("oracle", ["optiq", "transformers"])
+@pytest.mark.parametrize("control", ["", "-control-scale", "-control-position", "-control-donor", "-control-ordering"])
+def test_the_published_assistant_drafts_like_the_references(live_oracle, oracle, control):
+    """The E2B config's drafter: port == optiq (L1) and == transformers (L2) on the case's steps;
+    the case's planted bugs (its controls, on the same checkpoints) must fail."""
+    from spec_parity import checkpoints, harness
+
+    live_oracle("assistant", oracle)
+    target = checkpoints.build("gemma4-target", 0, E2B_TARGET)
+    case = _on_published("assistant", f"step-gemma4-centroid-{oracle}{control}", target, published.build_published(E2B))
+    r = harness.evaluate(case, "live")
+    assert r.ok != bool(control), r.message()
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", ["", "tap_index", "anchor_not_predicting", "rope_on_v"])
+def test_the_published_dspark_drafts_like_deepspec(live_oracle, bug):
+    """The DeepSpec-derived DSpark Qwen3-4B config on the Qwen3-4B config: port == DeepSpec (L2);
+    planted bugs of spec_parity/controls/dspark.py on the same checkpoints must fail."""
+    from dataclasses import replace
+
+    from spec_parity import controls, harness
+
+    live_oracle("dspark")
+    case = _on_published("dspark", "mod-qwen3", published.build_published(QWEN3_4B),
+                         published.build_published(DSPARK_4B))
+    if bug:
+        case = replace(case, name=f"{case.name}-control-{bug}", control=controls.case_control("dspark", bug, "mod-qwen3"))
+    r = harness.evaluate(case, "live")
+    assert r.ok != bool(bug), r.message()
