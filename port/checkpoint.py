@@ -29,9 +29,12 @@ class CheckpointError(ValueError):
 # the loaders default differently, so that a missing one would compute another model:
 #   targets   port/targets.py and mlx-lm's ModelArgs (qwen3: its fields without a default;
 #             gemma4_text has a default for every field, transformers another for some)
-#   assistant port/assistant.py ModelArgs.from_config (the text_config keys read with [])
-#   dspark    port/dspark.py ModelArgs.from_config
-#   dflash    port/dflash.py ModelArgs.from_config (it checks the same list itself)
+#   assistant port/assistant.py ModelArgs.from_config (the text_config keys read with []); the
+#             centroid head's num_centroids / top-k (transformers defaults 2048 / 32, optiq and the
+#             port 0; tests/test_checkpoint_properties.py shows the difference)
+#   dspark    port/dspark.py ModelArgs.from_config; num_anchors, which DeepSpec's config asserts
+#   dflash    port/dflash.py ModelArgs.from_config (it checks the same list itself); rms_norm_eps and
+#             max_position_embeddings, which z-lab MLX's (mlx-lm's) qwen3 ModelArgs read without a default
 _SIZES = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
 REQUIRED: dict[str, tuple[str, ...]] = {
     "qwen3": (*_SIZES, "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
@@ -41,14 +44,15 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "assistant": ("model_type", "backbone_hidden_size", "text_config", "text_config.hidden_size",
                   "text_config.intermediate_size", "text_config.num_hidden_layers",
                   "text_config.num_attention_heads", "text_config.head_dim", "text_config.layer_types",
-                  "text_config.sliding_window", "text_config.vocab_size", "text_config.rope_parameters"),
+                  "text_config.sliding_window", "text_config.vocab_size", "text_config.rope_parameters",
+                  "num_centroids", "centroid_intermediate_top_k"),
     "dspark-gemma4": (*_SIZES, "num_key_value_heads", "global_head_dim", "block_size", "mask_token_id",
-                      "target_layer_ids", "num_target_layers", "rope_parameters"),
+                      "target_layer_ids", "num_target_layers", "num_anchors", "rope_parameters"),
     "dspark-qwen3": (*_SIZES, "num_key_value_heads", "head_dim", "block_size", "mask_token_id",
-                     "target_layer_ids", "num_target_layers", "rope_theta|rope_parameters"),
+                     "target_layer_ids", "num_target_layers", "num_anchors", "rope_theta|rope_parameters"),
     "dflash": (*_SIZES, "num_key_value_heads", "head_dim", "num_target_layers", "dflash_config",
-               "dflash_config.target_layer_ids", "dflash_config.mask_token_id",
-               "rope_theta|rope_parameters"),
+               "dflash_config.target_layer_ids", "dflash_config.mask_token_id", "rms_norm_eps",
+               "max_position_embeddings", "rope_theta|rope_parameters"),
 }
 LABELS = {"qwen3": "Qwen3 target", "gemma4_text": "Gemma-4 target", "assistant": "Gemma-4 assistant",
           "dspark-gemma4": "DeepSpec DSpark (Gemma-4)", "dspark-qwen3": "DeepSpec DSpark (Qwen3)",
@@ -189,7 +193,8 @@ def load_into(model, path: Path, weights: dict[str, mx.array], error: type[Excep
     Every tensor is consumed: one the model has no parameter for is refused by name (a head or a
     layer the port would silently not compute), except under the prefixes in `unused`, which the
     caller leaves out on purpose as its reference does (e.g. the DSpark extras with extras off)."""
-    expected = {k for k, _ in tree_flatten(model.parameters())}
+    params = dict(tree_flatten(model.parameters()))
+    expected = set(params)
     missing = sorted(expected - set(weights))
     if missing:
         what = hint(missing) if callable(hint) else hint
@@ -198,4 +203,9 @@ def load_into(model, path: Path, weights: dict[str, mx.array], error: type[Excep
     if extra:
         raise error(f"{path}: tensor(s) {extra[:6]}{' …' if len(extra) > 6 else ''} have no place in this "
                     f"port's model; remove them, or fix the config.json keys that declare that part")
+    wrong = sorted(k for k in expected if tuple(weights[k].shape) != tuple(params[k].shape))
+    if wrong:
+        got = ", ".join(f"{k} {list(weights[k].shape)} (expected {list(params[k].shape)})" for k in wrong[:3])
+        raise error(f"{path}: tensor(s) of the wrong shape: {got}{' …' if len(wrong) > 3 else ''}; "
+                    "fix the config.json keys that size them, or re-save the checkpoint")
     model.load_weights([(k, v) for k, v in weights.items() if k in expected], strict=True)

@@ -12,7 +12,7 @@ share) and one module per drafter family with its random and agreeing kinds side
 tensors)` registered with `@kind(name)`; the imports below register every kind.
 """
 
-from . import agreeing, assistant, dflash, dspark, targets
+from . import agreeing, assistant, dflash, dspark, published, targets
 from .core import (
            FILES,
            KINDS,
@@ -28,5 +28,5 @@ from .dspark import DSPARK
 from .targets import GEMMA4_VARIANTS
 
 __all__ = ["DSPARK", "FILES", "GEMMA4_VARIANTS", "KINDS", "Draw", "agreeing", "assistant", "build",
-           "cache_root", "checkpoint_hash", "dflash", "drawing_with", "dspark", "kind", "targets",
+           "cache_root", "checkpoint_hash", "dflash", "drawing_with", "dspark", "kind", "published", "targets",
            "write_checkpoint"]

@@ -70,9 +70,15 @@ def gemma4_assistant(seed: int, overrides: dict):
             c["text_config"].pop(k)
     c["architectures"] = ["Gemma4UnifiedAssistantForCausalLM" if unified else "Gemma4AssistantForCausalLM"]
     c["torch_dtype"] = "float32"
+    d = draw(seed)
+    draw_assistant(c, d, seed)
+    return c, d.tensors
+
+
+def draw_assistant(c: dict, d, seed: int) -> None:
+    """An assistant's tensors for config `c` (the kind's and the published configs' writer)."""
     t = c["text_config"]
     B, D, V = c["backbone_hidden_size"], t["hidden_size"], t["vocab_size"]
-    d = draw(seed)
     d.normal("model.embed_tokens.weight", (V, D), 1.0)
     d.scale("model.norm.weight", (D,))
     d.linear("pre_projection.weight", D, 2 * B)
@@ -92,7 +98,6 @@ def gemma4_assistant(seed: int, overrides: dict):
         d.linear("masked_embedding.centroids.weight", c["num_centroids"], D)
         order = np.random.default_rng([seed, zlib.crc32(b"token_ordering")]).permutation(V)
         d.tensors["masked_embedding.token_ordering"] = order.astype(np.int64)
-    return c, d.tensors
 
 
 @kind("gemma4-assistant-agreeing")

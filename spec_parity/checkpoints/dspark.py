@@ -104,11 +104,18 @@ def dspark_drafter(seed: int, overrides: dict):
     a = _merge(DSPARK, overrides)
     target_cfg, target_tensors = KINDS[a["target_kind"]](a.get("target_seed", seed), a["target_overrides"])
     c = dspark_config(target_cfg, a)
-    gemma = c["model_type"] == "gemma4_text"
-    H, V, r = c["hidden_size"], c["vocab_size"], a["markov_rank"]
     d = draw(seed)
     d.tensors["embed_tokens.weight"] = target_tensors["model.embed_tokens.weight"]
     d.tensors["lm_head.weight"] = target_tensors.get("lm_head.weight", target_tensors["model.embed_tokens.weight"])
+    draw_dspark(c, d)
+    return c, d.tensors
+
+
+def draw_dspark(c: dict, d) -> None:
+    """DeepSpec's state dict for config `c` but the embedding and lm head (the kind's and the
+    published configs' writer): fc, norms, draft layers, the Markov and confidence heads."""
+    gemma = c["model_type"] == "gemma4_text"
+    H, V, r = c["hidden_size"], c["vocab_size"], c.get("markov_rank", 0)
     d.linear("fc.weight", H, len(c["target_layer_ids"]) * H)
     d.scale("hidden_norm.weight", (H,))
     d.scale("norm.weight", (H,))
@@ -126,10 +133,9 @@ def dspark_drafter(seed: int, overrides: dict):
         if gemma:
             d.scale(p + "layer_scalar", (1,))
     if r:
-        d.markov_head(H, V, r, a["markov_head_type"], gain=2.0)
+        d.markov_head(H, V, r, c["markov_head_type"], gain=2.0)
     if c["enable_confidence_head"]:
         d.confidence_head(H + (r if c.get("confidence_head_with_markov") else 0))
-    return c, d.tensors
 
 
 def _markov_bias(kind_name: str, W1, W2, out_map=None) -> np.ndarray:
