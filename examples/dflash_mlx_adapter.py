@@ -76,7 +76,6 @@ def _load(req):
 
 def _modules(req) -> dict:
     import mlx.core as mx
-    from dflash_mlx.draft_backend import EagerDraftBackend
     from dflash_mlx.engine.config import resolve_draft_window
     from dflash_mlx.runtime.config import runtime_config_from_defaults
 
@@ -88,7 +87,7 @@ def _modules(req) -> dict:
     n_ctx = p.shape[1] + len(o["accepts"]) * bs
     sink, window = resolve_draft_window(runtime_config_from_defaults(), draft, context_len=n_ctx,
                                         allow_full_attention_context=allow_full)
-    backend = EagerDraftBackend()
+    backend = third_party.dflash_mlx_backend()
     draft_cache = third_party.dflash_mlx_cache(backend, draft, sink, window, allow_full)
     cache = ops.make_cache(target, enable_speculative_linear_cache=True)
 
@@ -137,7 +136,6 @@ def _modules(req) -> dict:
 
 def _loop(req) -> dict:
     from dflash_mlx.diagnostics import DiagnosticsConfig, TraceConfig
-    from dflash_mlx.draft_backend import EagerDraftBackend
     from dflash_mlx.engine.events import CycleCompleteEvent, TokenEvent
     from dflash_mlx.runtime import stream_dflash_generate
     from dflash_mlx.runtime.context import build_offline_runtime_config, build_runtime_context
@@ -148,7 +146,7 @@ def _loop(req) -> dict:
                                     DiagnosticsConfig(trace=TraceConfig(cycle_events=True)))
     tokens, rounds = [], []
     for e in stream_dflash_generate(target_model=target, target_ops=ops, draft_model=draft,
-                                    draft_backend=EagerDraftBackend(), prompt_tokens_override=req.prompt[0].tolist(),
+                                    draft_backend=third_party.dflash_mlx_backend(), prompt_tokens_override=req.prompt[0].tolist(),
                                     max_new_tokens=o["max_tokens"], stop_token_ids=list(o["eos"]),
                                     runtime_context=context):
         if isinstance(e, TokenEvent):

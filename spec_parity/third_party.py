@@ -34,6 +34,13 @@ def dflash_mlx_bind(draft, target, ops):
     return bind_draft_to_target(draft, target, target_ops=ops)
 
 
+def dflash_mlx_backend():
+    """dflash-mlx's eager draft backend (`EagerDraftBackend`): what its loop drafts with."""
+    from dflash_mlx.draft_backend import EagerDraftBackend
+
+    return EagerDraftBackend()
+
+
 def dflash_mlx_cache(backend, draft, sink: int, window: int, allow_full: bool):
     """The drafter's context caches of an `EagerDraftBackend` (`make_cache`)."""
     return backend.make_cache(draft_model=draft, sink_size=sink, window_size=window,

@@ -12,6 +12,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
+from .port_sides import PORT_MODULES
 from .sides import Stepper
 
 _OP_NODE = re.compile(r'\{ (\d+) \[label ="([^"]+)", shape=rectangle\]; \}')
@@ -136,8 +137,6 @@ class HostSyncs:
         return False
 
 
-PORT_MODULES = ("port.assistant", "port.compiled", "port.dflash", "port.dspark", "port.sampling", "port.serve",
-                "port.targets")
 SCALAR_POOL_BYTES = 8  # MLX CUDA keeps buffers up to 8 bytes in a GPU-mapped scalar pool
 
 

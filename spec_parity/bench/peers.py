@@ -65,13 +65,11 @@ def dflash_mlx_side(prep: Prep) -> Stepper:
     """dflash-mlx 0.1.8: `load_draft_bundle`, `resolve_target_ops` + `bind_draft_to_target`,
     `EagerDraftBackend.make_cache` (full-context layers, window over the whole context: exact
     DFlash), then per block `project_target_hidden(new taps)` + `draft_greedy`."""
-    from dflash_mlx.draft_backend import EagerDraftBackend
-
     with serve_weights(prep.ckpt):
         draft = third_party.dflash_mlx_draft(prep.ckpt.drafter_dir)
     model = prep.target.model
     ops = third_party.dflash_mlx_bind(draft, model, third_party.dflash_mlx_target_ops(model))
-    backend = EagerDraftBackend()
+    backend = third_party.dflash_mlx_backend()
     cache = third_party.dflash_mlx_cache(backend, draft, 64, prep.ctx + 65536, True)
     first = mx.array([prep.anchor], dtype=mx.uint32)
     tail = third_party.dflash_mlx_tail(draft)

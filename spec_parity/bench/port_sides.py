@@ -14,6 +14,9 @@ from .shapes import SOURCES, Checkpoints, serve_weights
 from .sides import Prep, Side, Stepper
 
 BUCKET = 256  # mlx-lm KVCache's own growth step
+# The port's modules whose host-filled buffers counters.HostBuffers counts (by name: not imported).
+PORT_MODULES = ("port.assistant", "port.compiled", "port.dflash", "port.dspark", "port.sampling", "port.serve",
+                "port.targets")
 
 
 def prepare(ckpt: Checkpoints, torch: tuple[str | None, str], prompt: list[int]) -> Prep:
