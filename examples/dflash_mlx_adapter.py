@@ -12,6 +12,7 @@ Everything goes through dflash-mlx's public objects: `DFlashDraftModel` (loaded 
 `extract_context_feature`, `logits_from_hidden`), `EagerDraftBackend` (`make_cache`,
 `draft_greedy`) and its caches' `fetch()`. The target is loaded with mlx-lm's `load_model`
 (spec-parity's checkpoints carry no tokenizer, which dflash-mlx's `load_target_bundle` wants).
+The calls the bench makes too are written once, in spec_parity/third_party.py.
 
 Module cases drive dflash-mlx's own calls in the forced accept schedule (`accepts`), one round
 as its decode loop does one: draft_greedy on the committed context, verify [anchor + drafts],
@@ -44,7 +45,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from spec_parity import ports
+from spec_parity import ports, third_party
 
 
 def make_port() -> ports.Port:
@@ -64,21 +65,18 @@ def run(req) -> dict:
 def _load(req):
     """Target (mlx-lm model + dflash-mlx TargetOps, hooks installed as load_target_bundle does)
     and the drafter bound to it."""
-    from dflash_mlx.engine.target_ops import bind_draft_to_target, resolve_target_ops
-    from dflash_mlx.runtime.loading import load_draft_bundle
     from mlx_lm.utils import load_model
 
     target, _ = load_model(req.target, lazy=False)
-    ops = resolve_target_ops(target)
+    ops = third_party.dflash_mlx_target_ops(target)
     ops.install_speculative_hooks(target)
-    draft, _ = load_draft_bundle(str(req.drafter), lazy=False)
-    bind_draft_to_target(draft, target, target_ops=ops)
+    draft = third_party.dflash_mlx_draft(req.drafter)
+    third_party.dflash_mlx_bind(draft, target, ops)
     return target, ops, draft
 
 
 def _modules(req) -> dict:
     import mlx.core as mx
-    from dflash_mlx.draft_backend import EagerDraftBackend
     from dflash_mlx.engine.config import resolve_draft_window
     from dflash_mlx.runtime.config import runtime_config_from_defaults
 
@@ -90,9 +88,8 @@ def _modules(req) -> dict:
     n_ctx = p.shape[1] + len(o["accepts"]) * bs
     sink, window = resolve_draft_window(runtime_config_from_defaults(), draft, context_len=n_ctx,
                                         allow_full_attention_context=allow_full)
-    backend = EagerDraftBackend()
-    draft_cache = backend.make_cache(draft_model=draft, sink_size=sink, window_size=window,
-                                     allow_full_context_layers=allow_full)
+    backend = third_party.dflash_mlx_backend()
+    draft_cache = third_party.dflash_mlx_cache(backend, draft, sink, window, allow_full)
     cache = ops.make_cache(target, enable_speculative_linear_cache=True)
 
     hidden = []
@@ -113,12 +110,10 @@ def _modules(req) -> dict:
     taps = mx.concatenate(feats, axis=1)
     anchor = int(mx.argmax(logits[0, -1]).item())
     out, anchors, start = {"taps.0": taps[0]}, [anchor], p.shape[1]
-    tail = mx.full((bs - 1,), draft.mask_token_id, dtype=mx.uint32)
+    tail = third_party.dflash_mlx_tail(draft)
     for r, a in enumerate(o["accepts"]):
-        tokens = backend.draft_greedy(target_model=target, target_ops=ops, draft_model=draft, draft_cache=draft_cache,
-                                      staged_first=mx.array([anchor], dtype=mx.uint32),
-                                      draft_context=draft.project_target_hidden(taps), block_len=bs,
-                                      mask_token_tail=tail, suppress_token_mask=None, async_launch=False)
+        tokens = third_party.dflash_mlx_block(backend, target, ops, draft, draft_cache,
+                                              mx.array([anchor], dtype=mx.uint32), tail, taps)
         h = hidden[-1]
         out[f"hidden.{r}"], out[f"tokens.{r}"] = h[0, 1:], tokens.astype(mx.int32)
         out[f"logits.{r}"] = ops.logits_from_hidden(target, h[:, 1:, :])[0]
@@ -142,7 +137,6 @@ def _modules(req) -> dict:
 
 def _loop(req) -> dict:
     from dflash_mlx.diagnostics import DiagnosticsConfig, TraceConfig
-    from dflash_mlx.draft_backend import EagerDraftBackend
     from dflash_mlx.engine.events import CycleCompleteEvent, TokenEvent
     from dflash_mlx.runtime import stream_dflash_generate
     from dflash_mlx.runtime.context import build_offline_runtime_config, build_runtime_context
@@ -153,7 +147,7 @@ def _loop(req) -> dict:
                                     DiagnosticsConfig(trace=TraceConfig(cycle_events=True)))
     tokens, rounds = [], []
     for e in stream_dflash_generate(target_model=target, target_ops=ops, draft_model=draft,
-                                    draft_backend=EagerDraftBackend(), prompt_tokens_override=req.prompt[0].tolist(),
+                                    draft_backend=third_party.dflash_mlx_backend(), prompt_tokens_override=req.prompt[0].tolist(),
                                     max_new_tokens=o["max_tokens"], stop_token_ids=list(o["eos"]),
                                     runtime_context=context):
         if isinstance(e, TokenEvent):

@@ -11,7 +11,8 @@ Markov and confidence heads). The target is the host, which dspark-mlx leaves to
 (`BaseModelAdapter`): on Qwen3 its own `hosts.MlxLmHostAdapter`; on Gemma-4 its host is
 mlx-vlm's multimodal model, which does not load an mlx-lm `gemma4_text` checkpoint, so a small
 `BaseModelAdapter` here runs spec-parity's mlx-lm target (port.targets, which the targets pair
-holds to transformers) and hands dspark-mlx the tapped hiddens `hidden_states[l + 1]`.
+holds to transformers) and hands dspark-mlx the tapped hiddens `hidden_states[l + 1]`. Loading and
+the first draft, which the bench makes too, are written once, in spec_parity/third_party.py.
 
 Module cases run the round the protocol defines (DeepSpec's first round): every prompt row's
 taps into the context (`extend_context`), then `draft(anchor)` with the target's greedy next
@@ -40,7 +41,7 @@ import contextlib
 
 import numpy as np
 
-from spec_parity import ports
+from spec_parity import ports, third_party
 
 
 def make_port() -> ports.Port:
@@ -97,11 +98,10 @@ class _Host:
 def _load(req):
     import json
 
-    import dspark_mlx
     from dspark_mlx.hosts import MlxLmHostAdapter
     from mlx_lm.utils import load_model
 
-    drafter, config = dspark_mlx.load_draft(str(req.drafter))
+    drafter, config = third_party.dspark_mlx_draft(req.drafter)
     ids = config["target_layer_ids"]
     family = json.loads((req.target / "config.json").read_text()).get("model_type", "")
     host = _Host(req.target, ids) if family.startswith("gemma") else MlxLmHostAdapter(load_model(req.target)[0], ids)
@@ -133,11 +133,10 @@ def _modules(req) -> dict:
     drafter, host = _load(req)
     step = host.prefill(mx.array(req.prompt.astype(np.int32)))
     anchor = int(mx.argmax(step.logits[0]).item())
-    drafter.reset()
-    drafter.extend_context(step.main_hidden)
     seen: list = []
     with _recording_decode(drafter, seen):
-        ids, logits, confidence = drafter.draft(mx.array([anchor], dtype=mx.int32))
+        ids, logits, confidence = third_party.dspark_mlx_first(drafter, step.main_hidden,
+                                                               mx.array([anchor], dtype=mx.int32))
     base, hidden = seen[-1]
     tokens = np.array(ids[0, 1:]).astype(np.int32)
     out = {"anchor": np.array([anchor], np.int32), "taps": step.main_hidden[0],

@@ -42,6 +42,32 @@ def _np(a) -> np.ndarray:
     return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
 
 
+def optiq_drafter(drafter_dir: Path):
+    """optiq's drafter from a checkpoint directory (`GemmaAssistantDrafter.from_pretrained`)."""
+    from optiq.runtime.spec.drafters.gemma_assistant import GemmaAssistantDrafter
+
+    return GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
+
+
+def optiq_donors(target, caches: list) -> dict:
+    """The donor K/V optiq's drafter reads, per layer type (`extract_typed_kv` of the target's caches)."""
+    from optiq.runtime.spec.kv_view import extract_typed_kv
+
+    return extract_typed_kv(target, caches)
+
+
+def optiq_step(drafter, target, token: int, hidden, shared: dict, position: int) -> tuple:
+    """One draft step as optiq's spec_generate drafts it: the target's embedding of `token`
+    (`_target_embed`), `drafter.forward` at `position`, the argmax. (embedding, logits, next
+    hidden, next token)."""
+    import mlx.core as mx
+    from optiq.runtime.spec import runtime
+
+    emb = runtime._target_embed(target, token)
+    logits, h = drafter.forward(last_token_emb=emb, target_hidden=hidden, shared_kv=shared, position=position)
+    return emb, logits, h, int(mx.argmax(logits))
+
+
 def optiq_draft_steps(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int,
                       dtype: str = "float32") -> dict:
     """Prefill the mlx-lm target with optiq's helpers, then gamma drafter steps as optiq's
@@ -51,11 +77,9 @@ def optiq_draft_steps(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, g
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
     from optiq.runtime.spec import runtime
-    from optiq.runtime.spec.drafters.gemma_assistant import GemmaAssistantDrafter
-    from optiq.runtime.spec.kv_view import extract_typed_kv
 
     target, _ = load_model(Path(target_dir))
-    drafter = GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
+    drafter = optiq_drafter(drafter_dir)
     if dtype != "float32":
         target.set_dtype(getattr(mx, dtype))
         drafter.set_dtype(getattr(mx, dtype))
@@ -64,19 +88,17 @@ def optiq_draft_steps(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, g
     token = runtime._greedy(logits)
     h = hidden[:, -1:, :]
     position = caches[0].offset
-    shared = extract_typed_kv(target, caches)
+    shared = optiq_donors(target, caches)
     out = {"anchor.token": np.array([token], np.int32), "anchor.hidden": _np(h),
            "position": np.array([position], np.int32)}
     for name, (k, v) in shared.items():
         out[f"donor.{name}.k"], out[f"donor.{name}.v"] = _np(k), _np(v)
     tok, layers = token, {}
     for k in range(gamma):
-        emb = runtime._target_embed(target, tok)
+        with mlx_recorded(drafter.layers, layers) if k == 0 else contextlib.nullcontext():
+            emb, lg, h, tok = optiq_step(drafter, target, tok, h, shared, position + k)
         if k == 0:
             out["anchor.emb"] = _np(emb)
-        with mlx_recorded(drafter.layers, layers) if k == 0 else contextlib.nullcontext():
-            lg, h = drafter.forward(last_token_emb=emb, target_hidden=h, shared_kv=shared, position=position + k)
-        tok = int(mx.argmax(lg))
         out[f"step{k}.logits"], out[f"step{k}.next_hidden"] = _np(lg), _np(h)
         out[f"step{k}.token"] = np.array([tok], np.int32)
     return {**out, **as_numpy(layers)}
@@ -104,10 +126,9 @@ def optiq_spec_generate(target_dir: Path, drafter_dir: Path, prompt: np.ndarray,
     import mlx.core as mx
     from mlx_lm.utils import load_model
     from optiq.runtime.spec import SpecConfig, spec_generate
-    from optiq.runtime.spec.drafters.gemma_assistant import GemmaAssistantDrafter
 
     target, _ = load_model(Path(target_dir))
-    drafter = GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
+    drafter = optiq_drafter(drafter_dir)
     rows, forward = [], drafter.forward
 
     def observed(*args, **kw):
@@ -150,11 +171,10 @@ def optiq_generate_step_sampled(target_dir: Path, drafter_dir: Path, prompt: np.
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
     from mlx_lm.utils import load_model
-    from optiq.runtime.spec.drafters.gemma_assistant import GemmaAssistantDrafter
     from optiq.runtime.spec.runtime import SpecStats, assistant_generate_step
 
     target, _ = load_model(Path(target_dir))
-    drafter = GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
+    drafter = optiq_drafter(drafter_dir)
     tokens = np.full((len(seeds), max_tokens), -1, np.int32)
     first, accepted, drafted, calls, rounds = [], [], [], [], []
     for i, seed in enumerate(seeds):
@@ -185,6 +205,27 @@ def optiq_generate_step_sampled(target_dir: Path, drafter_dir: Path, prompt: np.
 
 # ---- transformers (torch) ---------------------------------------------------------------------
 
+def hf_drafter_from_config(drafter_dir: Path, dtype, device):
+    """transformers' assistant (`AutoModelForCausalLM.from_config` of the checkpoint's config, sdpa)
+    on `device`, its weights left to the caller (the bench loads them from memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(drafter_dir)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+
+
+def hf_step(drafter, emb, hidden, position: int, shared: dict) -> tuple:
+    """One draft step of transformers' assistant: `inputs_embeds` = [target embedding ; hidden]
+    [1, 1, 2H], at `position`, attending to `shared_kv_states`. (logits [V], last_hidden_state)."""
+    import torch
+
+    r = drafter(inputs_embeds=torch.cat([emb, hidden], dim=-1),
+                position_ids=torch.tensor([[position]], device=hidden.device), shared_kv_states=shared)
+    return r.logits[0, 0], r.last_hidden_state
+
+
 def hf_draft_steps(drafter_dir: Path, inputs: dict, gamma: int, window_keep: int | None,
                    positions: str = "optiq") -> dict:
     """transformers' assistant drafts `gamma` chained steps from the given inputs (the anchor
@@ -211,10 +252,8 @@ def hf_draft_steps(drafter_dir: Path, inputs: dict, gamma: int, window_keep: int
         for step in range(gamma):
             pos = P + step if positions == "optiq" else P
             with torch_recorded(_layer_list(drafter), layers) if step == 0 else contextlib.nullcontext():
-                r = drafter(inputs_embeds=torch.cat([table[tok][None, None], h], dim=-1),
-                            position_ids=torch.tensor([[pos]]), shared_kv_states=shared)
-            lg = r.logits[0, 0]
-            tok, h = int(lg.argmax()), r.last_hidden_state
+                lg, h = hf_step(drafter, table[tok][None, None], h, pos, shared)
+            tok = int(lg.argmax())
             out[f"step{step}.logits"], out[f"step{step}.next_hidden"] = lg.numpy(), h.numpy()
             out[f"step{step}.token"] = np.array([tok], np.int32)
     return {**out, **as_numpy(layers)}

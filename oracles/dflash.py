@@ -48,14 +48,35 @@ def _local_snapshot():
         z.snapshot_download = saved
 
 
-def _load(target_dir: Path, drafter_dir: Path):
+def load_draft(drafter_dir: Path):
+    """z-lab's MLX draft model from a checkpoint directory (`load_draft`, no hub lookup)."""
     from dflash import model_mlx as z
+
+    with _local_snapshot():
+        return z.load_draft(str(drafter_dir))
+
+
+def bind(draft, target) -> list:
+    """The draft model bound to the mlx-lm target (`bind`: its embedding and head); a fresh draft
+    cache (`make_prompt_cache`)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    draft.bind(target)
+    return make_prompt_cache(draft)
+
+
+def draft_block(draft, block, hidden, cache) -> tuple:
+    """One draft block after the new context rows `hidden`: `hidden_states(block, hidden, cache,
+    logits_start=1)` and `compute_logits`. (block hidden, logits)."""
+    h = draft.hidden_states(block, hidden, cache, logits_start=1)
+    return h, draft.compute_logits(h)
+
+
+def _load(target_dir: Path, drafter_dir: Path):
     from mlx_lm.utils import load_model
 
     target, _ = load_model(Path(target_dir))
-    with _local_snapshot():
-        draft = z.load_draft(str(drafter_dir))
-    return target, draft
+    return target, load_draft(drafter_dir)
 
 
 class _Detokenizer:
@@ -101,8 +122,7 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accepts: li
     model, draft = _load(target_dir, drafter_dir)
     cfg = draft.config
     z._patch_model(model, cfg.target_layer_ids)
-    cache, dcache = make_prompt_cache(model), make_prompt_cache(draft)
-    draft.bind(model)
+    cache, dcache = make_prompt_cache(model), bind(draft, model)
     limit = cfg.sliding_window - 1 if all(t == "sliding_attention" for t in cfg.layer_types) else None
     logits, hidden, hidden_offset = z._prefill_target(model, mx.array(prompt[0]), cache, limit, 2048)
     for c in dcache:
@@ -115,8 +135,7 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accepts: li
     for r, a in enumerate(accepts):
         block = mx.array([[anchor] + [int(cfg.mask_token_id)] * (bs - 1)])
         with mlx_recorded(draft.layers, layers) if r == 0 else contextlib.nullcontext():
-            h = draft.hidden_states(block, hidden, dcache, logits_start=1)
-        dl = draft.compute_logits(h)
+            h, dl = draft_block(draft, block, hidden, dcache)
         tokens = mx.argmax(dl, axis=-1)
         out[f"hidden.{r}"], out[f"logits.{r}"], out[f"tokens.{r}"] = h[0], dl[0], tokens[0].astype(mx.int32)
         vl = model(mx.concatenate([mx.array([[anchor]]), tokens], axis=1), cache)

@@ -16,7 +16,9 @@ functions: `DFlashDraftModel.from_pretrained`, `extract_context_feature`, `_make
 and the T=0 loop `dflash_generate` (with return_stats=True for its per-round acceptance lengths;
 its timing helper calls torch.cuda.synchronize(), so that one helper is replaced by
 time.perf_counter on CPU). The loop is observed through wrappers that record what the drafter's
-`compute_logits` and the target's forward return; nothing they compute is changed.
+`compute_logits` and the target's forward return; nothing they compute is changed. The bench's
+zlab-torch side (spec_parity/bench/peers.py) imports this file as `oracles.dflash_torch_runner`
+for the same block calls (`empty_drafter`, `make_cache`, `draft_block`), in its own process.
 """
 
 from __future__ import annotations
@@ -54,6 +56,47 @@ def _recorder(out: dict, i: int):
     return hook
 
 
+def empty_drafter(drafter_dir, dtype, device):
+    """z-lab's `DFlashDraftModel` from the checkpoint's Qwen3 config on `device`, its weights left
+    to the caller (the bench, in the main environment, loads them from memory)."""
+    import torch
+    from dflash.model import DFlashDraftModel
+    from transformers import Qwen3Config
+
+    config = Qwen3Config.from_pretrained(drafter_dir)
+    with torch.device(device):
+        return DFlashDraftModel(config).to(dtype).eval()
+
+
+def make_cache(model):
+    """z-lab's `_make_cache` for a model (the drafter or the target)."""
+    from dflash import model as z
+
+    return z._make_cache(model.config)
+
+
+def embedding_scale(m) -> float:
+    """The drafter's `input_embedding_scale` as z-lab reads it (`_draft_value`)."""
+    from dflash import model as z
+
+    return float(z._draft_value(m.config, "input_embedding_scale", 1.0))
+
+
+def draft_block(m, target, block, scale: float, hidden, positions, start: int, cache) -> tuple:
+    """One draft block as `dflash_generate` drafts it: the drafter's forward on the new context rows
+    `hidden` (the committed length is `start`; positions start - len(hidden) .. start + bs - 1)
+    with the block's `_raw_input_embeddings`, the draft cache cropped back to `start` (`_crop_to`),
+    `compute_logits` with the target's `_output_head`. (block hidden [1, bs-1, H], logits)."""
+    from dflash import model as z
+
+    bs = block.shape[1]
+    h = m(target_hidden=hidden, noise_embedding=z._raw_input_embeddings(target, block, scale),
+          position_ids=positions[:, start - hidden.shape[1]: start + bs], past_key_values=cache,
+          use_cache=True)[:, 1 - bs:, :]
+    z._crop_to(cache, start)
+    return h, m.compute_logits(h, z._output_head(target))
+
+
 def modules(req: dict) -> dict:
     """The module rounds of the MLX oracle, on z-lab's torch pieces: one prefill of the prompt with
     hidden states, then per round the block through the drafter's forward (context = the new taps,
@@ -67,9 +110,9 @@ def modules(req: dict) -> dict:
     target, m = _load(req["target"], req["drafter"])
     ids = torch.tensor([req["prompt"]], dtype=torch.long)
     P, bs = ids.shape[1], int(m.block_size)
-    ies = float(z._draft_value(m.config, "input_embedding_scale", 1.0))
+    ies = embedding_scale(m)
     positions = torch.arange(P + bs * (len(req["accepts"]) + 1) + 1).unsqueeze(0)
-    tcache, dcache = z._make_cache(target.config), z._make_cache(m.config)
+    tcache, dcache = make_cache(target), make_cache(m)
     out = {}
     with torch.inference_mode():
         res = target(ids, position_ids=positions[:, :P], past_key_values=tcache, use_cache=True,
@@ -83,13 +126,9 @@ def modules(req: dict) -> dict:
             block = torch.full((1, bs), int(m.mask_token_id), dtype=torch.long)
             block[0, 0] = anchor
             hooks = [layer.register_forward_hook(_recorder(out, i)) for i, layer in enumerate(m.layers)] if r == 0 else []
-            h = m(target_hidden=hidden, noise_embedding=z._raw_input_embeddings(target, block, ies),
-                  position_ids=positions[:, start - hidden.shape[1]: start + bs], past_key_values=dcache,
-                  use_cache=True)[:, 1 - bs:, :]
+            h, logits = draft_block(m, target, block, ies, hidden, positions, start, dcache)
             for hook in hooks:
                 hook.remove()
-            z._crop_to(dcache, start)
-            logits = m.compute_logits(h, z._output_head(target))
             tokens = logits.argmax(-1)
             out[f"hidden.{r}"], out[f"logits.{r}"], out[f"tokens.{r}"] = h[0], logits[0], tokens[0].to(torch.int32)
             block[0, 1:] = tokens[0]

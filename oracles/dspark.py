@@ -11,6 +11,7 @@ deepseek-ai/DeepSpec, extract it outside the repo, `export DEEPSPEC_SRC=/path/to
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -76,6 +77,42 @@ def _models(target_dir: Path, drafter_dir: Path):
     return target, draft
 
 
+def empty_drafter(drafter_dir: Path, dtype, device):
+    """DeepSpec's `Qwen3DSparkModel` / `Gemma4DSparkModel` (by the drafter config's model_type) from
+    the checkpoint's config, sdpa, on `device`, its weights left to the caller (the bench loads
+    them from memory)."""
+    import torch
+
+    _import()
+    from deepspec.modeling.dspark import Gemma4DSparkModel, Qwen3DSparkModel
+
+    gemma = json.loads((Path(drafter_dir) / "config.json").read_text()).get("model_type") == "gemma4_text"
+    cls = Gemma4DSparkModel if gemma else Qwen3DSparkModel
+    config = cls.config_class.from_pretrained(drafter_dir)
+    config._attn_implementation = "sdpa"
+    with torch.device(device):
+        return cls(config).to(dtype).eval()
+
+
+def draft_block(m, ids, positions, cache, taps, start: int):
+    """The block's hidden states after the new context rows `taps` (committed length `start`):
+    `forward_dspark_draft_block`."""
+    _import()
+    from deepspec.eval.dspark.draft_ops import forward_dspark_draft_block
+
+    return forward_dspark_draft_block(m, draft_input_ids=ids, position_ids=positions, past_key_values_draft=cache,
+                                      target_hidden_states=taps, start=start, block_size=int(m.block_size))
+
+
+def proposal(m, ids, block, threshold: float):
+    """DeepSpec's T=0 proposal of a block (`build_dspark_proposal`)."""
+    _import()
+    from deepspec.eval.dspark.draft_ops import build_dspark_proposal
+
+    return build_dspark_proposal(m, draft_input_ids=ids, block_hidden=block, block_size=int(m.block_size),
+                                 temperature=0.0, confidence_threshold=threshold)
+
+
 def draft_config(target_dir: Path, args: dict) -> dict:
     """DeepSpec's own config path: `build_draft_config(target_config, model_args)` (Gemma-4 wants
     the multimodal top-level config, so the tiny text config is wrapped in a Gemma4Config)."""
@@ -110,12 +147,7 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, thresholds:
     from transformers import DynamicCache
 
     _import()
-    from deepspec.eval.dspark.draft_ops import (
-        _confident_prefix_length,
-        _predict_confidence_logits,
-        build_dspark_proposal,
-        forward_dspark_draft_block,
-    )
+    from deepspec.eval.dspark.draft_ops import _confident_prefix_length, _predict_confidence_logits
     from deepspec.modeling.dspark import extract_context_feature
 
     target, m = _models(target_dir, drafter_dir)
@@ -134,9 +166,7 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, thresholds:
         position_ids = torch.arange(P + bs + 1).unsqueeze(0)
         cache = DynamicCache()
         with torch_recorded(m.layers, layers):
-                block = forward_dspark_draft_block(m, draft_input_ids=draft_ids, position_ids=position_ids,
-                                               past_key_values_draft=cache, target_hidden_states=taps,
-                                               start=P, block_size=bs)
+            block = draft_block(m, draft_ids, position_ids, cache, taps, P)
         for i, layer in enumerate(cache.layers):
             out[f"context_k.{i}"], out[f"context_v.{i}"] = layer.keys[0], layer.values[0]
         out["block_hidden"] = block[0, :bs]
@@ -152,8 +182,7 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, thresholds:
             out["confidence"] = conf[0]
         for t in thresholds:
             n = _confident_prefix_length(conf, block_size=bs, threshold=t) if conf is not None else bs
-            prop = build_dspark_proposal(m, draft_input_ids=draft_ids, block_hidden=block, block_size=bs,
-                                         temperature=0.0, confidence_threshold=t)
+            prop = proposal(m, draft_ids, block, t)
             out[f"prefix@{t}"] = torch.tensor([n], dtype=torch.int32)
             out[f"proposal@{t}"] = prop.verify_input_ids[0, 1:].to(torch.int32)
     return {**{k: v.detach().float().numpy() if v.is_floating_point() else v.numpy() for k, v in out.items()},

@@ -12,10 +12,24 @@ from . import checkpoints
 
 
 @dataclass(frozen=True)
+class Shapes:
+    """What a bench case (spec_parity/bench) measures beyond its checkpoints: the size it stands
+    for (`tiny`: the factory's checkpoints on disk; `real`: real shapes, random weights in memory),
+    the context it drafts after and the drafts per call."""
+
+    size: str                  # "tiny" | "real"
+    label: str                 # what the case stands for, for the tables
+    ctx: int                   # context length: donor K/V (assistant) or context rows (blocks)
+    gamma: int                 # assistant: chained steps per draft call; blocks: drafts per block
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Case:
     """What to compare: a checkpoint (factory kind + seed + overrides, or a real path), the
     parameters of the run, the tier it is held to, and, for a negative control, the planted
-    perturbation (`control`) that the comparison must catch."""
+    perturbation (`control`) that the comparison must catch. A bench case carries its `shapes`
+    (module = its draft source, params["drafter"] its drafter, as for the drafter pairs)."""
 
     module: str
     name: str
@@ -28,6 +42,7 @@ class Case:
     control: dict | None = field(default=None, hash=False)
     path: str | None = None
     oracle: str = ""
+    shapes: Shapes | None = field(default=None, hash=False)
 
     @property
     def id(self) -> str:

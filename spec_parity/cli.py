@@ -227,13 +227,15 @@ def cmd_bench(args) -> int:
     reported, never asserted. Writes OUT/bench.json, bench.md, bench.png."""
     import mlx.core as mx
 
-    from . import bench, bench_report, bench_shapes, bench_sides
+    from . import bench
+    from .bench import report as bench_report
+    from .bench import shapes as bench_shapes
 
     real = args.shapes == "real"
     if args.scale < 1 or (args.scale > 1 and not real):
         sys.exit("--scale N (N >= 1) shrinks the real shapes (widths, vocabulary, windows, context); "
                  "it applies to --shapes real only")
-    peers = None if args.peers == "auto" else [] if args.peers == "none" else _csv(args.peers, {**bench_sides.PORT_OPTIONS, **bench_sides.PEERS}, "peers")
+    peers = None if args.peers == "auto" else [] if args.peers == "none" else _csv(args.peers, bench.runner.OTHERS, "peers")
     gpu = mx.default_device().type == mx.DeviceType.gpu
     opts = bench.Options(
         shapes=args.shapes, sources=tuple(_csv(args.sources, bench_shapes.SOURCES, "sources")), peers=peers,

@@ -13,7 +13,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from spec_parity import bench, bench_shapes, bench_sides, cli, controls, harness
+from spec_parity import bench, cli, controls, harness
+from spec_parity.bench import port_sides, report, runner, serve, shapes, sides, timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,9 +78,9 @@ def test_graph_ops_count_pending_primitives_once_and_a_planted_op():
 def test_count_step_sees_a_planted_op_and_a_planted_sync():
     x = mx.ones((8,))
     mx.eval(x)
-    base = bench.count_step(bench_sides.Stepper(lambda: mx.exp(x)))
-    op = bench.count_step(bench_sides.Stepper(lambda: mx.exp(x) * x))
-    sync = bench.count_step(bench_sides.Stepper(lambda: [mx.exp(x), mx.exp(x).sum().item()]))
+    base = bench.count_step(sides.Stepper(lambda: mx.exp(x)))
+    op = bench.count_step(sides.Stepper(lambda: mx.exp(x) * x))
+    sync = bench.count_step(sides.Stepper(lambda: [mx.exp(x), mx.exp(x).sum().item()]))
     assert base["graph_ops"] == 1 and base["host_syncs"] == 1   # the caller's eval of the output
     assert op["graph_ops"] == base["graph_ops"] + 1
     assert sync["host_syncs"] == base["host_syncs"] + 1
@@ -88,12 +89,12 @@ def test_count_step_sees_a_planted_op_and_a_planted_sync():
 # ---- the pieces -------------------------------------------------------------------------------------
 
 def test_serve_weights_hands_out_the_same_arrays_and_restores_mx_load(tmp_path):
-    spec = next(s for s in bench_shapes.tiny_specs() if s.name == "dflash-qwen3")
-    case = bench_shapes.build(spec, "tiny", "bfloat16", tmp_path)
+    case = next(c for c in shapes.tiny_cases(dtype="bfloat16") if c.name == "dflash-qwen3")
+    ckpt = shapes.build(case, tmp_path)
     real_load = mx.load
-    served = case.weights("drafter")
-    with bench_shapes.serve_weights(case):
-        got = mx.load(str(case.drafter_dir / "model.safetensors"))
+    served = ckpt.weights("drafter")
+    with shapes.serve_weights(ckpt):
+        got = mx.load(str(ckpt.drafter_dir / "model.safetensors"))
     assert mx.load is real_load
     assert set(got) == set(served) and all(got[k] is served[k] for k in served)
     assert all(v.dtype == mx.bfloat16 for v in served.values())
@@ -103,36 +104,38 @@ def test_real_shapes_build_in_memory_at_the_references_floor_bytes(tmp_path):
     """At full size (nothing evaluated: the draws are lazy) the bytes model gives REFERENCES.md's
     floors: 12B tied 0.24 ms, E4B centroid 0.0095 ms, DFlash 0.52 ms at 3.6 TB/s."""
     floors = {}
-    for spec in bench_shapes.real_specs():
-        case = bench_shapes.build(spec, "real", "bfloat16", tmp_path)
-        assert (case.drafter_dir / "model.safetensors").stat().st_size < 1024  # config only on disk
-        floors[spec.name] = bench_shapes.step_bytes(case)["total"] / 3.6e12 * 1e3
+    for case in shapes.real_cases(dtype="bfloat16"):
+        ckpt = shapes.build(case, tmp_path)
+        assert (ckpt.drafter_dir / "model.safetensors").stat().st_size < 1024  # config only on disk
+        floors[case.name] = shapes.step_bytes(ckpt)["total"] / 3.6e12 * 1e3
     assert floors["assistant-12b-tied"] == pytest.approx(0.24, rel=0.05)
     assert floors["assistant-e4b-centroid"] == pytest.approx(0.0095, rel=0.1)
     assert floors["dflash-qwen3-4b"] == pytest.approx(0.52, rel=0.05)
 
 
 def test_centroid_floor_reads_only_the_selected_rows(tmp_path):
-    specs = {s.name: s for s in bench_shapes.tiny_specs()}
+    cases = {c.name: c for c in shapes.tiny_cases()}
     for name, full in (("assistant-tied", True), ("assistant-centroid", False)):
-        case = bench_shapes.build(specs[name], "tiny", "float32", tmp_path)
-        all_weights = sum(v.nbytes for v in case.weights("drafter").values())
-        counted = bench_shapes.step_bytes(case)["parts"]["drafter weights"]
+        ckpt = shapes.build(cases[name], tmp_path)
+        all_weights = sum(v.nbytes for v in ckpt.weights("drafter").values())
+        counted = shapes.step_bytes(ckpt)["parts"]["drafter weights"]
         assert (counted == all_weights) is full
 
 
 def test_a_peer_that_cannot_be_imported_is_a_reason(monkeypatch):
     for name in [m for m in sys.modules if m == "optiq" or m.startswith("optiq.")] + ["optiq"]:
         monkeypatch.setitem(sys.modules, name, None)
-    out = bench.run_side("optiq", bench_sides.optiq_side, prep=None, opts=bench.Options())
+    out = runner.run_side(bench.SIDES["optiq"], prep=None, opts=bench.Options())
     assert out["status"] == "not run" and "optiq" in out["reason"] and "install: pip install" in out["reason"]
 
 
 def test_bench_imports_without_the_peers_or_torch():
     blocked = ["torch", "transformers", "optiq", "dflash", "dspark_mlx", "dflash_mlx", "scipy", "matplotlib"]
     code = ("import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in blocked)
-            + "from spec_parity import bench, bench_report, bench_shapes, bench_sides, cli\n"
-            + "print(bench_sides.torch_device('auto')[0])\n")
+            + "from spec_parity import bench, cli\n"
+            + "from spec_parity import third_party\n"
+            + "from spec_parity.bench import counters, peers, port_sides, report, runner, serve, shapes, sides, timing\n"
+            + "print(sides.torch_device('auto')[0])\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "None"
@@ -196,12 +199,12 @@ def test_bench_tiny_writes_every_figure(tmp_path):
 def test_serve_loop_counts_a_planted_sync_per_round(tmp_path):
     """The per-round counters must move when a source makes one more host round trip per draft,
     one that reads its drafts (4 bytes each: over the 8-byte scalars a round reads)."""
-    spec = next(s for s in bench_shapes.tiny_specs() if s.name == "dflash-qwen3")
-    case = bench_shapes.build(spec, "tiny", "float32", tmp_path)
-    prep = bench._prepare(case, (None, "off"), 0)
-    prompt = bench._prompt(case, 0)
+    case = next(c for c in shapes.tiny_cases() if c.name == "dflash-qwen3")
+    ckpt = shapes.build(case, tmp_path)
+    prep = runner.prepare(ckpt, (None, "off"), 0)
+    prompt = runner.prompt(ckpt, 0)
 
-    class Planted(bench_sides.PortProvider):
+    class Planted(port_sides.PortProvider):
         def open(self, view):
             src = super().open(view)
             draft = src.draft_device   # the loop's T=0 path: drafts stay on the device
@@ -214,8 +217,8 @@ def test_serve_loop_counts_a_planted_sync_per_round(tmp_path):
             src.draft_device = extra
             return src
 
-    base = bench.serve_loop(case, prep.target, prompt, 6, 1)
-    planted = bench.serve_loop(case, prep.target, prompt, 6, 1, provider=Planted(case))
+    base = serve.serve_loop(ckpt, prep.target, prompt, 6, 1)
+    planted = serve.serve_loop(ckpt, prep.target, prompt, 6, 1, provider=Planted(ckpt))
     assert planted["host_syncs_per_round"] == base["host_syncs_per_round"] + 1
     assert base["host_read_max_bytes_per_round"] <= 8 < planted["host_read_max_bytes_per_round"]
     assert planted["graph_ops_per_round"] > base["graph_ops_per_round"]
@@ -240,7 +243,7 @@ def test_bench_serve_section_runs_the_port_bucketed_loop(tmp_path):
     assert set(cases) == {"dspark-qwen3", "dspark-gemma4"}
     md = (tmp_path / "out" / "bench.md").read_text()
     for name, c in cases.items():
-        assert c["serve"]["kv_bucket"] is None and c["serve_bucketed"]["kv_bucket"] == bench_sides.BUCKET
+        assert c["serve"]["kv_bucket"] is None and c["serve_bucketed"]["kv_bucket"] == port_sides.BUCKET
         assert c["serve_bucketed"]["decode_tokens_per_s"]["median"] > 0
         assert f"| {name} (port-bucketed, verify kv_bucket=256) |" in md
 
@@ -249,11 +252,11 @@ def test_kernel_busy_time_counts_overlap_once_and_gaps_not_at_all():
     """busy = the union of kernel intervals: two overlapping kernels count once, a gap between
     kernels is not GPU time. Control: a plain sum of durations over-counts the overlap."""
     kernels = [("gemv_a", 0.0, 10.0), ("sdpa_b", 5.0, 12.0), ("rms_norm", 20.0, 21.0)]
-    k = bench.kernel_summary(kernels, steps=1, window_us=30.0)
+    k = timing.kernel_summary(kernels, steps=1, window_us=30.0)
     assert k["busy_us_per_call"] == 13.0 and k["kernel_us_per_call"] == 18.0 and k["launches_per_call"] == 3
     assert sum(b - a for _, a, b in kernels) != k["busy_us_per_call"]
     assert {c["class"]: c["us_per_call"] for c in k["classes"]} == {"matmul": 10.0, "attention": 7.0, "norm": 1.0}
-    assert bench.kernel_summary(kernels * 2, steps=2, window_us=60.0)["launches_per_call"] == 3
+    assert timing.kernel_summary(kernels * 2, steps=2, window_us=60.0)["launches_per_call"] == 3
 
 
 def test_ratios_to_the_best_peer_the_floor_and_the_port():
@@ -264,7 +267,7 @@ def test_ratios_to_the_best_peer_the_floor_and_the_port():
         return {"side": name, "status": "ok", "wall_s": {"median": ms / 1e3}, "first_tokens": [1, 2]}
     case = {"steps_per_call": 1, "floor": {"copy_floor_s": 0.25e-3},
             "sides": [side("port", 1.0), side("port-bucketed", 0.5), side("optiq", 3.0), side("hf-torch", 2.0)]}
-    bench._ratios(case)
+    runner._ratios(case)
     got = {s["side"]: (s["port_speedup"], s["x_best_peer"], s["x_floor"]) for s in case["sides"]}
     assert case["best_peer"] == "hf-torch"
     assert got == {"port": (1.0, 0.5, 4.0), "port-bucketed": (0.5, 0.25, 2.0), "optiq": (3.0, 1.5, 12.0),
@@ -274,17 +277,15 @@ def test_ratios_to_the_best_peer_the_floor_and_the_port():
 def test_launch_floor_is_the_steps_launches_times_the_measured_launch_cost():
     """The kernel table's launch floor: launches per step x the run's per-primitive cost (400
     launches per call of 4 steps at 5 us: 0.5 ms). A run without the launch figure says so ('–')."""
-    from spec_parity import bench_report
-
     side = {"side": "port", "per_step_s": 1e-3, "kernels": {"status": "ok", "launches_per_call": 400,
                                                            "kernel_us_per_call": 100.0, "busy_us_per_call": 80.0,
                                                            "classes": []}}
     doc = {"launch": {"primitive_s": 5e-6}, "cases": [{"case": "c", "steps_per_call": 4,
                                                       "floor": {"copy_floor_s": 1e-4}, "sides": [side]}]}
-    row = bench_report.kernel_tables(doc)[-1].split(" | ")
+    row = report.kernel_tables(doc)[-1].split(" | ")
     assert row[2:4] == ["100", "0.025"] and row[7] == "0.5", row
     del doc["launch"]
-    assert bench_report.kernel_tables(doc)[-1].split(" | ")[7] == "–"
+    assert report.kernel_tables(doc)[-1].split(" | ")[7] == "–"
 
 
 def test_kernel_classes_of_names_an_h200_run_recorded():
@@ -297,7 +298,7 @@ def test_kernel_classes_of_names_an_h200_run_recorded():
              "void mlx::core::cu::gather<__nv_bfloat16, int, 1, 2, int>(__nv_bfloat16 const*)": "copy / gather / concat",
              "void mlx::core::cu::rope<__nv_bfloat16, false, true>(__nv_bfloat16 const*)": "rope",
              "void mlx::core::cu::kernel_launcher_of_something_new()": "other"}
-    assert {n: bench.kernel_class(n) for n in names} == names
+    assert {n: timing.kernel_class(n) for n in names} == names
 
 
 def test_bench_kernels_on_cpu_says_why_not(tmp_path):
@@ -311,28 +312,28 @@ def test_port_blocks_index_without_gathers(tmp_path):
     """MLX makes a lone integer index (`logits[0]`) a Gather; on MLX CUDA one over a block's logits
     costs 22-257 us of device time (H200, docs/benchmarks.md), a slice (`logits[0, ...]`) is free. The
     DFlash block's one Gather is its embedding lookup. Control: a planted `[0]` on the logits adds one."""
-    spec = next(s for s in bench_shapes.tiny_specs() if s.name == "dflash-qwen3")
-    prep = bench._prepare(bench_shapes.build(spec, "tiny", "float32", tmp_path), (None, "off"), 0)
-    assert bench.count_step(bench_sides.port_side(prep))["op_kinds"].get("Gather") == 1
+    case = next(c for c in shapes.tiny_cases() if c.name == "dflash-qwen3")
+    prep = runner.prepare(shapes.build(case, tmp_path), (None, "off"), 0)
+    assert bench.count_step(port_sides.port_side(prep))["op_kinds"].get("Gather") == 1
     with controls.planted("bench", "logits_gather"):
-        assert bench.count_step(bench_sides.port_side(prep))["op_kinds"].get("Gather") == 2
+        assert bench.count_step(port_sides.port_side(prep))["op_kinds"].get("Gather") == 2
 
 
 def _host_buffers(prep, side) -> int:
     return bench.count_step(side(prep), runs=1)["host_buffers"]
 
 
-@pytest.mark.parametrize("name", harness.slow_except([s.name for s in bench_shapes.tiny_specs()], "dflash-qwen3",
+@pytest.mark.parametrize("name", harness.slow_except([c.name for c in shapes.tiny_cases()], "dflash-qwen3",
                                                      "dspark-qwen3"))
 def test_port_steps_build_no_host_filled_buffers(name, tmp_path):
     """A draft step / block (plain and bucketed) builds no array from host data over 8 bytes: on MLX
     CUDA the GPU page-faults on such a buffer (H200: a block's embedding Gather 100-280 us instead of 3,
     docs/benchmarks.md). Control (blocks): the ids built as one host list, as they were, must count."""
-    spec = next(s for s in bench_shapes.tiny_specs() if s.name == name)
-    prep = bench._prepare(bench_shapes.build(spec, "tiny", "float32", tmp_path), (None, "off"), 0)
-    for side in (bench_sides.port_side, bench_sides.port_bucketed_side):
+    case = next(c for c in shapes.tiny_cases() if c.name == name)
+    prep = runner.prepare(shapes.build(case, tmp_path), (None, "off"), 0)
+    for side in (port_sides.port_side, port_sides.port_bucketed_side):
         assert _host_buffers(prep, side) == 0, side.__name__
-    if spec.source == "assistant":
+    if case.module == "assistant":
         return
     with controls.planted("bench", "host_filled_block_ids"):
-        assert _host_buffers(prep, bench_sides.port_side) == 1
+        assert _host_buffers(prep, port_sides.port_side) == 1

@@ -1,4 +1,4 @@
-"""Negative controls of the bench's step counters (spec_parity/bench.py count_step): a draft step
+"""Negative controls of the bench's step counters (spec_parity/bench/counters.py count_step): a draft step
 that costs what the port avoids must show in them."""
 
 from __future__ import annotations

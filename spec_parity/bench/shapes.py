@@ -1,5 +1,6 @@
-"""The cases `spec-parity bench` measures: a drafter and the target it borrows from, as checkpoint
-directories every side reads with its own loader.
+"""The cases `spec-parity bench` measures: a drafter and the target it borrows from, as the
+harness's Case (spec_parity/case.py) with its `shapes`, built into checkpoint directories every
+side reads with its own loader (`build` -> Checkpoints).
 
 `tiny`: the factory's own tiny checkpoints (spec_parity/checkpoints/), read from disk.
 `real`: the shapes of REFERENCES.md with RANDOM weights built in memory: the same factory kinds
@@ -22,43 +23,36 @@ import copy
 import json
 import os
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from safetensors.numpy import save_file
 
-from . import checkpoints
+from .. import checkpoints
+from ..case import Case, Shapes
 
 SOURCES = ("assistant", "dspark", "dflash")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
 
 @dataclass
-class Spec:
-    """One case before it is built: factory kinds and overrides for the drafter and its target."""
+class Checkpoints:
+    """A built bench case: where its checkpoints are and the tensors `serve_weights` hands out."""
 
-    name: str
-    source: str
-    shape: str                 # what it stands for, for the tables
-    drafter: tuple[str, dict]  # (kind, overrides)
-    target: tuple[str, dict]
-    ctx: int                   # context length: donor K/V (assistant) or context rows (blocks)
-    gamma: int                 # assistant: chained steps per draft call; blocks: drafts per block
-    notes: list[str] = field(default_factory=list)
-    seed: int = 0
-
-
-@dataclass
-class Case:
-    """A built case: where its checkpoints are and the tensors `serve_weights` hands out."""
-
-    spec: Spec
+    case: Case
     drafter_dir: Path
     target_dir: Path
     tensors: dict[str, dict[str, mx.array]]   # realpath of a .safetensors -> its tensors
-    dtype: str
+
+    @property
+    def dtype(self) -> str:
+        return self.case.dtype
+
+    @property
+    def source(self) -> str:
+        return self.case.module
 
     @property
     def drafter_config(self) -> dict:
@@ -73,25 +67,32 @@ class Case:
         return self.tensors[os.path.realpath(d / "model.safetensors")]
 
 
+def bench_case(size: str, name: str, source: str, label: str, drafter: tuple[str, dict], target: tuple[str, dict],
+               ctx: int, gamma: int, dtype: str, notes: tuple[str, ...] = ()) -> Case:
+    """The harness's Case of one bench case: its target is the checkpoint (kind, overrides), its
+    drafter params["drafter"], as for the drafter pairs; the tier is the bench's (never asserted)."""
+    return Case(source, name, "bench", target[0], 0, target[1], {"drafter": [drafter[0], 0, drafter[1]]},
+                dtype=dtype, shapes=Shapes(size, label, ctx, gamma, tuple(notes)))
+
+
 # ---- the shapes ----------------------------------------------------------------------------
 
-def tiny_specs(ctx: int | None = None, gamma: int = 4) -> list[Spec]:
+def tiny_cases(ctx: int | None = None, gamma: int = 4, dtype: str = "float32") -> list[Case]:
     """The factory's tiny checkpoints; the default context crosses the tiny sliding window (8)."""
     n = ctx or 24
     qwen = ("qwen3-target", {})
     gemma = ("gemma4-target", {})
-    return [
-        Spec("assistant-tied", "assistant", "tiny Gemma-4 assistant, tied head",
-             ("gemma4-assistant", {"use_ordered_embeddings": False}), gemma, n, gamma),
-        Spec("assistant-centroid", "assistant", "tiny Gemma-4 assistant, centroid head 8/top-2",
-             ("gemma4-assistant", {}), gemma, n, gamma),
-        Spec("dspark-qwen3", "dspark", "tiny DSpark on Qwen3, block 7",
-             ("dspark-drafter", {"target_kind": "qwen3-target"}), qwen, n, 7),
-        Spec("dspark-gemma4", "dspark", "tiny DSpark on Gemma-4, block 7",
-             ("dspark-drafter", {}), gemma, n, 7),
-        Spec("dflash-qwen3", "dflash", "tiny DFlash on Qwen3, block 16",
-             ("dflash-drafter", {"block_size": 16}), qwen, n, 15),
+    rows = [
+        ("assistant-tied", "assistant", "tiny Gemma-4 assistant, tied head",
+         ("gemma4-assistant", {"use_ordered_embeddings": False}), gemma, gamma),
+        ("assistant-centroid", "assistant", "tiny Gemma-4 assistant, centroid head 8/top-2",
+         ("gemma4-assistant", {}), gemma, gamma),
+        ("dspark-qwen3", "dspark", "tiny DSpark on Qwen3, block 7",
+         ("dspark-drafter", {"target_kind": "qwen3-target"}), qwen, 7),
+        ("dspark-gemma4", "dspark", "tiny DSpark on Gemma-4, block 7", ("dspark-drafter", {}), gemma, 7),
+        ("dflash-qwen3", "dflash", "tiny DFlash on Qwen3, block 16", ("dflash-drafter", {"block_size": 16}), qwen, 15),
     ]
+    return [bench_case("tiny", name, src, label, d, t, n, g, dtype) for name, src, label, d, t, g in rows]
 
 
 def _div(x: int, scale: int, mult: int = 8) -> int:
@@ -128,7 +129,8 @@ def _assistant_text(target: dict, hidden: int, inter: int, heads: int, scale: in
             "sliding_window": target["sliding_window"], "max_position_embeddings": 131072}
 
 
-def real_specs(ctx: int | None = None, scale: int = 1, target_layers: int | None = None, gamma: int = 4) -> list[Spec]:
+def real_cases(ctx: int | None = None, scale: int = 1, target_layers: int | None = None, gamma: int = 4,
+               dtype: str = "bfloat16") -> list[Case]:
     """REFERENCES.md's shapes ("Peer speed on the H200"), random weights. `scale` divides every
     width, the vocabulary, the windows and the context (the code path at a size a CPU runs);
     head counts, head dims and draft depths stay real."""
@@ -159,26 +161,26 @@ def real_specs(ctx: int | None = None, scale: int = 1, target_layers: int | None
               "num_draft_layers": 5, "block_size": 16, "mask_token_id": mask, "num_attention_heads": 32,
               "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": _div(9728, scale)}
     sc = f" /{scale}" if scale > 1 else ""
-    return [
-        Spec("assistant-12b-tied", "assistant",
-             f"12B tied assistant (3840->1024, 4 layers, 16 heads, 256/512, vocab 262144){sc}",
-             ("gemma4-assistant", a12), ("gemma4-target", t12), n, gamma,
-             [f"assistant intermediate 8192, sliding window 1024, target intermediate 15360: {assumed}",
-              f"stand-in target: {g_layers} layers"]),
-        Spec("assistant-e4b-centroid", "assistant",
-             f"E4B centroid assistant (2560->256, 2048 centroids, top-32){sc}",
-             ("gemma4-assistant", ae4), ("gemma4-target", te4), n, gamma,
-             [f"assistant intermediate 2048 (E2B's), sliding window 512, 4 heads: {assumed}",
-              f"stand-in target: {g_layers} layers"]),
-        Spec("dspark-qwen3-4b", "dspark",
-             f"Qwen3-4B DSpark (2560, 5 layers, 32/8x128, inter 9728, vocab 151936, block 7, Markov 256){sc}",
-             ("dspark-drafter", dspark), ("qwen3-target", tq), n, 7,
-             [f"stand-in target: {q_layers} layers, taps {taps}"]),
-        Spec("dflash-qwen3-4b", "dflash",
-             f"Qwen3-4B DFlash (2560, 5 layers, 32/8x128, inter 9728, vocab 151936, block 16){sc}",
-             ("dflash-drafter", dflash), ("qwen3-target", tq), n, 15,
-             [f"stand-in target: {q_layers} layers, taps {taps}"]),
+    rows = [
+        ("assistant-12b-tied", "assistant",
+         f"12B tied assistant (3840->1024, 4 layers, 16 heads, 256/512, vocab 262144){sc}",
+         ("gemma4-assistant", a12), ("gemma4-target", t12), gamma,
+         [f"assistant intermediate 8192, sliding window 1024, target intermediate 15360: {assumed}",
+          f"stand-in target: {g_layers} layers"]),
+        ("assistant-e4b-centroid", "assistant",
+         f"E4B centroid assistant (2560->256, 2048 centroids, top-32){sc}",
+         ("gemma4-assistant", ae4), ("gemma4-target", te4), gamma,
+         [f"assistant intermediate 2048 (E2B's), sliding window 512, 4 heads: {assumed}",
+          f"stand-in target: {g_layers} layers"]),
+        ("dspark-qwen3-4b", "dspark",
+         f"Qwen3-4B DSpark (2560, 5 layers, 32/8x128, inter 9728, vocab 151936, block 7, Markov 256){sc}",
+         ("dspark-drafter", dspark), ("qwen3-target", tq), 7, [f"stand-in target: {q_layers} layers, taps {taps}"]),
+        ("dflash-qwen3-4b", "dflash",
+         f"Qwen3-4B DFlash (2560, 5 layers, 32/8x128, inter 9728, vocab 151936, block 16){sc}",
+         ("dflash-drafter", dflash), ("qwen3-target", tq), 15, [f"stand-in target: {q_layers} layers, taps {taps}"]),
     ]
+    return [bench_case("real", name, src, label, d, t, n, g, dtype, tuple(notes))
+            for name, src, label, d, t, g, notes in rows]
 
 
 # ---- building a case -------------------------------------------------------------------------
@@ -221,32 +223,34 @@ def _in_memory_dir(root: Path, name: str, config: dict) -> Path:
     return d
 
 
-def build(spec: Spec, shapes: str, dtype: str, root: Path) -> Case:
-    """tiny: the factory's directories, their tensors cast to `dtype`; real: config-only
+def build(case: Case, root: Path) -> Checkpoints:
+    """tiny: the factory's directories, their tensors cast to the case's dtype; real: config-only
     directories under `root` and the random tensors in memory."""
-    mdtype = DTYPES[dtype]
-    if shapes == "tiny":
-        dirs = [checkpoints.build(kind, spec.seed, copy.deepcopy(ov)) for kind, ov in (spec.drafter, spec.target)]
+    mdtype = DTYPES[case.dtype]
+    drafter_kind, _, drafter_overrides = case.params["drafter"]
+    kinds = ((drafter_kind, drafter_overrides), (case.kind, case.overrides))
+    if case.shapes.size == "tiny":
+        dirs = [checkpoints.build(kind, case.seed, copy.deepcopy(ov)) for kind, ov in kinds]
         tensors = {os.path.realpath(d / "model.safetensors"): _cast(mx.load(str(d / "model.safetensors")), mdtype)
                    for d in dirs}
-        return Case(spec, dirs[0], dirs[1], tensors, dtype)
+        return Checkpoints(case, dirs[0], dirs[1], tensors)
     dirs, tensors = [], {}
     with _mx_draws(mdtype):
-        for role, (kind, ov) in (("drafter", spec.drafter), ("target", spec.target)):
-            config, t = checkpoints.KINDS[kind](spec.seed, copy.deepcopy(ov))
-            d = _in_memory_dir(root, f"{spec.name}-{role}", config)
+        for role, (kind, ov) in zip(("drafter", "target"), kinds):
+            config, t = checkpoints.KINDS[kind](case.seed, copy.deepcopy(ov))
+            d = _in_memory_dir(root, f"{case.name}-{role}", config)
             tensors[os.path.realpath(d / "model.safetensors")] = _cast(t, mdtype)
             dirs.append(d)
-    return Case(spec, dirs[0], dirs[1], tensors, dtype)
+    return Checkpoints(case, dirs[0], dirs[1], tensors)
 
 
 @contextlib.contextmanager
-def serve_weights(case: Case):
+def serve_weights(ckpt: Checkpoints):
     """While loading: `mx.load` of one of the case's .safetensors returns its (shared) tensors."""
     real_load = mx.load
 
     def load(file, *args, **kwargs):
-        got = case.tensors.get(os.path.realpath(str(file)))
+        got = ckpt.tensors.get(os.path.realpath(str(file)))
         if got is None or args or kwargs:
             return real_load(file, *args, **kwargs)
         return dict(got)
@@ -264,16 +268,16 @@ def _nbytes(shape, dtype: mx.Dtype) -> int:
     return int(np.prod(shape)) * dtype.size
 
 
-def step_bytes(case: Case) -> dict:
+def step_bytes(ckpt: Checkpoints) -> dict:
     """What one draft step (assistant) / one draft block must read at least: every weight it
     touches once (a gathered table: only the gathered rows; a centroid head: only the selected
     candidate rows, not the vocabulary), plus the context K/V it attends to, each once (a layer
     re-reading the same donor K/V may find it in cache). Returns the total and its parts."""
-    s, w, t = case.spec, case.weights("drafter"), case.weights("target")
-    dt = DTYPES[case.dtype]
-    cfg, tc = case.drafter_config, case.target_config
+    s, w, t = ckpt.case.shapes, ckpt.weights("drafter"), ckpt.weights("target")
+    dt = DTYPES[ckpt.dtype]
+    cfg, tc = ckpt.drafter_config, ckpt.target_config
     parts: dict[str, int] = {}
-    if s.source == "assistant":
+    if ckpt.source == "assistant":
         tx = cfg["text_config"]
         rows = {}
         if cfg.get("use_ordered_embeddings"):
@@ -290,7 +294,7 @@ def step_bytes(case: Case) -> dict:
         parts["donor K/V full"] = 2 * _nbytes((full_kv, s.ctx, tc["global_head_dim"]), dt)
         return {"total": sum(parts.values()), "parts": parts, "per": "draft step"}
     block = cfg.get("block_size") or cfg["dflash_config"]["block_size"]
-    if s.source == "dspark":
+    if ckpt.source == "dspark":
         rows = {"embed_tokens.weight": block, "markov_head.markov_w1.weight": block}
         parts["drafter weights"] = sum((rows[k] * v.nbytes // v.shape[0]) if k in rows else v.nbytes
                                        for k, v in w.items())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .goldens import atomic_write
+from ..goldens import atomic_write
 
 MIB = 1 << 20
 
@@ -255,7 +255,7 @@ def chart_matplotlib(doc: dict, path: Path) -> None:
 def chart_numpy(doc: dict, path: Path) -> None:
     """No plotting library: one panel per case, one bar per side (port blue, peers grey) on a log
     scale spanning every figure and floor, the floor a red line."""
-    from .report import write_png
+    from ..report import write_png
 
     rows = _bars(doc) or [("none", [("none", 1.0)], 1.0)]
     vals = [v for _, s, f in rows for v in [f] + [x for _, x in s]]

@@ -1,0 +1,196 @@
+"""Our port in the bench: the target prefill every side starts from, the port's sides (the
+default path and its opt-in bucketed paths), its DraftProvider, and the seams of port.serve the
+serve-loop figures observe. Every call the bench makes into port/ is here; port/ is imported
+lazily (mlx-lm imports transformers, and the bench imports without it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import mlx.core as mx
+
+from .shapes import SOURCES, Checkpoints, serve_weights
+from .sides import Prep, Side, Stepper
+
+BUCKET = 256  # mlx-lm KVCache's own growth step
+# The port's modules whose host-filled buffers counters.HostBuffers counts (by name: not imported).
+PORT_MODULES = ("port.assistant", "port.compiled", "port.dflash", "port.dspark", "port.sampling", "port.serve",
+                "port.targets")
+
+
+def prepare(ckpt: Checkpoints, torch: tuple[str | None, str], prompt: list[int]) -> Prep:
+    """Load the target once (port.targets.load, through `serve_weights`) and prefill `prompt`
+    (the context): its caches hold the donor K/V, its hidden states give the taps."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from port import targets
+
+    with serve_weights(ckpt):
+        target = targets.load(ckpt.target_dir)
+    mx.eval(target.model.parameters())
+    caches = make_prompt_cache(target.model)
+    trace = targets.forward(target, mx.array([prompt]), caches=caches)
+    cfg = ckpt.drafter_config
+    taps = row = None
+    if ckpt.source != "assistant":
+        ids = cfg.get("target_layer_ids") or cfg["dflash_config"]["target_layer_ids"]
+        taps = mx.concatenate([trace.hidden[i + 1] for i in ids], axis=-1)
+        row = taps[:, -1 - ckpt.case.shapes.gamma:, :] + 0  # a verify's worth of tap rows (own buffer)
+    anchor_hidden = trace.final[:, -1:, :]
+    anchor = int(mx.argmax(targets.head(target, anchor_hidden)[0, 0]).item())
+    mx.eval(anchor_hidden, taps if taps is not None else anchor_hidden, row if row is not None else anchor_hidden,
+            [[c.keys, c.values] for c in caches if getattr(c, "keys", None) is not None])
+    del trace
+    return Prep(ckpt, target, caches, taps, row, anchor, anchor_hidden, torch[0], torch[1])
+
+
+def donor_kv(prep: Prep) -> dict[str, tuple[mx.array, mx.array]]:
+    """The donor K/V an assistant step attends to, the sliding one cut to the target's window
+    (port.targets.donor_view, port.assistant.sliding_view)."""
+    from port import assistant, targets
+
+    donors = targets.donor_view(prep.target, prep.caches)
+    window = prep.ckpt.target_config["sliding_window"]
+    return {"sliding_attention": assistant.sliding_view(*donors["sliding_attention"], window),
+            "full_attention": donors["full_attention"]}
+
+
+# ---- the port's sides ----------------------------------------------------------------------------
+
+def port_side(prep: Prep, **bucketed) -> Stepper:
+    """Our port through the serve loop's seam: the source's `draft_device` (what the loop drafts
+    with: the tokens stay on the device until the verify; and `commit` of one row); `bucketed`
+    (kv_bucket, bucket_attention): its opt-in bucketed path (port/compiled.py). No host read in
+    the step, as in the peers' steps: on MLX CUDA a host read of more than 8 bytes costs the next
+    step 0.1-0.56 ms of unified-memory faults (docs/benchmarks.md)."""
+    from port import serve
+
+    view = serve.TargetView(prep.target, prep.caches)
+    src = open_port_source(prep.ckpt, view, **bucketed)
+    tok, hid, g = prep.anchor, prep.anchor_hidden, prep.gamma
+    notes = [f"{k}={v}" for k, v in bucketed.items()]
+    if prep.source == "assistant":
+        return Stepper(lambda: src.draft_device([tok], g, hid), keep=src, tokens=_host_list, notes=notes)
+    src.prefill(list(range(prep.ctx)), [prep.taps])
+    mx.eval(src.draft_device([tok], g, hid))
+
+    def step():
+        src.commit(g, 0, [prep.row])
+        return src.draft_device([tok], g, hid)
+
+    return Stepper(step, keep=src, tokens=_host_list, notes=notes)
+
+
+def _host_list(tokens: mx.array) -> list[int]:
+    return tokens.tolist()
+
+
+def bucketed_options(ckpt: Checkpoints, attention: str = "sdpa") -> dict:
+    """The port's opt-in bucketed drafter: blocks with kv_bucket=BUCKET (the whole block one compiled
+    call over the context buffer), the assistant with bucketed=True (one compiled step over the
+    target's cache buffers)."""
+    if ckpt.source == "assistant":
+        return {"bucketed": True}
+    return {"kv_bucket": BUCKET, "bucket_attention": attention}
+
+
+def port_bucketed_side(prep: Prep, attention: str = "sdpa") -> Stepper:
+    """Our port's opt-in bucketed path (bucketed_options). Within fp32 tolerance of the port."""
+    return port_side(prep, **bucketed_options(prep.ckpt, attention))
+
+
+def port_bucketed_2seg_side(prep: Prep) -> Stepper:
+    """port-bucketed with the two-segment softmax (no copy of the context, more ops)."""
+    return port_bucketed_side(prep, "two-segment")
+
+
+# Ours, never a peer. The opt-in paths are selected with the peers (--peers), after the port.
+SIDES = (
+    Side("port", SOURCES, port_side, peer=False),
+    Side("port-bucketed", SOURCES, port_bucketed_side, peer=False),
+    Side("port-bucketed-2seg", ("dspark", "dflash"), port_bucketed_2seg_side, peer=False),
+)
+
+
+class PortProvider:
+    """A `DraftProvider` over the port's in-memory drafter (the providers themselves read paths
+    only through the port's loaders, which `serve_weights` feeds); `bucketed`: the loader's
+    options (bucketed_options)."""
+
+    trained_gamma = None
+    weights_bytes = 0
+
+    def __init__(self, ckpt: Checkpoints, **bucketed):
+        self.ckpt, self.id = ckpt, ckpt.case.name
+        self.drafter = load_port_drafter(ckpt, **bucketed)
+
+    def open(self, view):
+        return _source_class(self.ckpt)(self.drafter, view)
+
+    def dispose(self) -> None:
+        self.drafter = None
+
+
+def _source_class(ckpt: Checkpoints):
+    from port import assistant, dflash, dspark
+
+    return {"assistant": assistant.AssistantSource, "dspark": dspark.DeepspecSource,
+            "dflash": dflash.DflashSource}[ckpt.source]
+
+
+def load_port_drafter(ckpt: Checkpoints, **bucketed):
+    from port import assistant, dflash, dspark
+
+    mod = {"assistant": assistant, "dspark": dspark, "dflash": dflash}[ckpt.source]
+    with serve_weights(ckpt):
+        return mod.load(ckpt.drafter_dir, **bucketed)
+
+
+def open_port_source(ckpt: Checkpoints, view, **bucketed):
+    return _source_class(ckpt)(load_port_drafter(ckpt, **bucketed), view)
+
+
+# ---- port.serve's seams, for the serve-loop figures ---------------------------------------------
+
+def generate(target, prompt: list[int], max_tokens: int, provider, gamma: int, kv_bucket: int | None):
+    """port.serve.generate at T=0 with EOS off: (tokens, stats)."""
+    from port import serve
+
+    return serve.generate(target, prompt, max_tokens, provider, gamma=gamma, eos=set(), kv_bucket=kv_bucket)
+
+
+def observed(provider, around):
+    """port.serve.Observed: `around(name, src, args, call)` wraps each call of the provider's sources."""
+    from port import serve
+
+    return serve.Observed(provider, around)
+
+
+@contextlib.contextmanager
+def wrapped_forward(wrap):
+    """The loop's target forward (port.targets.forward, as port.serve calls it) is `wrap(forward)`
+    meanwhile."""
+    from port import serve
+
+    with _wrapped(serve.targets, "forward", wrap):
+        yield
+
+
+@contextlib.contextmanager
+def wrapped_read_at_end(wrap):
+    """port.serve.read_at_end (the request's one read of its tokens) is `wrap(read_at_end)` meanwhile."""
+    from port import serve
+
+    with _wrapped(serve, "read_at_end", wrap):
+        yield
+
+
+@contextlib.contextmanager
+def _wrapped(owner, name: str, wrap):
+    orig = getattr(owner, name)
+    setattr(owner, name, wrap(orig))
+    try:
+        yield
+    finally:
+        setattr(owner, name, orig)

@@ -1,0 +1,276 @@
+"""The bench's run: its options, each case (`run_case`) and each side of it (`run_side`), the
+ratios between the sides, and the facts about the run that bench.json records (`run`)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..case import Case
+from . import peers, port_sides, shapes
+from .counters import HostSyncs, count_step
+from .serve import bucketed_loop, serve_loop
+from .shapes import SOURCES, Checkpoints
+from .sides import Prep, Side, Skip, torch_device
+from .timing import COLD_SPACING, bandwidth, cold, kernel_profile, launch_cost, pre_pass, time_loop
+
+PACKAGES = ("mlx", "mlx-cuda-13", "mlx-cuda", "mlx-metal", "mlx-cpu", "mlx-lm", "numpy", "safetensors", "torch",
+            "transformers", "huggingface_hub", "mlx-optiq", "dflash", "dspark-mlx", "dflash-mlx", "scipy")
+
+# Every side, in the tables' order: our port, our opt-in paths, the peers.
+SIDES: dict[str, Side] = {s.name: s for s in (*port_sides.SIDES, *peers.SIDES)}
+OTHERS = [name for name in SIDES if name != "port"]   # what --peers selects from
+
+
+def others_for(source: str, wanted: list[str] | None) -> list[Side]:
+    """The other sides of a source (our opt-in paths first, then the peers): all of them (wanted
+    None), or those of `wanted` that serve it."""
+    return [SIDES[n] for n in OTHERS if source in SIDES[n].sources and (wanted is None or n in wanted)]
+
+
+# ---- one case ------------------------------------------------------------------------------------
+
+@dataclass
+class Options:
+    shapes: str = "tiny"
+    sources: tuple[str, ...] = SOURCES
+    peers: list[str] | None = None      # None: all that serve the source
+    warmup: int = 3
+    iters: int = 15
+    dtype: str = "float32"
+    ctx: int | None = None
+    scale: int = 1
+    target_layers: int | None = None
+    gamma: int = 4
+    max_tokens: int = 16
+    serve_runs: int = 3
+    bw_bytes: int = 256 << 20
+    torch_device: str = "auto"
+    cases: list[str] | None = None      # case names (default: every case of the sources)
+    seed: int = 0
+    kernels: bool = False               # also record each side's GPU kernels per step (kernel_profile)
+    argv: list[str] = field(default_factory=list)
+
+
+def prompt(ckpt: Checkpoints, seed: int) -> list[int]:
+    """A random context of ctx tokens (3..vocab-1) in the case's target vocabulary."""
+    vocab, n = ckpt.target_config["vocab_size"], ckpt.case.shapes.ctx
+    rng = np.random.default_rng([seed, n])
+    return [int(t) for t in rng.integers(3, vocab, size=n)]
+
+
+def prepare(ckpt: Checkpoints, torch: tuple[str | None, str], seed: int) -> Prep:
+    """The state every side starts from: the target loaded once, the random context prefilled."""
+    return port_sides.prepare(ckpt, torch, prompt(ckpt, seed))
+
+
+def _reason(e: BaseException, hint: str = "") -> str:
+    """One line: the exception and where it was raised (a deliberate Skip: its message only;
+    a missing module: what to install)."""
+    if isinstance(e, Skip):
+        return str(e)
+    if isinstance(e, ImportError) and hint:
+        return f"{type(e).__name__}: {e}; install: {hint}"[:400]
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" (at {Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}{where}"[:400]
+
+
+def shape_passes(prep: Prep, opts: Options) -> bool:
+    """Whether a block source's context length matters to the timing: on MLX CUDA an attention
+    with a multi-row query builds its kernel plan once per key length (measured: ~60 ms of host
+    time per new length on the H200, MLX 0.32.4), so the first side to reach a length would pay
+    what every later side gets for free. Real shapes only; the tiny CPU cases have no such cost."""
+    return opts.shapes == "real" and prep.source != "assistant" and prep.taps is not None
+
+
+def _can_build(side: Side, prep: Prep) -> None:
+    """A torch side without a torch device is skipped; a side's modules import, or its reason
+    says what to install."""
+    if side.framework == "torch" and prep.torch_device is None:
+        raise Skip(prep.torch_reason)
+    for module in side.needs:
+        importlib.import_module(module)
+
+
+def run_side(side: Side, prep: Prep, opts: Options, index: int = 0) -> dict:
+    """Build one side and measure it; any failure is the side's reason. Block sources at real
+    shapes: first `cold` (own never-seen lengths), then a pre-pass over the timed lengths on a
+    side built for it, then the timed loop on a freshly built side."""
+    t0 = time.perf_counter()
+    cold_out = {}
+    try:
+        _can_build(side, prep)
+        if side.framework == "mlx" and shape_passes(prep, opts):
+            cold_out = cold(side, prep, index)
+            stepper = side.build(prep)
+            pre_pass(stepper, opts.warmup, opts.iters)
+            del stepper
+            gc.collect()
+        stepper = side.build(prep)
+        if stepper.framework != side.framework:
+            raise RuntimeError(f"side {side.name!r} runs on {stepper.framework}, its Side says {side.framework}")
+    except Exception as e:
+        return {"side": side.name, "status": "not run", "reason": _reason(e, side.install)}
+    out = {"side": side.name, "status": "ok", "framework": stepper.framework, "notes": stepper.notes,
+           "build_s": time.perf_counter() - t0, **cold_out}
+    try:
+        out.update(time_loop(stepper, opts.warmup, opts.iters))
+        if stepper.framework == "mlx":
+            out.update(count_step(stepper, port=not side.peer))
+        else:
+            out["count_note"] = "host syncs / graph ops are counted on MLX sides only"
+        if opts.kernels:
+            out["kernels"] = kernel_profile(stepper)
+    except Exception as e:
+        out.update(status="failed", reason=_reason(e))
+    torch_cuda = stepper.framework == "torch" and stepper.device.startswith("cuda")
+    del stepper
+    gc.collect()
+    if torch_cuda:  # hand the torch side's cached blocks back before the next side
+        import torch
+
+        torch.cuda.empty_cache()
+    return out
+
+
+def run_case(case: Case, opts: Options, torch: tuple[str | None, str], bw: dict, root: Path) -> dict:
+    t0 = time.perf_counter()
+    ckpt = shapes.build(case, root)
+    s = case.shapes
+    out = {"case": case.name, "source": case.module, "shape": s.label, "ctx": s.ctx, "gamma": s.gamma,
+           "notes": list(s.notes), "dtype": case.dtype, "drafter_config": ckpt.drafter_config}
+    try:
+        prep = prepare(ckpt, torch, opts.seed)
+    except Exception as e:
+        out.update(status="failed", reason=_reason(e))
+        return out
+    floor = shapes.step_bytes(ckpt)
+    per_call = 1 if case.module != "assistant" else s.gamma
+    floor["bytes_per_call"] = floor["total"] * per_call
+    floor["copy_floor_s"] = floor["bytes_per_call"] / bw["copy_bytes_per_s"]
+    floor["read_floor_s"] = floor["bytes_per_call"] / bw["read_bytes_per_s"]
+    out["floor"] = floor
+    out["steps_per_call"] = per_call
+    others = others_for(case.module, opts.peers)
+    out["sides"] = [run_side(SIDES["port"], prep, opts)] + [run_side(side, prep, opts, i)
+                                                             for i, side in enumerate(others, start=1)]
+    _ratios(out)
+    bucketed = SIDES["port-bucketed"] in others
+    for key in ("serve", "serve_bucketed") if bucketed else ("serve",):
+        try:
+            loop = bucketed_loop(ckpt) if key == "serve_bucketed" else {}
+            out[key] = serve_loop(ckpt, prep.target, prompt(ckpt, opts.seed), opts.max_tokens, opts.serve_runs,
+                                  cold=opts.shapes == "real" and s.ctx > COLD_SPACING * 16, **loop)
+        except Exception as e:
+            out[key] = {"status": "failed", "reason": _reason(e)}
+    out["status"] = "ok"
+    out["wall_s"] = time.perf_counter() - t0
+    del prep, ckpt
+    gc.collect()
+    mx.clear_cache()
+    return out
+
+
+def _ratios(case: dict) -> None:
+    """Each side's time / the best peer's and / the floor, and / the port's (the port's speed-up over
+    that side: the "≥ 3× every peer" figure); whether its first draft equals the port's (same
+    weights, same inputs: a side that disagrees is not computing the same drafter)."""
+    ran = [s for s in case["sides"] if s.get("status") == "ok"]
+    port = next((s for s in ran if s["side"] == "port"), None)
+    for s in ran:
+        if port is not None:
+            a, b = s["first_tokens"], port["first_tokens"]
+            s["agrees_with_port"] = a == b
+            s["agreement"] = f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}"
+    peers = [s for s in ran if SIDES[s["side"]].peer]
+    best = min(peers, key=lambda s: s["wall_s"]["median"], default=None)
+    case["best_peer"] = best["side"] if best else None
+    for s in ran:
+        t = s["wall_s"]["median"]
+        s["per_step_s"] = t / case["steps_per_call"]
+        s["x_floor"] = t / case["floor"]["copy_floor_s"]
+        s["x_best_peer"] = t / best["wall_s"]["median"] if best else None
+        s["port_speedup"] = t / port["wall_s"]["median"] if port else None
+        if best and "graph_ops" in s and "graph_ops" in best and best["graph_ops"]:
+            s["ops_x_best_peer"] = s["graph_ops"] / best["graph_ops"]
+
+
+# ---- facts about the run -------------------------------------------------------------------------
+
+def machine() -> dict:
+    info = {}
+    with contextlib.suppress(Exception):
+        info = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in mx.device_info().items()}
+    facts = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+             "python": platform.python_version(), "cpu_count": os.cpu_count(), "mlx_default_device": str(mx.default_device()),
+             "mlx_device_info": info}
+    with contextlib.suppress(OSError):
+        facts["loadavg"] = os.getloadavg()
+    return facts
+
+
+def versions() -> dict:
+    out = {}
+    for p in PACKAGES:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[p] = metadata.version(p)
+    return out
+
+
+def _git() -> str:
+    here = Path(__file__).resolve().parents[2]
+    with contextlib.suppress(Exception):
+        r = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           timeout=10)
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        if r.returncode == 0:
+            return r.stdout.strip() + ("+dirty" if dirty else "")
+    return "unknown"
+
+
+def run(opts: Options, progress=None) -> dict:
+    """The whole bench; returns the results document (bench.json's content)."""
+    t0 = time.perf_counter()
+    say = progress or (lambda msg: None)
+    torch = torch_device(opts.torch_device)
+    cases = (shapes.tiny_cases(opts.ctx, opts.gamma, opts.dtype) if opts.shapes == "tiny"
+             else shapes.real_cases(opts.ctx, opts.scale, opts.target_layers, opts.gamma, opts.dtype))
+    cases = [c for c in cases if c.module in opts.sources and (not opts.cases or c.name in opts.cases)]
+    if opts.cases and not cases:
+        raise ValueError(f"no case named {opts.cases} among the {opts.shapes} shapes of {list(opts.sources)}")
+    say(f"bandwidth ({opts.bw_bytes >> 20} MiB)")
+    bw = bandwidth(opts.bw_bytes)
+    say("launch cost")
+    launch = launch_cost()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="spec-parity-bench-") as tmp:
+        for case in cases:
+            say(f"case {case.name}")
+            results.append(run_case(case, opts, torch, bw, Path(tmp)))
+    cmd = shlex.join([sys.executable, "-m", "spec_parity.cli", *opts.argv])
+    process = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    return {"command": cmd, "process": process, "cwd": os.getcwd(), "argv": opts.argv, "options": {k: v for k, v in vars(opts).items() if k != "argv"},
+            "git": _git(), "machine": machine(), "versions": versions(), "torch_sides": torch[0] or torch[1],
+            "bandwidth": bw, "launch": launch, "cases": results, "wall_s": time.perf_counter() - t0,
+            "what": {"a": "one draft call: assistant = gamma chained steps, blocks = one block after one "
+                          "committed row; per_step_s = a / steps_per_call",
+                     "c": HostSyncs.__doc__.split("\n\n")[0], "f": "primitives evaluated per step (graph nodes)",
+                     "floor": shapes.step_bytes.__doc__.split("\n")[0] + " / copy bandwidth",
+                     "launch": "wall per op of a chain of dependent tiny ops: the least one launch costs"}}
