@@ -224,7 +224,12 @@ def _csv(text: str, known, what: str) -> list[str]:
 
 def cmd_bench(args) -> int:
     """Speed of the drafters side by side with the peers, against the bandwidth floor; figures are
-    reported, never asserted. Writes OUT/bench.json, bench.md, bench.png."""
+    reported, never asserted. Writes OUT/bench.json, bench.md, bench.png (--serve: OUT/serve.json,
+    serve.md, spec_parity/serve_bench.py)."""
+    if args.serve:
+        from . import serve_bench
+
+        return serve_bench.main(args)
     import mlx.core as mx
 
     from . import bench
@@ -362,6 +367,16 @@ def main(argv=None) -> int:
     bp.add_argument("--seed", type=int, default=0)
     bp.add_argument("--kernels", action="store_true",
                     help="also record every GPU kernel of each side's step (CUPTI through torch.profiler; CUDA only)")
+    bp.add_argument("--serve", action="store_true",
+                    help="decode tokens/s of our serve loop vs each peer's own loop and plain decode, fresh requests "
+                    "(writes serve.json, serve.md; docs/bench.md)")
+    bp.add_argument("--prompt-len", type=int, default=2048, help="--serve: prompt tokens of a request (default 2048)")
+    bp.add_argument("--new-tokens", type=int, default=128, help="--serve: tokens decoded per request (default 128)")
+    bp.add_argument("--runs", type=int, default=3, help="--serve: timed requests per side, each fresh (default 3)")
+    bp.add_argument("--agree-frac", type=float, default=0.8,
+                    help="--serve: share of the tokens the agreeing drafters propose right (default 0.8)")
+    bp.add_argument("--conditions", default="random,agreeing",
+                    help="--serve: random (random drafters, tau ~ 1), agreeing (controlled tau), or both")
     bp.add_argument("--out", required=True, help="directory for bench.json, bench.md, bench.png")
     bp.set_defaults(fn=cmd_bench)
     bs = sub.add_parser("bisect", help="the first commit of a port's git history that breaks one case")

@@ -20,3 +20,17 @@ def _block_ids(case):
     from port import targets
 
     return {(targets, "block_ids"): lambda first, fill, n: targets.mx.array([[first] + [fill] * n])}
+
+
+@control("bench", "serve_wrong_token", "the serve loop's last committed token replaced: a loop that is not lossless")
+def _wrong_token(case):
+    """What `bench --serve`'s stream check must catch (spec_parity/serve_bench.py stream_check)."""
+    from port import serve
+
+    read = serve.read_at_end
+
+    def wrong(groups):
+        out = read(groups)
+        out[0][-1] = out[0][-1][:-1] + [out[0][-1][-1] ^ 1]
+        return out
+    return {(serve, "read_at_end"): wrong}

@@ -1,0 +1,327 @@
+"""`spec-parity bench --serve`: decode tokens/s of our serve loop in serving conditions, side by
+side with each peer's own generation loop and the target's plain decode, on the same weights.
+
+Per case (a draft source at a condition) every side (spec_parity/serve_sides.py) gets:
+  * one untimed request on the check prompt (`--prompt-len` tokens): its warm-up, and its stream
+    against the plain decode's stream on the same prompt (T=0 is lossless: any difference is a bug
+    or a knife-edge tie, named with its first divergent position);
+  * `--runs` timed requests, each a FRESH request at a prompt length no other request of this case
+    has used (so every round of every request is at a context length no side has seen: serving
+    conditions, where MLX CUDA plans a multi-row attention once per key length). The lengths are
+    interleaved across sides, and reversed on odd runs, so every side's mean length is the same;
+  * decode tokens/s per request = the tokens after the first group the host sees / the time from
+    that group to the last token (the prefill is not decode); median and p10-p90 over the runs;
+  * tau = decode tokens / verify rounds (mean tokens committed per round: accepted + 1),
+    acceptance = accepted / drafted where the side reports both; peak memory over the timed runs;
+  * the round split (draft / verify / accept+trim) where the side exposes it: ours from one more
+    observed request (spec_parity/bench.py's serve_loop instrumentation), dflash-mlx's from its
+    own cycle events.
+Conditions: `random` (the bench's cases, random drafters: tau ~ 1) and `agreeing` (the factory's
+agreeing kinds, spec_parity/checkpoints/agreeing.py: the target's greedy stream walks a known
+permutation and the drafter proposes it on a share `--agree-frac` of the tokens, the same weights
+for every side, so every side's tau is set by the weights, not by its loop). The agreeing kinds
+need hidden >= vocab (DFlash) and exact float32 margins, so they are built at the factory's own
+shapes in float32 whatever `--shapes` says; the report states each case's shapes.
+Figures are reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import numpy as np
+
+from . import bench, bench_shapes, bench_sides, serve_sides
+
+CONDITIONS = ("random", "agreeing")
+# The bench's case per source (spec_parity/bench_shapes.py) for the random condition.
+RANDOM_CASES = {"tiny": {"assistant": "assistant-tied", "dspark": "dspark-qwen3", "dflash": "dflash-qwen3"},
+                "real": {"assistant": "assistant-12b-tied", "dspark": "dspark-qwen3-4b", "dflash": "dflash-qwen3-4b"}}
+AGREE_DFLASH = {"hidden_size": 256, "vocab_size": 256}   # hidden >= vocab: the slot maps are exact
+
+
+@dataclass
+class Options:
+    shapes: str = "tiny"
+    sources: tuple[str, ...] = bench_shapes.SOURCES
+    sides: list[str] | None = None        # None: every side of a source
+    conditions: tuple[str, ...] = CONDITIONS
+    prompt_len: int = 2048
+    new_tokens: int = 128
+    runs: int = 3
+    agree_frac: float = 0.8
+    dtype: str = "float32"
+    scale: int = 1
+    target_layers: int | None = None
+    gamma: int = 4
+    torch_device: str = "auto"
+    seed: int = 0
+    argv: list[str] = field(default_factory=list)
+
+
+def agreeing_specs(agree_frac: float, gamma: int) -> list[bench_shapes.Spec]:
+    """The agreeing pair of each source at the factory's shapes (the pairs' own agreeing loops:
+    spec_parity/pairs/*.py), all on agreeing targets; DFlash at block 16 like the real case."""
+    f = {"agree_frac": agree_frac}
+    shape = "factory agreeing shapes (vocab {v}, hidden {h}), float32"
+    return [
+        bench_shapes.Spec("assistant-agreeing", "assistant", shape.format(v=128, h=64) + ", tied head",
+                          ("gemma4-assistant-agreeing", {"use_ordered_embeddings": False, **f}),
+                          ("gemma4-target-agreeing", {}), 0, gamma),
+        bench_shapes.Spec("dspark-agreeing", "dspark", shape.format(v=128, h=64) + ", block 7",
+                          ("dspark-drafter-agreeing", {"target_kind": "qwen3-target-agreeing", **f}),
+                          ("qwen3-target-agreeing", {}), 0, 7),
+        bench_shapes.Spec("dflash-agreeing", "dflash", shape.format(v=256, h=256) + ", block 16",
+                          ("dflash-drafter-agreeing", {"target_overrides": AGREE_DFLASH, "block_size": 16,
+                                                       "num_attention_heads": 16, **f}),
+                          ("qwen3-target-agreeing", AGREE_DFLASH), 0, 15),
+    ]
+
+
+def specs(opts: Options) -> list[tuple[str, bench_shapes.Spec]]:
+    """(condition, spec) per source and condition."""
+    out = []
+    if "random" in opts.conditions:
+        every = (bench_shapes.tiny_specs(None, opts.gamma) if opts.shapes == "tiny"
+                 else bench_shapes.real_specs(None, opts.scale, opts.target_layers, opts.gamma))
+        names = RANDOM_CASES[opts.shapes]
+        out += [("random", s) for s in every if s.source in opts.sources and s.name == names[s.source]]
+    if "agreeing" in opts.conditions:
+        out += [("agreeing", s) for s in agreeing_specs(opts.agree_frac, opts.gamma) if s.source in opts.sources]
+    return out
+
+
+# ---- one side ------------------------------------------------------------------------------------
+
+def _memory(loop: serve_sides.Loop):
+    """(reset, peak) for the loop's framework, None where there is no peak reader (torch on CPU)."""
+    if loop.framework == "torch":
+        import torch
+
+        if not loop.device.startswith("cuda"):
+            return None
+        return torch.cuda.reset_peak_memory_stats, torch.cuda.max_memory_allocated
+    return mx.reset_peak_memory, mx.get_peak_memory
+
+
+def stream_check(tokens: list[int], reference: list[int] | None) -> dict:
+    """The side's stream on the check prompt against the plain decode's."""
+    if reference is None:
+        return {"lossless": None, "note": "no plain decode stream to compare with"}
+    n = min(len(tokens), len(reference))
+    first = next((i for i in range(n) if tokens[i] != reference[i]), None)
+    if first is None and len(tokens) != len(reference):
+        first = n
+    return {"lossless": first is None, "first_divergence": first, "compared": len(reference)}
+
+
+def _medians(rounds: list[dict]) -> dict:
+    steady = rounds[1:] or rounds
+    return {k: float(np.median([r[k] for r in steady])) for k in steady[0]} if steady else {}
+
+
+def measure(loop: serve_sides.Loop, prompts: list[list[int]], check: list[int], split_prompt: list[int],
+            n: int) -> dict:
+    """The check request, the timed requests (one per prompt), then the round split."""
+    first = loop.generate(check, n)
+    mem = _memory(loop)
+    if mem:
+        mem[0]()
+    runs = [loop.generate(p, n) for p in prompts]
+    out = {"check_tokens": first.tokens}
+    if mem:
+        out["peak_bytes"] = int(mem[1]())
+    rates = [r.decode_tokens / r.decode_s for r in runs if r.decode_s > 0]
+    rounds = sum(r.rounds for r in runs)
+    out.update(decode_tokens_per_s=bench.summary(rates) if rates else None, samples_tokens_per_s=rates,
+               prompt_lens=[len(p) for p in prompts], decode_tokens=[r.decode_tokens for r in runs],
+               rounds=[r.rounds for r in runs], tau=sum(r.decode_tokens for r in runs) / rounds if rounds else None)
+    drafted = [r.drafted for r in runs]
+    if all(d is not None for d in drafted) and sum(drafted):
+        out["acceptance"] = sum(r.accepted for r in runs) / sum(drafted)
+    if loop.split is not None:
+        out["round_split_s"] = _medians(loop.split(split_prompt, n))
+        out["round_split_from"] = "one more observed request (spec_parity/bench.py serve_loop instrumentation)"
+    elif all(r.split for r in runs):
+        out["round_split_s"] = _medians([x for r in runs for x in r.split])
+        out["round_split_from"] = "the side's own per-round events"
+    return out
+
+
+def run_side(name: str, case: bench_shapes.Case, env, prompts, check, split_prompt, n, reference) -> dict:
+    """Build one side and measure it; a side that cannot run records why."""
+    _, build, hint = serve_sides.SIDES[name]
+    t0 = time.perf_counter()
+    try:
+        loop = build(case, env)
+    except Exception as e:
+        return {"side": name, "status": "not run", "reason": bench._reason(e, hint)}
+    out = {"side": name, "status": "ok", "framework": loop.framework, "device": loop.device or str(mx.default_device()),
+           "notes": loop.notes, "build_s": time.perf_counter() - t0}
+    try:
+        out.update(measure(loop, prompts, check, split_prompt, n))
+        out["stream"] = stream_check(out["check_tokens"], reference if name != "plain" else None)
+    except Exception as e:
+        out.update(status="failed", reason=bench._reason(e))
+    del loop
+    gc.collect()
+    mx.clear_cache()
+    return out
+
+
+# ---- one case ------------------------------------------------------------------------------------
+
+def prompt_plan(opts: Options, n_sides: int, vocab: int, seed: int) -> tuple[list[int], list[int], list[list[list[int]]]]:
+    """(check prompt, split prompt, per side its timed prompts): prefixes of one random sequence
+    (ids >= 3: the specials stay out), each ending in the check prompt's last token (an agreeing
+    target's stream depends on that token only: every request then walks the same stretch of its
+    cycle, and tau is the same for every side); request (side i, run r) has its own length, and no
+    two requests share a context length (stride > new tokens + a block)."""
+    stride = opts.new_tokens + 32
+    slots = (opts.runs + 1) * n_sides + 1
+    rng = np.random.default_rng([seed, opts.prompt_len])
+    seq = [int(t) for t in rng.integers(3, vocab, size=opts.prompt_len + slots * stride)]
+
+    def at(slot: int) -> list[int]:
+        return seq[: opts.prompt_len - 1 + slot * stride] + [seq[opts.prompt_len - 1]]
+
+    per_side = [[at(1 + r * n_sides + (i if r % 2 == 0 else n_sides - 1 - i)) for r in range(opts.runs)]
+                for i in range(n_sides)]
+    return at(0), at(1 + opts.runs * n_sides), per_side
+
+
+def run_case(condition: str, spec: bench_shapes.Spec, opts: Options, env, root: Path, say) -> dict:
+    shapes, dtype = ("tiny", "float32") if condition == "agreeing" else (opts.shapes, opts.dtype)
+    t0 = time.perf_counter()
+    out = {"case": spec.name, "condition": condition, "source": spec.source, "shape": spec.shape, "dtype": dtype,
+           "gamma": spec.gamma, "notes": spec.notes, "prompt_len": opts.prompt_len, "new_tokens": opts.new_tokens}
+    try:
+        case = bench_shapes.build(spec, shapes, dtype, root)
+    except Exception as e:
+        return {**out, "status": "failed", "reason": bench._reason(e)}
+    names = serve_sides.sides_for(spec.source, opts.sides)
+    check, split_prompt, per_side = prompt_plan(opts, len(names), case.target_config["vocab_size"], opts.seed)
+    sides, reference = [], None
+    for i, name in enumerate(names):
+        say(f"{condition} {spec.name}: {name}")
+        s = run_side(name, case, env, per_side[i], check, split_prompt, opts.new_tokens, reference)
+        if name == "plain" and s["status"] == "ok":
+            reference = s["check_tokens"]
+        sides.append(s)
+    _ratios(sides)
+    del case
+    gc.collect()
+    return {**out, "status": "ok", "sides": sides, "wall_s": time.perf_counter() - t0}
+
+
+def _ratios(sides: list[dict]) -> None:
+    """Each side's speed-up over the plain decode (median tok/s over median tok/s)."""
+    plain = next((s for s in sides if s["side"] == "plain" and s.get("decode_tokens_per_s")), None)
+    for s in sides:
+        rate = s.get("decode_tokens_per_s")
+        if plain and rate:
+            s["x_plain"] = rate["median"] / plain["decode_tokens_per_s"]["median"]
+
+
+def run(opts: Options, progress=None) -> dict:
+    """The whole --serve bench; returns serve.json's content."""
+    t0 = time.perf_counter()
+    say = progress or (lambda msg: None)
+    torch_dev, torch_reason = bench_sides.torch_device(opts.torch_device)
+    env = SimpleNamespace(torch_device=torch_dev, torch_reason=torch_reason)  # where the torch side runs, or why not
+    cases = []
+    with tempfile.TemporaryDirectory(prefix="spec-parity-serve-") as tmp:
+        for condition, spec in specs(opts):
+            cases.append(run_case(condition, spec, opts, env, Path(tmp), say))
+    return {"command": shlex.join([sys.executable, "-m", "spec_parity.cli", *opts.argv]),
+            "options": {k: v for k, v in vars(opts).items() if k != "argv"}, "git": bench._git(),
+            "machine": bench.machine(), "versions": bench.versions(), "torch_sides": torch_dev or torch_reason,
+            "cases": cases, "wall_s": time.perf_counter() - t0, "what": __doc__.split("\n\n")[1]}
+
+
+# ---- the report ----------------------------------------------------------------------------------
+
+def _ms(x) -> str:
+    return f"{x * 1e3:.2f}" if x is not None else "-"
+
+
+def _row(s: dict) -> str:
+    if s.get("status") != "ok":
+        return f"| {s['side']} | {s.get('status')} | - | - | - | - | - | - | - | - | {s.get('reason', '')} |"
+    r = s.get("decode_tokens_per_s") or {}
+    split = s.get("round_split_s") or {}
+    split_txt = " / ".join(_ms(split.get(k)) for k in ("draft_s", "verify_s", "accept_trim_s")) if split else "-"
+    stream = s.get("stream", {})
+    ok = {True: "yes", False: f"no (at {stream.get('first_divergence')})", None: "ref"}[stream.get("lossless")]
+    peak = f"{s['peak_bytes'] / 2**20:.0f}" if "peak_bytes" in s else "-"
+    tau = f"{s['tau']:.2f}" if s.get("tau") else "-"
+    acc = f"{s['acceptance']:.2f}" if "acceptance" in s else "-"
+    x = f"{s['x_plain']:.2f}x" if "x_plain" in s else "-"
+    return (f"| {s['side']} | ok | {r.get('median', 0):.1f} | {r.get('p10', 0):.1f}-{r.get('p90', 0):.1f} | {x} | {tau} "
+            f"| {acc} | {split_txt} | {peak} | {ok} | {'; '.join(s.get('notes') or [])} |")
+
+
+def markdown(doc: dict) -> str:
+    m = doc["machine"]
+    lines = ["# spec-parity bench --serve", "",
+             f"`{doc['command']}`", "",
+             f"git {doc['git']}; {m['platform']}; mlx device {m['mlx_default_device']}; torch sides: {doc['torch_sides']}",
+             "", "Decode tokens/s per fresh request (prompt lengths never repeated), median and p10-p90 over the "
+             "runs; x plain = speed-up over the target's plain decode; tau = decode tokens / verify rounds; "
+             "split = median ms per round draft / verify / accept+trim; peak = MiB over the timed runs "
+             "(every loaded side's weights included); stream = the check request's stream equals plain decode's.", ""]
+    for c in doc["cases"]:
+        lines += [f"## {c['condition']}: {c['case']} ({c['source']})", "",
+                  f"{c['shape']}; {c['dtype']}; prompt {c['prompt_len']}+, {c['new_tokens']} new tokens, "
+                  f"gamma {c['gamma']}" + (f"; {'; '.join(c['notes'])}" if c.get("notes") else ""), ""]
+        if c.get("status") != "ok":
+            lines += [f"not run: {c.get('reason')}", ""]
+            continue
+        lines += ["| side | status | tok/s | p10-p90 | x plain | tau | acceptance | split ms (d / v / a+t) | peak MiB "
+                  "| stream = plain | notes / reason |", "|" + "---|" * 11]
+        lines += [_row(s) for s in c["sides"]] + [""]
+    return "\n".join(lines)
+
+
+def write(doc: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    js, md = out / "serve.json", out / "serve.md"
+    js.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    md.write_text(markdown(doc) + "\n")
+    return [js, md]
+
+
+def main(args) -> int:
+    """`spec-parity bench --serve` (spec_parity/cli.py passes its parsed arguments)."""
+    real = args.shapes == "real"
+    if args.scale < 1 or (args.scale > 1 and not real):
+        sys.exit("--scale N (N >= 1) applies to --shapes real only")
+    known = [n for n in serve_sides.SIDES if n != "plain"]
+    sides = None if args.peers == "auto" else [] if args.peers == "none" else [x.strip() for x in args.peers.split(",")]
+    if sides and set(sides) - set(known):
+        sys.exit(f"--peers {args.peers!r}: unknown {sorted(set(sides) - set(known))}; with --serve known: {', '.join(known)}")
+    sources = tuple(x.strip() for x in args.sources.split(",") if x.strip())
+    conditions = tuple(x.strip() for x in args.conditions.split(",") if x.strip())
+    if set(sources) - set(bench_shapes.SOURCES) or set(conditions) - set(CONDITIONS):
+        sys.exit(f"--sources from {bench_shapes.SOURCES}, --conditions from {CONDITIONS}")
+    opts = Options(shapes=args.shapes, sources=sources, sides=sides, conditions=conditions, prompt_len=args.prompt_len,
+                   new_tokens=args.new_tokens, runs=args.runs, agree_frac=args.agree_frac,
+                   dtype=args.dtype or ("bfloat16" if real else "float32"), scale=args.scale,
+                   target_layers=args.target_layers, gamma=args.gamma, torch_device=args.torch_device, seed=args.seed,
+                   argv=list(args.argv))
+    if opts.runs < 2 or opts.new_tokens < 2 or opts.prompt_len < 1:
+        sys.exit("--runs >= 2 (a median and a spread), --new-tokens >= 2 and --prompt-len >= 1")
+    doc = run(opts, progress=lambda msg: print(f"[serve] {msg}", file=sys.stderr, flush=True))
+    paths = write(doc, Path(args.out))
+    print(markdown(doc))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0

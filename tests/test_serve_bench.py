@@ -1,0 +1,89 @@
+"""`spec-parity bench --serve`: the command runs, every side reports tok/s or a reason, our loop's
+stream equals plain greedy decode (T=0 is lossless) and a planted wrong token is caught, the
+agreeing kinds set a tau above the random drafters'. Speed figures are reported, never asserted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spec_parity import cli, controls, serve_bench, serve_sides
+
+SMALL = dict(sources=("dspark",), sides=["port"], prompt_len=32, new_tokens=12, runs=2)
+
+
+def _sides(doc: dict, condition: str) -> dict:
+    case = next(c for c in doc["cases"] if c["condition"] == condition)
+    return {s["side"]: s for s in case["sides"]}
+
+
+@pytest.fixture(scope="module")
+def small():
+    return serve_bench.run(serve_bench.Options(**SMALL))
+
+
+@pytest.mark.slow
+def test_our_stream_is_plain_decode_and_agreeing_tau_is_above_random(small):
+    random, agreeing = _sides(small, "random"), _sides(small, "agreeing")
+    for sides in (random, agreeing):
+        assert sides["plain"]["status"] == "ok" and sides["port"]["status"] == "ok"
+        assert sides["port"]["stream"]["lossless"] is True
+        assert sides["port"]["check_tokens"] == sides["plain"]["check_tokens"]
+        assert len(sides["port"]["check_tokens"]) == SMALL["new_tokens"]
+        assert sides["port"]["decode_tokens_per_s"]["median"] > 0 and sides["port"]["round_split_s"]
+    assert random["port"]["tau"] < 1.5 < agreeing["port"]["tau"]
+    assert random["port"]["acceptance"] < agreeing["port"]["acceptance"]
+
+
+@pytest.mark.slow
+def test_a_loop_that_emits_a_wrong_token_is_caught():
+    with controls.planted("bench", "serve_wrong_token"):
+        doc = serve_bench.run(serve_bench.Options(**{**SMALL, "conditions": ("random",)}))
+    sides = _sides(doc, "random")
+    assert sides["port"]["stream"] == {"lossless": False, "first_divergence": SMALL["new_tokens"] - 1,
+                                       "compared": SMALL["new_tokens"]}
+    assert "no (at 11)" in serve_bench.markdown(doc)
+
+
+def test_stream_check_names_the_first_divergence():
+    assert serve_bench.stream_check([1, 2, 3], [1, 2, 3])["lossless"] is True
+    assert serve_bench.stream_check([1, 5, 3], [1, 2, 3])["first_divergence"] == 1
+    assert serve_bench.stream_check([1, 2], [1, 2, 3]) == {"lossless": False, "first_divergence": 2, "compared": 3}
+
+
+def test_every_request_is_at_its_own_lengths_and_walks_the_same_stretch():
+    opts = serve_bench.Options(prompt_len=50, new_tokens=10, runs=4)
+    check, split, per_side = serve_bench.prompt_plan(opts, 3, 100, 0)
+    prompts = [check, split] + [p for side in per_side for p in side]
+    lengths = sorted(len(p) for p in prompts)
+    assert lengths[0] == 50 and all(b - a > opts.new_tokens + 16 for a, b in zip(lengths, lengths[1:]))
+    assert {p[-1] for p in prompts} == {check[-1]} and min(min(p) for p in prompts) >= 3
+    means = {sum(len(p) for p in side) / len(side) for side in per_side}
+    assert len(means) == 1  # runs reversed on odd rounds: every side's mean length is the same
+
+
+def test_a_side_that_cannot_run_records_why(monkeypatch):
+    def broken(case, env):
+        raise ImportError("No module named 'nothing'")
+    monkeypatch.setitem(serve_sides.SIDES, "port", (("dspark",), broken, "pip install nothing"))
+    port = serve_bench.run_side("port", None, None, [], [], [], 4, None)
+    assert port["status"] == "not run" and "install: pip install nothing" in port["reason"]
+
+
+@pytest.mark.slow
+def test_the_command_runs_every_side_at_tiny_shapes(tmp_path):
+    out = tmp_path / "serve"
+    assert cli.main(["bench", "--serve", "--prompt-len", "24", "--new-tokens", "8", "--runs", "2",
+                     "--torch-device", "cpu", "--out", str(out)]) == 0
+    doc = json.loads((out / "serve.json").read_text())
+    assert (out / "serve.md").read_text().startswith("# spec-parity bench --serve")
+    assert {(c["condition"], c["source"]) for c in doc["cases"]} == {
+        (k, s) for k in serve_bench.CONDITIONS for s in ("assistant", "dspark", "dflash")}
+    for c in doc["cases"]:
+        assert c["status"] == "ok"
+        assert {s["side"] for s in c["sides"]} == set(serve_sides.sides_for(c["source"], None))
+        for s in c["sides"]:
+            assert (s["status"] == "ok" and s["decode_tokens_per_s"]["median"] > 0) or s.get("reason"), s
+            if s["side"] in serve_sides.OURS:
+                assert s["stream"]["lossless"] is True, (c["case"], s["side"])
