@@ -233,7 +233,7 @@ def provider_for(path: str | Path):
 
         return AssistantProvider(path)
     if kind == "dspark":
-        from .dspark import DeepspecProvider
+        from .sources.dspark import DeepspecProvider
 
         return DeepspecProvider(path)
     if kind in ("dflash", "dflash-extension"):

@@ -76,7 +76,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import checkpoint, targets
+from . import checkpoint, heads, targets
 from . import compiled as compiled_pieces
 
 # Where input_embedding_scale and output_multiplier are read: "either" (z-lab torch, the default):
@@ -323,17 +323,14 @@ class Model(nn.Module):
                                      max_position_embeddings=a.max_position_embeddings)
         self.extras = extras
         if extras:
-            from .dspark import ConfidenceHead, MarkovHead
-
             if a.markov_rank <= 0 and not a.enable_confidence_head:
                 raise DFlashError("extras=True needs a checkpoint with DSpark extras (markov_rank > 0 and/or "
                                   "enable_confidence_head in its config); this one has none")
             if a.confidence_head_with_markov and a.markov_rank <= 0:
                 raise DFlashError("confidence_head_with_markov needs markov_rank > 0")
-            if a.markov_rank > 0:
-                self.markov_head = MarkovHead(a)
-            if a.enable_confidence_head:
-                self.confidence_head = ConfidenceHead(H + (a.markov_rank if a.confidence_head_with_markov else 0))
+            for name, head in heads.build(a.markov_rank, a.markov_head_type, a.enable_confidence_head,
+                                          a.confidence_head_with_markov, H, a.vocab_size).items():
+                setattr(self, name, head)
 
     def _enter(self, h, block_at):
         """Layer 0's block Q, K, V."""
@@ -397,17 +394,8 @@ class Model(nn.Module):
         the softcap). Markov bias added to row k after the softcap, chained on the row's token:
         its argmax (on the device), or `pick(row)` (the serve loop's sampler); then the confidence
         logits of every row."""
-        from .dspark import markov_chain, previous_tokens
-
-        a = self.args
         anchor = anchor if isinstance(anchor, mx.array) else mx.array([anchor], mx.uint32)
-        rows, tokens = markov_chain(self.markov_head if a.markov_rank > 0 else None, hidden, base, anchor, pick)
-        conf = None
-        if a.enable_confidence_head:
-            feats = hidden
-            if a.confidence_head_with_markov:
-                feats = mx.concatenate([hidden, self.markov_head.markov_w1(previous_tokens(anchor, tokens))], axis=-1)
-            conf = self.confidence_head.proj(feats)[:, 0]
+        rows, tokens, conf = heads.extend(self, hidden, base, anchor, pick)
         return Block(hidden, rows, tokens, base_logits=base, confidence=conf)
 
     def block(self, target: targets.Target, anchor: int, n: int, ctx_rows: mx.array | None, caches: list) -> Block:

@@ -177,8 +177,9 @@ class HostSyncs:
         return False
 
 
-PORT_MODULES = ("port.assistant", "port.compiled", "port.dflash", "port.dspark", "port.sampling", "port.serve",
-                "port.targets")
+PORT_MODULES = ("port.assistant", "port.compiled", "port.dflash", "port.dspark", "port.heads", "port.sampling",
+                "port.serve", "port.targets", "port.fast.assistant", "port.fast.dflash", "port.fast.dspark",
+                "port.sources.assistant", "port.sources.dflash", "port.sources.dspark")
 SCALAR_POOL_BYTES = 8  # MLX CUDA keeps buffers up to 8 bytes in a GPU-mapped scalar pool
 
 

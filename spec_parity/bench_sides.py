@@ -73,7 +73,7 @@ def _draft_config(prep: Prep) -> dict:
 def port_side(prep: Prep, **bucketed) -> Stepper:
     """Our port through the serve loop's seam: the source's `draft_device` (what the loop drafts
     with: the tokens stay on the device until the verify; and `commit` of one row); `bucketed`
-    (kv_bucket, bucket_attention): its opt-in bucketed path (port/compiled.py). No host read in
+    (kv_bucket, bucket_attention): its opt-in bucketed path (port/fast/). No host read in
     the step, as in the peers' steps: on MLX CUDA a host read of more than 8 bytes costs the next
     step 0.1-0.56 ms of unified-memory faults (docs/benchmarks.md)."""
     from port import serve
@@ -140,14 +140,14 @@ class PortProvider:
 
 
 def _source_class(case: Case):
-    from port import assistant, dflash, dspark
+    from port.sources import assistant, dflash, dspark
 
     return {"assistant": assistant.AssistantSource, "dspark": dspark.DeepspecSource,
             "dflash": dflash.DflashSource}[case.spec.source]
 
 
 def load_port_drafter(case: Case, **bucketed):
-    from port import assistant, dflash, dspark
+    from port.fast import assistant, dflash, dspark
 
     mod = {"assistant": assistant, "dspark": dspark, "dflash": dflash}[case.spec.source]
     with serve_weights(case):

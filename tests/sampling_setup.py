@@ -11,7 +11,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from port import assistant, dflash, dspark, sampling, serve, targets
+from port import assistant, dflash, sampling, serve, targets
+from port.sources.dspark import DeepspecProvider
 from spec_parity import checkpoints
 
 from stats import stat_tests
@@ -74,7 +75,7 @@ def setup(name: str):
     extras_dir = checkpoints.build(k["dflash"][0], 0, {**k["dflash"][1], "dspark_extras": DFLASH_MARKOV})
     target = targets.load(build("target"))
     providers = {"assistant": assistant.AssistantProvider(build("assistant")),
-                 "dspark": dspark.DeepspecProvider(build("dspark")),
+                 "dspark": DeepspecProvider(build("dspark")),
                  "dflash": dflash.DflashProvider(build("dflash")),
                  "dflash-extras": dflash.DflashProvider(extras_dir, extras=True, thresholds=DFLASH_THRESHOLDS)}
     return target, providers, k

@@ -29,6 +29,8 @@ from test_speed import (
 )
 
 from port import assistant, compiled, dflash, dspark, serve, targets
+from port.fast import dspark as fast_dspark
+from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import budgets, checkpoints, compare, controls, harness
 
 BUCKET = 8
@@ -55,9 +57,9 @@ def _dspark_rounds(variant: str, kv_bucket, compiled=True, attention="sdpa", mod
     ov = DSPARK_VARIANTS[variant]
     kind = ov.get("target_kind", "gemma4-target")
     path = checkpoints.build("dspark-drafter", 0, ov)
-    m = model or dspark.load(path, compiled, kv_bucket, attention)
+    m = model or fast_dspark.load(path, compiled, kv_bucket, attention)
     rows = _taps(kind, path)
-    src = dspark.DeepspecSource(m, serve.TargetView(_target(kind), make_prompt_cache(_target(kind).model)))
+    src = DeepspecSource(m, serve.TargetView(_target(kind), make_prompt_cache(_target(kind).model)))
     out = []
     for r, (lo, hi) in enumerate(FEEDS):
         src.pending = rows[:, lo:hi]
@@ -158,7 +160,10 @@ def test_planted_mask_off_by_one_fails_the_comparison(source, variant, attention
 def _bucketed_provider(make):
     """A SOURCES provider with its drafter on the bucketed path."""
     prov = make()
-    prov.drafter.kv_bucket = BUCKET
+    if isinstance(prov, DeepspecProvider):
+        prov.drafter = fast_dspark.load(prov.path, kv_bucket=BUCKET)
+    else:
+        prov.drafter.kv_bucket = BUCKET
     return prov
 
 
@@ -186,13 +191,13 @@ def test_bad_bucket_and_window_are_refused():
     path = checkpoints.build("dspark-drafter", 0, {})
     for bad in (0, -8, 8.0, True):
         with pytest.raises(dspark.DSparkError, match="kv_bucket"):
-            dspark.load(path, kv_bucket=bad)
+            fast_dspark.load(path, kv_bucket=bad)
     swa = checkpoints.build("dflash-drafter", 0, DFLASH_VARIANTS["qwen3-swa"])
     with pytest.raises(dflash.DFlashError, match="window='positional'"):
         dflash.load(swa, window="zlab-mlx", kv_bucket=BUCKET)
     with pytest.raises(dflash.DFlashError, match="bucket_attention"):
         dflash.load(swa, kv_bucket=BUCKET, bucket_attention="flash")
-    m = dspark.load(path, kv_bucket=BUCKET)
+    m = fast_dspark.load(path, kv_bucket=BUCKET)
     with pytest.raises(dspark.DSparkError, match="BucketCache"):
         m.draft_block(3, [dspark.KVCache() for _ in m.layers], 4)
 
@@ -223,10 +228,10 @@ def test_dspark_bucketed_host_pick_equals_device_chain():
     one token off (the control) drafts others."""
     ov = DSPARK_VARIANTS["gemma4-rnn"]
     path = checkpoints.build("dspark-drafter", 0, ov)
-    m, rows = dspark.load(path, kv_bucket=BUCKET), _taps("gemma4-target", path)
+    m, rows = fast_dspark.load(path, kv_bucket=BUCKET), _taps("gemma4-target", path)
 
     def block(pick):
-        src = dspark.DeepspecSource(m, serve.TargetView(_target("gemma4-target"), make_prompt_cache(
+        src = DeepspecSource(m, serve.TargetView(_target("gemma4-target"), make_prompt_cache(
             _target("gemma4-target").model)))
         src.pending = rows[:, :11]
         return src._block([7], pick)

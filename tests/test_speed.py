@@ -12,7 +12,9 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from port import assistant, dflash, dspark, serve, targets
+from port import assistant, dflash, dspark, heads, serve, targets
+from port.fast import dspark as fast_dspark
+from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import bench, checkpoints, harness
 from spec_parity.pairs import dspark as dspark_pair
 
@@ -52,13 +54,13 @@ SOURCES = [
      lambda: assistant.AssistantProvider(checkpoints.build("gemma4-assistant-agreeing", 0,
                                                            {"use_ordered_embeddings": False})), 4, 1),
     ("dspark", "gemma4-target-agreeing", {},
-     lambda: dspark.DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
+     lambda: DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
          "target_kind": "gemma4-target-agreeing", "agree_frac": 0.8})), 7, 1),
     ("dspark-threshold", "qwen3-target-agreeing", {},
-     lambda: dspark.DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
+     lambda: DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
          "target_kind": "qwen3-target-agreeing", "agree_frac": 0.6}), 0.5), 7, 2),
     ("dspark-dflash-variant", "gemma4-target", {},
-     lambda: dspark.DeepspecProvider(checkpoints.build("dspark-drafter", 0, {
+     lambda: DeepspecProvider(checkpoints.build("dspark-drafter", 0, {
          "markov_rank": 0, "confidence_head_alpha": 0.0})), 7, 1),
     ("dflash", "qwen3-target-agreeing", AGREE_128, _dflash("dflash-drafter-agreeing", {"agree_frac": 0.8}), 7, 1),
     ("dflash-extras", "qwen3-target", {}, _dflash("dflash-drafter", EXTRAS, extras=True, thresholds=[]), 7, 1),
@@ -190,13 +192,13 @@ def test_device_drafts_equal_host_chained_drafts(name):
         if isinstance(src, assistant.AssistantSource):
             steps = src._chain([anchor], gamma, trace.final[:, -1:, :], pick)
             return [s.token for s in steps], mx.stack([s.logits for s in steps])
-        if isinstance(src, dspark.DeepspecSource):
+        if isinstance(src, DeepspecSource):
             block = src._block([anchor], pick)
             return block.tokens, block.logits
         block = src.m.block(target, anchor, gamma, src.pending, src.caches)
         if pick is None or block.base_logits is None:
             return block.tokens, block.logits
-        rows, tokens = dspark.markov_chain(src.m.markov_head, block.hidden, block.base_logits,
+        rows, tokens = heads.markov_chain(src.m.markov_head, block.hidden, block.base_logits,
                                            mx.array([anchor], mx.uint32), pick)
         return tokens.tolist(), rows
 
@@ -223,7 +225,7 @@ def _record_rounds(provider, rounds: list):
 
 def _dspark_rounds(max_tokens: int):
     target = targets.load(checkpoints.build("gemma4-target-agreeing", 0, {}))
-    provider, rounds = dspark.DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
+    provider, rounds = DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
         "target_kind": "gemma4-target-agreeing", "agree_frac": 0.8})), []
     serve.generate(target, PROMPT, max_tokens, _record_rounds(provider, rounds), gamma=7, eos=set())
     return provider.drafter, rounds
@@ -385,13 +387,13 @@ def test_dspark_compiled_block_equals_plain(variant, dtype):
     ov = DSPARK_VARIANTS[variant]
     target = targets.load(checkpoints.build(ov.get("target_kind", "gemma4-target"), 0, ov.get("target_overrides", {})),
                           getattr(mx, dtype))
-    m = dspark.load(checkpoints.build("dspark-drafter", 0, ov))
+    m = fast_dspark.load(checkpoints.build("dspark-drafter", 0, ov))
     m.set_dtype(getattr(mx, dtype))
     trace = targets.forward(target, mx.array([LONG_PROMPT]))
     rows = m.taps(trace.hidden)
 
     def run():
-        src = dspark.DeepspecSource(m, serve.TargetView(target, make_prompt_cache(target.model)))
+        src = DeepspecSource(m, serve.TargetView(target, make_prompt_cache(target.model)))
         out = []
         for r in range(3):
             src.pending = rows[:, : len(LONG_PROMPT) - 4] if r == 0 else rows[:, -2:]
