@@ -237,7 +237,7 @@ def provider_for(path: str | Path):
 
         return DeepspecProvider(path)
     if kind in ("dflash", "dflash-extension"):
-        from .dflash import DflashProvider
+        from .sources.dflash import DflashProvider
 
         return DflashProvider(path, extras=kind == "dflash-extension")
     raise checkpoint.CheckpointError(f"{Path(path) / 'config.json'}: not a drafter the A/B takes (a Gemma-4 "

@@ -274,7 +274,8 @@ class Model(nn.Module):
 
     def tail(self, hidden, base, anchor, pick=None):
         """Markov chain (rows, tokens) and the confidence logits (or None) of every slot."""
-        return heads.extend(self, hidden, base, anchor, pick)
+        return heads.extend(self.get("markov_head"), self.get("confidence_head"), self.args.confidence_head_with_markov,
+                            hidden, base, anchor, pick)
 
     def make_cache(self) -> KVCache:
         """One layer's context K/V store (mlx-lm's KVCache)."""

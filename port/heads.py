@@ -90,15 +90,31 @@ def build(markov_rank: int, markov_head_type: str, confidence: bool, with_markov
     return heads
 
 
-def extend(model, hidden, base, anchor: mx.array, pick=None):
-    """The heads of `model` (its `markov_head` / `confidence_head`, if it has them; its
-    args.confidence_head_with_markov) on one block: hidden [n, H], base [n, V] after the softcap.
-    Returns (rows, tokens, confidence logits [n] or None)."""
-    markov = getattr(model, "markov_head", None)
+def extend(markov: MarkovHead | None, confidence: ConfidenceHead | None, with_markov: bool, hidden, base,
+           anchor: mx.array, pick=None):
+    """The heads on one block: hidden [n, H], base [n, V] after the softcap; the confidence head
+    reads [h_k ; W1[prev_k]] `with_markov`. Returns (rows, tokens, confidence logits [n] or None)."""
     rows, tokens = markov_chain(markov, hidden, base, anchor, pick)
-    if "confidence_head" not in model:
+    if confidence is None:
         return rows, tokens, None
     feats = hidden
-    if model.args.confidence_head_with_markov:
+    if with_markov:
         feats = mx.concatenate([hidden, markov.markov_w1(previous_tokens(anchor, tokens))], axis=-1)
-    return rows, tokens, model.confidence_head.proj(feats)[:, 0]
+    return rows, tokens, confidence.proj(feats)[:, 0]
+
+
+class Extension(nn.Module):
+    """The heads on a drafter that has none of its own (DSpark-on-DFlash): under DeepSpec's names
+    markov_head.* and confidence_head.*, as the checkpoint stores them."""
+
+    def __init__(self, markov_rank: int, markov_head_type: str, confidence: bool, with_markov: bool,
+                 hidden_size: int, vocab_size: int):
+        super().__init__()
+        self.with_markov = with_markov
+        for name, head in build(markov_rank, markov_head_type, confidence, with_markov, hidden_size,
+                                vocab_size).items():
+            setattr(self, name, head)
+
+    def __call__(self, hidden, base, anchor: mx.array, pick=None):
+        return extend(self.get("markov_head"), self.get("confidence_head"), self.with_markov, hidden, base, anchor,
+                      pick)

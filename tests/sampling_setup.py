@@ -11,7 +11,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from port import assistant, dflash, sampling, serve, targets
+from port import assistant, sampling, serve, targets
+from port.sources.dflash import DflashProvider
 from port.sources.dspark import DeepspecProvider
 from spec_parity import checkpoints
 
@@ -76,8 +77,8 @@ def setup(name: str):
     target = targets.load(build("target"))
     providers = {"assistant": assistant.AssistantProvider(build("assistant")),
                  "dspark": DeepspecProvider(build("dspark")),
-                 "dflash": dflash.DflashProvider(build("dflash")),
-                 "dflash-extras": dflash.DflashProvider(extras_dir, extras=True, thresholds=DFLASH_THRESHOLDS)}
+                 "dflash": DflashProvider(build("dflash")),
+                 "dflash-extras": DflashProvider(extras_dir, extras=True, thresholds=DFLASH_THRESHOLDS)}
     return target, providers, k
 
 

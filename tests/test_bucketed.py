@@ -25,10 +25,12 @@ from test_speed import (
     SOURCES,
     _bits_equal,
     _host_argmax,
+    extended,
     round_syncs,
 )
 
 from port import assistant, compiled, dflash, dspark, serve, targets
+from port.fast import dflash as fast_dflash
 from port.fast import dspark as fast_dspark
 from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import budgets, checkpoints, compare, controls, harness
@@ -73,11 +75,11 @@ def _dflash_rounds(variant: str, kv_bucket, compiled=True, attention="sdpa", mod
     ov = DFLASH_VARIANTS[variant]
     kind = ov.get("target_kind", "qwen3-target")
     path = checkpoints.build("dflash-drafter", 0, ov)
-    m = model or dflash.load(path, extras="dspark_extras" in ov, compiled=compiled, kv_bucket=kv_bucket,
-                             bucket_attention=attention)
+    m = model or fast_dflash.load(path, compiled=compiled, kv_bucket=kv_bucket, bucket_attention=attention)
+    ext = dflash.load_extension(path) if "dspark_extras" in ov else None
     rows, caches, out = _taps(kind, path), m.make_caches(), []
     for r, (lo, hi) in enumerate(FEEDS):
-        b = m.block(_target(kind), 7 + r, m.args.block_size - 1, rows[:, lo:hi], caches)
+        b = extended(ext, m.block(_target(kind), 7 + r, m.args.block_size - 1, rows[:, lo:hi], caches), 7 + r)
         out.append(([b.hidden, b.logits] + [x for x in (b.base_logits, b.confidence) if x is not None], b.tokens))
     return out, m
 
@@ -163,7 +165,7 @@ def _bucketed_provider(make):
     if isinstance(prov, DeepspecProvider):
         prov.drafter = fast_dspark.load(prov.path, kv_bucket=BUCKET)
     else:
-        prov.drafter.kv_bucket = BUCKET
+        prov.drafter = fast_dflash.load(prov.path, kv_bucket=BUCKET)
     return prov
 
 
@@ -194,9 +196,9 @@ def test_bad_bucket_and_window_are_refused():
             fast_dspark.load(path, kv_bucket=bad)
     swa = checkpoints.build("dflash-drafter", 0, DFLASH_VARIANTS["qwen3-swa"])
     with pytest.raises(dflash.DFlashError, match="window='positional'"):
-        dflash.load(swa, window="zlab-mlx", kv_bucket=BUCKET)
+        fast_dflash.load(swa, window="zlab-mlx", kv_bucket=BUCKET)
     with pytest.raises(dflash.DFlashError, match="bucket_attention"):
-        dflash.load(swa, kv_bucket=BUCKET, bucket_attention="flash")
+        fast_dflash.load(swa, kv_bucket=BUCKET, bucket_attention="flash")
     m = fast_dspark.load(path, kv_bucket=BUCKET)
     with pytest.raises(dspark.DSparkError, match="BucketCache"):
         m.draft_block(3, [dspark.KVCache() for _ in m.layers], 4)

@@ -12,8 +12,10 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from port import assistant, dflash, dspark, heads, serve, targets
+from port import assistant, dflash, dspark, serve, targets
+from port.fast import dflash as fast_dflash
 from port.fast import dspark as fast_dspark
+from port.sources.dflash import DflashProvider
 from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import bench, checkpoints, harness
 from spec_parity.pairs import dspark as dspark_pair
@@ -41,7 +43,7 @@ def round_syncs(target, provider, max_tokens: int, gamma: int, monkeypatch):
 
 
 def _dflash(kind: str, overrides: dict, **kw):
-    return lambda: dflash.DflashProvider(checkpoints.build(kind, 0, overrides), **kw)
+    return lambda: DflashProvider(checkpoints.build(kind, 0, overrides), **kw)
 
 
 AGREE_128 = {"hidden_size": 128}
@@ -196,11 +198,10 @@ def test_device_drafts_equal_host_chained_drafts(name):
             block = src._block([anchor], pick)
             return block.tokens, block.logits
         block = src.m.block(target, anchor, gamma, src.pending, src.caches)
-        if pick is None or block.base_logits is None:
+        if src.extension is None:
             return block.tokens, block.logits
-        rows, tokens = heads.markov_chain(src.m.markov_head, block.hidden, block.base_logits,
-                                           mx.array([anchor], mx.uint32), pick)
-        return tokens.tolist(), rows
+        block = src.extend(block, anchor, pick)
+        return block.tokens, block.logits
 
     tokens, logits = run(None)
     host_tokens, host_logits = run(_host_argmax)
@@ -412,14 +413,26 @@ DFLASH_VARIANTS = {
 }
 
 
+def extended(ext, b, anchor: int):
+    """DFlash block b with the extension's heads applied (as DflashSource.extend), or b (ext None)."""
+    if ext is None:
+        return b
+    rows, tokens, conf = ext(b.hidden, b.logits, mx.array([anchor], mx.uint32))
+    return dflash.Block(b.hidden, rows, tokens, b.logits, conf)
+
+
 @pytest.mark.parametrize("variant,dtype", [(v, "float32") for v in DFLASH_VARIANTS] + [("qwen3-swa", "bfloat16")])
 def test_dflash_compiled_block_equals_plain(variant, dtype):
     """Three source rounds past the sliding window: block hidden, logits (extras: base rows and
     confidence too), tokens."""
     ov = DFLASH_VARIANTS[variant]
     target = targets.load(checkpoints.build(ov.get("target_kind", "qwen3-target"), 0, {}), getattr(mx, dtype))
-    m = dflash.load(checkpoints.build("dflash-drafter", 0, ov), extras="dspark_extras" in ov)
+    path = checkpoints.build("dflash-drafter", 0, ov)
+    m = fast_dflash.load(path)
     m.set_dtype(getattr(mx, dtype))
+    ext = dflash.load_extension(path) if "dspark_extras" in ov else None
+    if ext is not None:
+        ext.set_dtype(getattr(mx, dtype))
     rows = m.taps(targets.forward(target, mx.array([LONG_PROMPT])).hidden)
 
     def run():
@@ -427,6 +440,7 @@ def test_dflash_compiled_block_equals_plain(variant, dtype):
         for r in range(3):
             ctx = rows[:, : len(LONG_PROMPT) - 4] if r == 0 else rows[:, -2:]
             b = m.block(target, 7 + r, m.args.block_size - 1, ctx, caches)
+            b = extended(ext, b, 7 + r)
             out += [b.hidden, b.logits, b.token_ids] + [x for x in (b.base_logits, b.confidence) if x is not None]
         return out
 
