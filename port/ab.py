@@ -229,7 +229,7 @@ def provider_for(path: str | Path):
 
     kind = checkpoint.drafter_kind(checkpoint.read_config(Path(path)))
     if kind == "assistant":
-        from .assistant import AssistantProvider
+        from .sources.assistant import AssistantProvider
 
         return AssistantProvider(path)
     if kind == "dspark":

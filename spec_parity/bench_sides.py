@@ -140,16 +140,14 @@ class PortProvider:
 
 
 def _source_class(case: Case):
-    from port import assistant
-    from port.sources import dflash, dspark
+    from port.sources import assistant, dflash, dspark
 
     return {"assistant": assistant.AssistantSource, "dspark": dspark.DeepspecSource,
             "dflash": dflash.DflashSource}[case.spec.source]
 
 
 def load_port_drafter(case: Case, **bucketed):
-    from port import assistant
-    from port.fast import dflash, dspark
+    from port.fast import assistant, dflash, dspark
 
     mod = {"assistant": assistant, "dspark": dspark, "dflash": dflash}[case.spec.source]
     with serve_weights(case):

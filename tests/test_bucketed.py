@@ -29,9 +29,11 @@ from test_speed import (
     round_syncs,
 )
 
-from port import assistant, compiled, dflash, dspark, serve, targets
+from port import compiled, dflash, dspark, serve, targets
+from port.fast import assistant as fast_assistant
 from port.fast import dflash as fast_dflash
 from port.fast import dspark as fast_dspark
+from port.sources.assistant import AssistantSource
 from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import budgets, checkpoints, compare, controls, harness
 
@@ -252,7 +254,7 @@ class _BothChains:
 
     def __init__(self, make):
         self.plain, self.bucketed = make(), make()
-        self.bucketed.drafter.bucketed = True
+        self.bucketed.drafter = fast_assistant.load(self.bucketed.path, bucketed=True)
         p = self.plain
         self.id, self.weights_bytes, self.trained_gamma, self.chains = p.id, p.weights_bytes, p.trained_gamma, []
 
@@ -322,7 +324,7 @@ def _wrapped_ring_rounds(window: str):
     _, kind, overrides, make, gamma, _ = next(s for s in SOURCES if s[0] == "assistant-tied")
     target = targets.load(checkpoints.build(kind, 0, overrides))
     plain, fast = make(), make()
-    fast.drafter.bucketed = True   # sources opened here with the window given
+    fast.drafter = fast_assistant.load(fast.path, bucketed=True)   # sources opened here with the window given
     caches = make_prompt_cache(target.model)
     ring = caches[targets.donor_layers(target)["sliding"]]
     trace = targets.forward(target, mx.array([LONG_PROMPT[:6]]), caches=caches)
@@ -330,7 +332,7 @@ def _wrapped_ring_rounds(window: str):
     for t in LONG_PROMPT[6:]:
         view = serve.TargetView(target, caches)
         for prov in (plain, fast):
-            src = assistant.AssistantSource(prov.drafter, view, window=window)
+            src = AssistantSource(prov.drafter, view, window=window)
             steps = src._chain([t], gamma, trace.final[:, -1:, :], None)
             out[prov is fast].append(([x for s in steps for x in (s.logits, s.next_hidden)], [s.token for s in steps]))
         writes.add(ring._idx)

@@ -13,8 +13,10 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from port import assistant, dflash, dspark, serve, targets
+from port.fast import assistant as fast_assistant
 from port.fast import dflash as fast_dflash
 from port.fast import dspark as fast_dspark
+from port.sources.assistant import AssistantProvider, AssistantSource
 from port.sources.dflash import DflashProvider
 from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import bench, checkpoints, harness
@@ -51,9 +53,9 @@ EXTRAS = {"dspark_extras": {"markov_rank": 8, "markov_head_type": "vanilla", "co
 # (name, target kind, target overrides, provider factory, gamma, syncs allowed per round)
 SOURCES = [
     ("assistant-centroid", "gemma4-target-agreeing", {},
-     lambda: assistant.AssistantProvider(checkpoints.build("gemma4-assistant-agreeing", 0, {})), 4, 1),
+     lambda: AssistantProvider(checkpoints.build("gemma4-assistant-agreeing", 0, {})), 4, 1),
     ("assistant-tied", "gemma4-target-agreeing", {},
-     lambda: assistant.AssistantProvider(checkpoints.build("gemma4-assistant-agreeing", 0,
+     lambda: AssistantProvider(checkpoints.build("gemma4-assistant-agreeing", 0,
                                                            {"use_ordered_embeddings": False})), 4, 1),
     ("dspark", "gemma4-target-agreeing", {},
      lambda: DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
@@ -191,7 +193,7 @@ def test_device_drafts_equal_host_chained_drafts(name):
         trace = targets.forward(target, mx.array([PROMPT]), caches=caches)
         src.prefill(PROMPT, serve._taps(trace, src.tap_layers, slice(None)))
         anchor = int(mx.argmax(trace.logits[0, -1]).item())
-        if isinstance(src, assistant.AssistantSource):
+        if isinstance(src, AssistantSource):
             steps = src._chain([anchor], gamma, trace.final[:, -1:, :], pick)
             return [s.token for s in steps], mx.stack([s.logits for s in steps])
         if isinstance(src, DeepspecSource):
@@ -321,8 +323,8 @@ def _assistant_chain(head: str, dt):
     """The drafter and a 4-step chain of it past the sliding window: run() -> tokens, logits, next
     hidden, candidates of every step."""
     target = targets.load(checkpoints.build("gemma4-target", 0, {}), dt)
-    drafter = assistant.load(checkpoints.build("gemma4-assistant", 0, {"use_ordered_embeddings": head == "centroid"}),
-                             dt)
+    drafter = fast_assistant.load(checkpoints.build("gemma4-assistant", 0,
+                                                    {"use_ordered_embeddings": head == "centroid"}), dt)
     caches = make_prompt_cache(target.model)
     trace = targets.forward(target, mx.array([LONG_PROMPT]), caches=caches)
     donors, hidden = targets.donor_view(target, caches), trace.final[:, -1:, :]
@@ -465,7 +467,7 @@ def test_observed_provider_keeps_the_loops_device_drafts():
     drafts on the device; a source whose `draft` was replaced on the instance (the control)
     drafts on the host, observed or not."""
     target = targets.load(checkpoints.build("gemma4-target", 0, {}))
-    provider = assistant.AssistantProvider(checkpoints.build("gemma4-assistant", 0, {}))
+    provider = AssistantProvider(checkpoints.build("gemma4-assistant", 0, {}))
 
     def run(p):
         calls = []
@@ -478,7 +480,7 @@ def test_observed_provider_keeps_the_loops_device_drafts():
     tokens, calls = run(provider)
     assert tokens == plain and "draft_device" in calls and "draft" not in calls and "commit" in calls
 
-    class Replaced(assistant.AssistantProvider):
+    class Replaced(AssistantProvider):
         def open(self, view):
             src = super().open(view)
             src.draft = lambda *args: type(src).draft(src, *args)
@@ -504,7 +506,7 @@ def test_assistant_native_gqa_equals_repeated_kv_on_the_cpu():
     def chain(m, d=donors):
         return [a for s in assistant.draft_chain(m, target, d, 5, h, caches[0].offset, 3) for a in (s.logits, s.next_hidden)]
 
-    repeated, native = chain(assistant.load(path)), chain(assistant.load(path, repeat_kv=False))
+    repeated, native = chain(assistant.load(path)), chain(fast_assistant.load(path, repeat_kv=False))
     assert all(_bits_equal(a, b) for a, b in zip(repeated, native))
     swapped = {n: (k[:, ::-1], v[:, ::-1]) for n, (k, v) in donors.items()}
-    assert not all(_bits_equal(a, b) for a, b in zip(repeated, chain(assistant.load(path, repeat_kv=False), swapped)))
+    assert not all(_bits_equal(a, b) for a, b in zip(repeated, chain(fast_assistant.load(path, repeat_kv=False), swapped)))
