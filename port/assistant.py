@@ -153,15 +153,16 @@ class DecoderLayer(nn.Module):
         self.layer_scalar = mx.ones((1,))
 
     def __call__(self, x, kv, position):
-        return self.finish(x, self.self_attn.attend(self.query(x, position), *kv))
+        return self.finish(x, self.self_attn(self.input_layernorm(x), kv, position))
 
     def query(self, x, position):
         """The attention's Q of the layer input x (the fast paths split the layer here)."""
         return self.self_attn.query(self.input_layernorm(x), position)
 
-    def finish(self, x, o):
-        """The layer's output from its input x and the attention heads o: x + attention, then the MLP."""
-        h = x + self.post_attention_layernorm(self.self_attn.output(o))
+    def finish(self, x, attn):
+        """The layer's output from its input x and the attention's output attn: x + attention,
+        then the MLP."""
+        h = x + self.post_attention_layernorm(attn)
         h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         return h * self.layer_scalar
 

@@ -244,20 +244,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(a.hidden_size, eps=a.rms_norm_eps)
 
     def __call__(self, x, ctx, cache, block_at):
-        q, bk, bv = self.qkv(x, block_at)
-        return self.finish(x, self.attend(q, bk, bv, ctx, cache))
+        """The context rows ctx enter K/V without the input_layernorm."""
+        return self.finish(x, self.self_attn(self.input_layernorm(x), ctx, cache, block_at))
 
     def qkv(self, x, block_at):
         """The block's Q, K, V from the layer input x (the fast paths split the layer here)."""
         return self.self_attn.block_qkv(self.input_layernorm(x), block_at)
 
-    def attend(self, q, bk, bv, ctx, cache):
-        """The block rows' attention; the context rows enter K/V without the input_layernorm."""
-        return self.self_attn.attend(q, bk, bv, ctx, cache)
-
-    def finish(self, x, o):
-        """The layer's output from its input x and the attention heads o."""
-        h = x + self.self_attn.output(o)
+    def finish(self, x, attn):
+        """The layer's output from its input x and the attention's output attn."""
+        h = x + attn
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -182,16 +182,14 @@ class DecoderLayer(nn.Module):
             self.layer_scalar = mx.ones((1,))
 
     def __call__(self, x, ctx, offset):
-        q, k, v = self.qkv(x, offset)
-        return self.finish(x, self.self_attn.attend(q, *self.self_attn.join(ctx, k, v)))
+        return self.finish(x, self.self_attn(self.input_layernorm(x), ctx, offset))
 
     def qkv(self, x, offset):
         """The attention's Q, K, V of the layer input x (the fast paths split the layer here)."""
         return self.self_attn.block_qkv(self.input_layernorm(x), offset)
 
-    def finish(self, x, o):
-        """The layer's output from its input x and the attention heads o."""
-        attn = self.self_attn.output(o)
+    def finish(self, x, attn):
+        """The layer's output from its input x and the attention's output attn."""
         if not self.gemma:
             h = x + attn
             return h + self.mlp(self.post_attention_layernorm(h))

@@ -34,13 +34,13 @@ def enter(m: assistant.Model, emb, hidden_in, position):
 
 def between(m: assistant.Model, i: int, h, o, position):
     """Layer i's output and layer i+1's Q."""
-    h = m.model.layers[i].finish(h, o)
+    h = m.model.layers[i].finish(h, m.model.layers[i].self_attn.output(o))
     return h, m.model.layers[i + 1].query(h, position)
 
 
 def leave(m: assistant.Model, h, o):
     """The last layer's output -> Model.final."""
-    return m.final(m.model.layers[-1].finish(h, o))
+    return m.final(m.model.layers[-1].finish(h, m.model.layers[-1].self_attn.output(o)))
 
 
 class Compiled(assistant.Model):

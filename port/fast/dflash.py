@@ -32,13 +32,13 @@ def enter(m: dflash.Model, h, block_at):
 
 def between(m: dflash.Model, i: int, h, o, block_at):
     """Layer i's output and layer i+1's block Q, K, V."""
-    h = m.layers[i].finish(h, o)
+    h = m.layers[i].finish(h, m.layers[i].self_attn.output(o))
     return (h,) + m.layers[i + 1].qkv(h, block_at)
 
 
 def leave(m: dflash.Model, h, o):
     """The last layer's output -> final norm over block rows 1..n."""
-    return m.norm(m.layers[-1].finish(h, o)[:, 1:])
+    return m.norm(m.layers[-1].finish(h, m.layers[-1].self_attn.output(o))[:, 1:])
 
 
 class Compiled(dflash.Model):
@@ -61,7 +61,7 @@ class Compiled(dflash.Model):
         at = [pieces.position(self, p) for p in self.block_positions(ctx, caches)]
         q, bk, bv = first(h, at[0])
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            o = layer.attend(q, bk, bv, ctx, cache)
+            o = layer.self_attn.attend(q, bk, bv, ctx, cache)
             if i < len(middle):
                 h, q, bk, bv = middle[i](h, o, at[i + 1])
         return last(h, o)

@@ -32,13 +32,13 @@ def enter(m: dspark.Model, ids, start):
 
 def between(m: dspark.Model, i: int, h, o, start):
     """Layer i's output and layer i+1's Q, K, V."""
-    h = m.layers[i].finish(h, o)
+    h = m.layers[i].finish(h, m.layers[i].self_attn.output(o))
     return (h,) + m.layers[i + 1].qkv(h, start)
 
 
 def leave(m: dspark.Model, h, o):
     """The last layer's output -> Model.final."""
-    return m.final(m.layers[-1].finish(h, o))
+    return m.final(m.layers[-1].finish(h, m.layers[-1].self_attn.output(o)))
 
 
 def greedy_tail(m: dspark.Model, hidden, base, anchor):

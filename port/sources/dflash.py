@@ -13,6 +13,7 @@ from .. import checkpoint, heads, targets
 from ..calibration import ConfSample, resolve_thresholds
 from ..dflash import Block, Model, check_pairing, load_extension
 from ..fast import dflash as fast
+from . import context_bytes
 
 
 class DflashSource:
@@ -53,8 +54,7 @@ class DflashSource:
     @property
     def nbytes(self) -> int:
         """Bytes of this request's context K/V (all draft layers) and queued tap rows."""
-        kv = sum(c.nbytes for c in self.caches) if self.caches is not None else 0
-        return kv + (self.pending.nbytes if self.pending is not None else 0)
+        return context_bytes(self.caches, self.pending)
 
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
         return self.draft_device(feed, n, anchor_hidden).tolist()

@@ -10,6 +10,7 @@ from mlx_lm.models.cache import KVCache
 from .. import checkpoint, targets
 from ..dspark import Block, Model, check_pairing
 from ..fast import dspark as fast
+from . import context_bytes
 
 
 class DeepspecSource:
@@ -32,8 +33,7 @@ class DeepspecSource:
     @property
     def nbytes(self) -> int:
         """Bytes of this request's context K/V (all draft layers) and queued tap rows."""
-        kv = sum(c.nbytes for c in self.cache) if self.cache is not None else 0
-        return kv + (self.pending.nbytes if self.pending is not None else 0)
+        return context_bytes(self.cache, self.pending)
 
     def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
         return self.draft_device(feed, n, anchor_hidden).tolist()

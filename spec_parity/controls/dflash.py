@@ -32,13 +32,13 @@ def _own_head(case):
 
 @control("dflash", "ctx_input_layernorm", "the context rows pass through each layer's input_layernorm before K/V")
 def _ctx_norm(case):
-    """On the default path (the pairs' cases), where each layer takes the context rows."""
+    """On the plain model (the pairs' module cases), where each layer takes the context rows."""
     from port import dflash
 
-    def normed(self, q, bk, bv, ctx, cache):
-        return self.self_attn.attend(q, bk, bv, self.input_layernorm(ctx), cache)
+    def normed(self, x, ctx, cache, block_at):
+        return self.finish(x, self.self_attn(self.input_layernorm(x), self.input_layernorm(ctx), cache, block_at))
 
-    return {(dflash.DecoderLayer, "attend"): normed}
+    return {(dflash.DecoderLayer, "__call__"): normed}
 
 
 @control("dflash", "block_position_shift", "the block's positions shifted by one (start+1..start+bs)")
