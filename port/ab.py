@@ -229,15 +229,15 @@ def provider_for(path: str | Path):
 
     kind = checkpoint.drafter_kind(checkpoint.read_config(Path(path)))
     if kind == "assistant":
-        from .assistant import AssistantProvider
+        from .sources.assistant import AssistantProvider
 
         return AssistantProvider(path)
     if kind == "dspark":
-        from .dspark import DeepspecProvider
+        from .sources.dspark import DeepspecProvider
 
         return DeepspecProvider(path)
     if kind in ("dflash", "dflash-extension"):
-        from .dflash import DflashProvider
+        from .sources.dflash import DflashProvider
 
         return DflashProvider(path, extras=kind == "dflash-extension")
     raise checkpoint.CheckpointError(f"{Path(path) / 'config.json'}: not a drafter the A/B takes (a Gemma-4 "

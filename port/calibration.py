@@ -216,6 +216,40 @@ def read_calibration(checkpoint: str | Path) -> list[float] | None:
 # Sequential Temperature Scaling (paper §3.2.1)
 
 # 2**(i/20) for i in -80..80: 1/16 .. 16, geometric, with 1.0 exactly at the centre.
+# The extension's thresholds: where the DFlash source finds them
+
+THRESHOLDS_ENV = "SPEC_PARITY_STS_THRESHOLDS"
+
+
+class ThresholdError(ValueError):
+    pass
+
+
+def parse_thresholds(text: str, what: str = THRESHOLDS_ENV) -> list[float]:
+    try:
+        th = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise ThresholdError(f"{what}={text!r}: expected comma-separated floats ({e})") from None
+    if not th or not all(math.isfinite(t) for t in th):
+        raise ThresholdError(f"{what}={text!r}: expected one or more finite comma-separated floats")
+    return th
+
+
+def resolve_thresholds(path: str | Path, thresholds=None) -> tuple[list[float] | None, str | None]:
+    """The extension's thresholds and where they came from: the argument, else the env var, else
+    the checkpoint's calibration.json, else (None, None): no pruning. An explicit [] means none."""
+    if thresholds is not None:
+        th = [float(t) for t in thresholds]
+        if not all(math.isfinite(t) for t in th):
+            raise ThresholdError(f"thresholds {thresholds!r}: expected finite numbers")
+        return (th or None), "argument"
+    env = os.environ.get(THRESHOLDS_ENV)
+    if env is not None and env.strip():
+        return parse_thresholds(env), "env"
+    th = read_calibration(path)
+    return (th, "calibration") if th is not None else (None, None)
+
+
 DEFAULT_GRID = tuple(float(2.0 ** (i / 20)) for i in range(-80, 81))
 ECE_TIE = 1e-12  # ECE differences below this are ties in the grid search
 

@@ -23,7 +23,8 @@ def _bad_input_errors() -> tuple[type[Exception], ...]:
     """What main() reports as bad input: the refusals of our loaders and readers. Only modules
     already imported are looked at (one that was not imported raised nothing)."""
     refusals = {"port.checkpoint": "CheckpointError", "port.ab": "PromptsError", "port.assistant": "DrafterError",
-                "port.dspark": "DSparkError", "port.dflash": "DFlashError"}
+                "port.dspark": "DSparkError", "port.dflash": "DFlashError", "port.heads": "HeadError",
+                "port.calibration": "ThresholdError"}
     return (BadInput, *(getattr(sys.modules[m], n) for m, n in refusals.items() if m in sys.modules))
 
 

@@ -11,7 +11,10 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from port import assistant, dflash, dspark, sampling, serve, targets
+from port import sampling, serve, targets
+from port.sources.assistant import AssistantProvider
+from port.sources.dflash import DflashProvider
+from port.sources.dspark import DeepspecProvider
 from spec_parity import checkpoints
 
 from stats import stat_tests
@@ -73,10 +76,10 @@ def setup(name: str):
     build = lambda kind: checkpoints.build(k[kind][0], 0, k[kind][1])  # noqa: E731
     extras_dir = checkpoints.build(k["dflash"][0], 0, {**k["dflash"][1], "dspark_extras": DFLASH_MARKOV})
     target = targets.load(build("target"))
-    providers = {"assistant": assistant.AssistantProvider(build("assistant")),
-                 "dspark": dspark.DeepspecProvider(build("dspark")),
-                 "dflash": dflash.DflashProvider(build("dflash")),
-                 "dflash-extras": dflash.DflashProvider(extras_dir, extras=True, thresholds=DFLASH_THRESHOLDS)}
+    providers = {"assistant": AssistantProvider(build("assistant")),
+                 "dspark": DeepspecProvider(build("dspark")),
+                 "dflash": DflashProvider(build("dflash")),
+                 "dflash-extras": DflashProvider(extras_dir, extras=True, thresholds=DFLASH_THRESHOLDS)}
     return target, providers, k
 
 

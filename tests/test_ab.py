@@ -284,7 +284,7 @@ class _Recording:
 
 
 def test_ab_command_on_tiny_drafters(tmp_path, capsys):
-    from port.assistant import AssistantProvider
+    from port.sources.assistant import AssistantProvider
     from spec_parity import checkpoints, cli
 
     target = checkpoints.build("gemma4-target", 0, {})

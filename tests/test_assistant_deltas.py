@@ -45,7 +45,7 @@ def test_delta1_draft_position_p_plus_k_vs_constant_p(hf):
     assert np.abs(optiq_conv[1:] - hf_conv[1:]).max() > 1e-2  # later steps: P+k vs P
     import inspect
 
-    from port.assistant import AssistantSource
+    from port.sources.assistant import AssistantSource
 
     assert inspect.signature(AssistantSource).parameters["positions"].default == "optiq"
 

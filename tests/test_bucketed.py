@@ -25,10 +25,16 @@ from test_speed import (
     SOURCES,
     _bits_equal,
     _host_argmax,
+    extended,
     round_syncs,
 )
 
-from port import assistant, compiled, dflash, dspark, serve, targets
+from port import compiled, dflash, dspark, serve, targets
+from port.fast import assistant as fast_assistant
+from port.fast import dflash as fast_dflash
+from port.fast import dspark as fast_dspark
+from port.sources.assistant import AssistantSource
+from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import budgets, checkpoints, compare, controls, harness
 
 BUCKET = 8
@@ -55,9 +61,9 @@ def _dspark_rounds(variant: str, kv_bucket, compiled=True, attention="sdpa", mod
     ov = DSPARK_VARIANTS[variant]
     kind = ov.get("target_kind", "gemma4-target")
     path = checkpoints.build("dspark-drafter", 0, ov)
-    m = model or dspark.load(path, compiled, kv_bucket, attention)
+    m = model or fast_dspark.load(path, compiled, kv_bucket, attention)
     rows = _taps(kind, path)
-    src = dspark.DeepspecSource(m, serve.TargetView(_target(kind), make_prompt_cache(_target(kind).model)))
+    src = DeepspecSource(m, serve.TargetView(_target(kind), make_prompt_cache(_target(kind).model)))
     out = []
     for r, (lo, hi) in enumerate(FEEDS):
         src.pending = rows[:, lo:hi]
@@ -71,11 +77,11 @@ def _dflash_rounds(variant: str, kv_bucket, compiled=True, attention="sdpa", mod
     ov = DFLASH_VARIANTS[variant]
     kind = ov.get("target_kind", "qwen3-target")
     path = checkpoints.build("dflash-drafter", 0, ov)
-    m = model or dflash.load(path, extras="dspark_extras" in ov, compiled=compiled, kv_bucket=kv_bucket,
-                             bucket_attention=attention)
+    m = model or fast_dflash.load(path, compiled=compiled, kv_bucket=kv_bucket, bucket_attention=attention)
+    ext = dflash.load_extension(path) if "dspark_extras" in ov else None
     rows, caches, out = _taps(kind, path), m.make_caches(), []
     for r, (lo, hi) in enumerate(FEEDS):
-        b = m.block(_target(kind), 7 + r, m.args.block_size - 1, rows[:, lo:hi], caches)
+        b = extended(ext, m.block(_target(kind), 7 + r, m.args.block_size - 1, rows[:, lo:hi], caches), 7 + r)
         out.append(([b.hidden, b.logits] + [x for x in (b.base_logits, b.confidence) if x is not None], b.tokens))
     return out, m
 
@@ -158,7 +164,10 @@ def test_planted_mask_off_by_one_fails_the_comparison(source, variant, attention
 def _bucketed_provider(make):
     """A SOURCES provider with its drafter on the bucketed path."""
     prov = make()
-    prov.drafter.kv_bucket = BUCKET
+    if isinstance(prov, DeepspecProvider):
+        prov.drafter = fast_dspark.load(prov.path, kv_bucket=BUCKET)
+    else:
+        prov.drafter = fast_dflash.load(prov.path, kv_bucket=BUCKET)
     return prov
 
 
@@ -186,13 +195,13 @@ def test_bad_bucket_and_window_are_refused():
     path = checkpoints.build("dspark-drafter", 0, {})
     for bad in (0, -8, 8.0, True):
         with pytest.raises(dspark.DSparkError, match="kv_bucket"):
-            dspark.load(path, kv_bucket=bad)
+            fast_dspark.load(path, kv_bucket=bad)
     swa = checkpoints.build("dflash-drafter", 0, DFLASH_VARIANTS["qwen3-swa"])
     with pytest.raises(dflash.DFlashError, match="window='positional'"):
-        dflash.load(swa, window="zlab-mlx", kv_bucket=BUCKET)
+        fast_dflash.load(swa, window="zlab-mlx", kv_bucket=BUCKET)
     with pytest.raises(dflash.DFlashError, match="bucket_attention"):
-        dflash.load(swa, kv_bucket=BUCKET, bucket_attention="flash")
-    m = dspark.load(path, kv_bucket=BUCKET)
+        fast_dflash.load(swa, kv_bucket=BUCKET, bucket_attention="flash")
+    m = fast_dspark.load(path, kv_bucket=BUCKET)
     with pytest.raises(dspark.DSparkError, match="BucketCache"):
         m.draft_block(3, [dspark.KVCache() for _ in m.layers], 4)
 
@@ -223,10 +232,10 @@ def test_dspark_bucketed_host_pick_equals_device_chain():
     one token off (the control) drafts others."""
     ov = DSPARK_VARIANTS["gemma4-rnn"]
     path = checkpoints.build("dspark-drafter", 0, ov)
-    m, rows = dspark.load(path, kv_bucket=BUCKET), _taps("gemma4-target", path)
+    m, rows = fast_dspark.load(path, kv_bucket=BUCKET), _taps("gemma4-target", path)
 
     def block(pick):
-        src = dspark.DeepspecSource(m, serve.TargetView(_target("gemma4-target"), make_prompt_cache(
+        src = DeepspecSource(m, serve.TargetView(_target("gemma4-target"), make_prompt_cache(
             _target("gemma4-target").model)))
         src.pending = rows[:, :11]
         return src._block([7], pick)
@@ -245,7 +254,7 @@ class _BothChains:
 
     def __init__(self, make):
         self.plain, self.bucketed = make(), make()
-        self.bucketed.drafter.bucketed = True
+        self.bucketed.drafter = fast_assistant.load(self.bucketed.path, bucketed=True)
         p = self.plain
         self.id, self.weights_bytes, self.trained_gamma, self.chains = p.id, p.weights_bytes, p.trained_gamma, []
 
@@ -315,7 +324,7 @@ def _wrapped_ring_rounds(window: str):
     _, kind, overrides, make, gamma, _ = next(s for s in SOURCES if s[0] == "assistant-tied")
     target = targets.load(checkpoints.build(kind, 0, overrides))
     plain, fast = make(), make()
-    fast.drafter.bucketed = True   # sources opened here with the window given
+    fast.drafter = fast_assistant.load(fast.path, bucketed=True)   # sources opened here with the window given
     caches = make_prompt_cache(target.model)
     ring = caches[targets.donor_layers(target)["sliding"]]
     trace = targets.forward(target, mx.array([LONG_PROMPT[:6]]), caches=caches)
@@ -323,7 +332,7 @@ def _wrapped_ring_rounds(window: str):
     for t in LONG_PROMPT[6:]:
         view = serve.TargetView(target, caches)
         for prov in (plain, fast):
-            src = assistant.AssistantSource(prov.drafter, view, window=window)
+            src = AssistantSource(prov.drafter, view, window=window)
             steps = src._chain([t], gamma, trace.final[:, -1:, :], None)
             out[prov is fast].append(([x for s in steps for x in (s.logits, s.next_hidden)], [s.token for s in steps]))
         writes.add(ring._idx)

@@ -29,7 +29,9 @@ from test_bucketed import (
 )
 from test_speed import PROMPT, SOURCES, _bits_equal
 
-from port import assistant, serve, targets
+from port import serve, targets
+from port.fast import assistant as fast_assistant
+from port.sources.assistant import AssistantProvider
 from spec_parity import checkpoints, compare, controls, harness, shared
 
 TOKENS = 40
@@ -66,9 +68,9 @@ def _setup(name):
 
 def _bucketed_drafter(make):
     """A SOURCES provider with its drafter on its bucketed path (the assistant's `bucketed`)."""
-    if not isinstance(prov := make(), assistant.AssistantProvider):
+    if not isinstance(prov := make(), AssistantProvider):
         return _bucketed_provider(lambda: prov)
-    prov.drafter.bucketed = True
+    prov.drafter = fast_assistant.load(prov.path, bucketed=True)
     return prov
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from port import dflash, serve, targets
+from port.sources.dflash import DflashProvider, DflashSource
 from spec_parity import checkpoints, goldens, harness, shared
 from spec_parity.adapters import dflash as adapter
 from spec_parity.pairs import dflash as pair
@@ -94,7 +95,7 @@ def test_positional_window_is_a_time_ordered_recompute(variant):
     for window in ("positional", "zlab-mlx"):
         m = dflash.load(case.drafter_dir(), window)
         caches = targets.make_caches(target)
-        src = dflash.DflashSource(m, serve.TargetView(target, caches))
+        src = DflashSource(m, serve.TargetView(target, caches))
         p = harness.prompt(case)
         tr = targets.forward(target, mx.array(p), caches=caches)
         taps = [tr.hidden[i + 1] for i in src.tap_layers]
@@ -130,7 +131,7 @@ def test_serve_loop_is_lossless(variant, window):
     p = harness.prompt(case)
     plain, _ = shared.greedy(case.checkpoint_dir(), p, 30, set())
     for max_tokens in (None, 30):
-        prov = dflash.DflashProvider(case.drafter_dir(), window, max_tokens=max_tokens)
+        prov = DflashProvider(case.drafter_dir(), window, max_tokens=max_tokens)
         tokens, stats = serve.generate(target, p[0].tolist(), 30, prov, gamma=prov.trained_gamma, eos=set())
         assert tokens == plain
         last = stats.trace[-1][0]
@@ -231,7 +232,7 @@ def test_zero_draft_rounds_keep_the_context():
     """A round that drafts nothing (gamma 0) still queues its verify row: the next draft sees it."""
     case = _case("loop-qwen3")
     target = targets.load(case.checkpoint_dir())
-    prov = dflash.DflashProvider(case.drafter_dir())
+    prov = DflashProvider(case.drafter_dir())
     p = harness.prompt(case)[0].tolist()
     tokens, stats = serve.generate(target, p, 10, prov, gamma=0, eos=set())
     plain, _ = shared.greedy(target.path, p, 10, set())

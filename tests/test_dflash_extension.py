@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from port import ab, calibration, dflash, serve, targets
+from port.sources.dflash import DflashProvider
 from spec_parity import checkpoints, controls, harness, shared
 from spec_parity.pairs import dflash as pair
 
@@ -66,12 +67,12 @@ def _unpruned(t_dir, ck, control=None):
     """One request with extras on and pruning off (read by the KL report and the softcap controls:
     `control`, a key of spec_parity/controls/dflash.py)."""
     with controls.planted("dflash", control) if control else contextlib.nullcontext():
-        return _run(targets.load(t_dir), _prompts(1)[0], dflash.DflashProvider(ck, extras=True, thresholds=[]))
+        return _run(targets.load(t_dir), _prompts(1)[0], DflashProvider(ck, extras=True, thresholds=[]))
 
 
 @pytest.fixture(autouse=True)
 def _no_env(monkeypatch):
-    monkeypatch.delenv(dflash.EXTRAS_ENV, raising=False)
+    monkeypatch.delenv(calibration.THRESHOLDS_ENV, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def calibrated(tmp_path_factory):
     serve-loop rounds (pruning off: every position verified)."""
     t_dir, _, ext_dir = _dirs("qwen3")
     target = targets.load(t_dir)
-    prov = dflash.DflashProvider(ext_dir, extras=True, thresholds=[], collect_samples=True)
+    prov = DflashProvider(ext_dir, extras=True, thresholds=[], collect_samples=True)
     assert prov.thresholds is None and prov.threshold_source == "argument"
     for p in _prompts(CAL_PROMPTS, seed=3):
         serve.generate(target, p, MAX_TOKENS, prov, gamma=prov.trained_gamma, eos=set())
@@ -102,8 +103,8 @@ def test_extras_off_is_the_l2_source(variant):
     t_dir, base_dir, ext_dir = _dirs(variant)
     target = targets.load(t_dir)
     p = _prompts(1)[0]
-    base = _run(target, p, dflash.DflashProvider(base_dir, max_tokens=MAX_TOKENS))
-    off = _run(target, p, dflash.DflashProvider(ext_dir, max_tokens=MAX_TOKENS))
+    base = _run(target, p, DflashProvider(base_dir, max_tokens=MAX_TOKENS))
+    off = _run(target, p, DflashProvider(ext_dir, max_tokens=MAX_TOKENS))
     assert off[0] == base[0] and off[1].trace == base[1].trace and off[1].proposals == base[1].proposals
     assert len(off[2]) == len(base[2])
     for (tb, bb), (to, bo) in zip(base[2], off[2]):
@@ -115,9 +116,9 @@ def test_extras_off_is_the_l2_source(variant):
 
 def test_extras_off_ignores_thresholds_and_env(monkeypatch):
     _, _, ext_dir = _dirs("qwen3")
-    monkeypatch.setenv(dflash.EXTRAS_ENV, "0.9")
-    prov = dflash.DflashProvider(ext_dir)
-    assert prov.thresholds is None and prov.samples is None and not prov.drafter.extras
+    monkeypatch.setenv(calibration.THRESHOLDS_ENV, "0.9")
+    prov = DflashProvider(ext_dir)
+    assert prov.thresholds is None and prov.samples is None and prov.extension is None
 
 
 def test_factory_extras_default_off_and_named():
@@ -144,7 +145,7 @@ def test_factory_extras_default_off_and_named():
 def test_extras_on_a_plain_checkpoint_is_refused():
     _, base_dir, _ = _dirs("qwen3")
     with pytest.raises(dflash.DFlashError, match="needs a checkpoint with DSpark extras"):
-        dflash.DflashProvider(base_dir, extras=True)
+        DflashProvider(base_dir, extras=True)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -162,7 +163,7 @@ def test_extras_on_is_lossless(variant, markov):
     target = targets.load(t_dir)
     for p in _prompts(2):
         plain, _ = shared.greedy(t_dir, [p], MAX_TOKENS, set())
-        prov = dflash.DflashProvider(ext, extras=True, thresholds=[0.6])
+        prov = DflashProvider(ext, extras=True, thresholds=[0.6])
         tokens, stats, rounds = _run(target, p, prov)
         assert tokens == plain
         assert any(len(t) < prov.trained_gamma for t, _ in rounds)
@@ -175,7 +176,7 @@ def test_calibration_from_serve_rounds(calibrated):
     assert cal.samples == len(samples) and min(cal.samples_by_position) >= cal.min_samples
     assert calibration.read_calibration(ck) == cal.thresholds
     assert cal.thresholds[0] == 0.0 and any(0.0 < t < 1.0 for t in cal.thresholds[1:])
-    prov = dflash.DflashProvider(ck, extras=True)
+    prov = DflashProvider(ck, extras=True)
     assert prov.threshold_source == "calibration" and prov.thresholds == cal.thresholds
     print(f"\ncalibration (target {CAL_TARGET}): thresholds {np.round(cal.thresholds, 3).tolist()}, "
           f"samples/position {cal.samples_by_position}")
@@ -184,17 +185,17 @@ def test_calibration_from_serve_rounds(calibrated):
 def test_threshold_source_order(calibrated, monkeypatch):
     """argument > env SPEC_PARITY_STS_THRESHOLDS > calibration.json > none."""
     _, ck, cal, _ = calibrated
-    monkeypatch.setenv(dflash.EXTRAS_ENV, "0.0, 0.2,0.3")
-    prov = dflash.DflashProvider(ck, extras=True)
+    monkeypatch.setenv(calibration.THRESHOLDS_ENV, "0.0, 0.2,0.3")
+    prov = DflashProvider(ck, extras=True)
     assert (prov.thresholds, prov.threshold_source) == ([0.0, 0.2, 0.3], "env")
-    prov = dflash.DflashProvider(ck, extras=True, thresholds=[0.5])
+    prov = DflashProvider(ck, extras=True, thresholds=[0.5])
     assert (prov.thresholds, prov.threshold_source) == ([0.5], "argument")
-    monkeypatch.setenv(dflash.EXTRAS_ENV, "0.1,nope")
-    with pytest.raises(dflash.DFlashError, match="comma-separated floats"):
-        dflash.DflashProvider(ck, extras=True)
-    monkeypatch.delenv(dflash.EXTRAS_ENV)
+    monkeypatch.setenv(calibration.THRESHOLDS_ENV, "0.1,nope")
+    with pytest.raises(calibration.ThresholdError, match="comma-separated floats"):
+        DflashProvider(ck, extras=True)
+    monkeypatch.delenv(calibration.THRESHOLDS_ENV)
     _, _, ext_dir = _dirs("qwen3")  # no calibration.json
-    assert dflash.DflashProvider(ext_dir, extras=True).threshold_source is None
+    assert DflashProvider(ext_dir, extras=True).threshold_source is None
 
 
 def _first_below(block, thresholds) -> int:
@@ -211,7 +212,7 @@ def test_calibrated_pruning_is_applied_and_lossless(calibrated):
     pruned = 0
     for p in _prompts(2):
         plain, _ = shared.greedy(t_dir, [p], MAX_TOKENS, set())
-        tokens, _, rounds = _run(target, p, dflash.DflashProvider(ck, extras=True))
+        tokens, _, rounds = _run(target, p, DflashProvider(ck, extras=True))
         assert tokens == plain
         for t, b in rounds:
             assert len(t) == min(_first_below(b, cal.thresholds), len(b.tokens)) and t == b.tokens[:len(t)]
@@ -228,7 +229,7 @@ def test_ab_verdict_base_vs_extension(calibrated, record_property):
     _, base_dir, _ = _dirs("qwen3")
 
     def factory(path):
-        return dflash.DflashProvider(path, extras=str(path) == str(ck))
+        return DflashProvider(path, extras=str(path) == str(ck))
 
     a, b = ab.run_ab(t_dir, base_dir, ck, _prompts(AB_PROMPTS, seed=29), gamma=7, max_tokens=32,
                      provider_factory=factory)
@@ -250,7 +251,7 @@ def test_control_thresholds_ignored_is_caught(calibrated):
     t_dir, ck, cal, _ = calibrated
     target = targets.load(t_dir)
     with controls.planted("dflash", "thresholds_ignored"):
-        _, _, rounds = _run(target, _prompts(1)[0], dflash.DflashProvider(ck, extras=True))
+        _, _, rounds = _run(target, _prompts(1)[0], DflashProvider(ck, extras=True))
     assert any(len(t) > _first_below(b, cal.thresholds) for t, b in rounds)
 
 

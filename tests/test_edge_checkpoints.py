@@ -63,7 +63,7 @@ def test_dflash_extras_are_left_only_with_extras_off(tmp_path):
     extension's tensors out as z-lab does; any other unknown tensor is refused."""
     ext = checkpoints.build("dflash-drafter", 0, {"dspark_extras": {"markov_rank": 8, "markov_head_type": "vanilla",
                                                                      "confidence": True}})
-    assert not dflash.load(ext).extras
+    assert "markov_head" not in dflash.load(ext)
     odd = _edit(ext, tmp_path / "odd", tensors={"layers.0.extra.weight": np.zeros((2, 2), np.float32)})
     with pytest.raises(dflash.DFlashError, match=r"layers.0.extra.weight"):
         dflash.load(odd)

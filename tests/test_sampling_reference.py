@@ -11,7 +11,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from port import dspark, sampling, serve, targets
+from port import sampling, serve, targets
+from port.sources.dspark import DeepspecProvider
 from spec_parity import checkpoints
 from spec_parity.controls import planted
 
@@ -33,7 +34,7 @@ def _dspark_parity_runs():
 
 def _ours(tdir, ddir, prompt, seeds, **kw):
     target = targets.load(tdir)
-    provider = dspark.DeepspecProvider(ddir, PARITY["threshold"])
+    provider = DeepspecProvider(ddir, PARITY["threshold"])
     first, rounds, accepted, proposed = [], [], 0, 0
     n = PARITY["max_new_tokens"]
     for seed in seeds:

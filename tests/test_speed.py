@@ -13,6 +13,12 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from port import assistant, dflash, dspark, serve, targets
+from port.fast import assistant as fast_assistant
+from port.fast import dflash as fast_dflash
+from port.fast import dspark as fast_dspark
+from port.sources.assistant import AssistantProvider, AssistantSource
+from port.sources.dflash import DflashProvider
+from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import bench, checkpoints, harness
 from spec_parity.pairs import dspark as dspark_pair
 
@@ -39,7 +45,7 @@ def round_syncs(target, provider, max_tokens: int, gamma: int, monkeypatch):
 
 
 def _dflash(kind: str, overrides: dict, **kw):
-    return lambda: dflash.DflashProvider(checkpoints.build(kind, 0, overrides), **kw)
+    return lambda: DflashProvider(checkpoints.build(kind, 0, overrides), **kw)
 
 
 AGREE_128 = {"hidden_size": 128}
@@ -47,18 +53,18 @@ EXTRAS = {"dspark_extras": {"markov_rank": 8, "markov_head_type": "vanilla", "co
 # (name, target kind, target overrides, provider factory, gamma, syncs allowed per round)
 SOURCES = [
     ("assistant-centroid", "gemma4-target-agreeing", {},
-     lambda: assistant.AssistantProvider(checkpoints.build("gemma4-assistant-agreeing", 0, {})), 4, 1),
+     lambda: AssistantProvider(checkpoints.build("gemma4-assistant-agreeing", 0, {})), 4, 1),
     ("assistant-tied", "gemma4-target-agreeing", {},
-     lambda: assistant.AssistantProvider(checkpoints.build("gemma4-assistant-agreeing", 0,
+     lambda: AssistantProvider(checkpoints.build("gemma4-assistant-agreeing", 0,
                                                            {"use_ordered_embeddings": False})), 4, 1),
     ("dspark", "gemma4-target-agreeing", {},
-     lambda: dspark.DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
+     lambda: DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
          "target_kind": "gemma4-target-agreeing", "agree_frac": 0.8})), 7, 1),
     ("dspark-threshold", "qwen3-target-agreeing", {},
-     lambda: dspark.DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
+     lambda: DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
          "target_kind": "qwen3-target-agreeing", "agree_frac": 0.6}), 0.5), 7, 2),
     ("dspark-dflash-variant", "gemma4-target", {},
-     lambda: dspark.DeepspecProvider(checkpoints.build("dspark-drafter", 0, {
+     lambda: DeepspecProvider(checkpoints.build("dspark-drafter", 0, {
          "markov_rank": 0, "confidence_head_alpha": 0.0})), 7, 1),
     ("dflash", "qwen3-target-agreeing", AGREE_128, _dflash("dflash-drafter-agreeing", {"agree_frac": 0.8}), 7, 1),
     ("dflash-extras", "qwen3-target", {}, _dflash("dflash-drafter", EXTRAS, extras=True, thresholds=[]), 7, 1),
@@ -187,18 +193,17 @@ def test_device_drafts_equal_host_chained_drafts(name):
         trace = targets.forward(target, mx.array([PROMPT]), caches=caches)
         src.prefill(PROMPT, serve._taps(trace, src.tap_layers, slice(None)))
         anchor = int(mx.argmax(trace.logits[0, -1]).item())
-        if isinstance(src, assistant.AssistantSource):
+        if isinstance(src, AssistantSource):
             steps = src._chain([anchor], gamma, trace.final[:, -1:, :], pick)
             return [s.token for s in steps], mx.stack([s.logits for s in steps])
-        if isinstance(src, dspark.DeepspecSource):
+        if isinstance(src, DeepspecSource):
             block = src._block([anchor], pick)
             return block.tokens, block.logits
         block = src.m.block(target, anchor, gamma, src.pending, src.caches)
-        if pick is None or block.base_logits is None:
+        if src.extension is None:
             return block.tokens, block.logits
-        rows, tokens = dspark.markov_chain(src.m.markov_head, block.hidden, block.base_logits,
-                                           mx.array([anchor], mx.uint32), pick)
-        return tokens.tolist(), rows
+        block = src.extend(block, anchor, pick)
+        return block.tokens, block.logits
 
     tokens, logits = run(None)
     host_tokens, host_logits = run(_host_argmax)
@@ -223,7 +228,7 @@ def _record_rounds(provider, rounds: list):
 
 def _dspark_rounds(max_tokens: int):
     target = targets.load(checkpoints.build("gemma4-target-agreeing", 0, {}))
-    provider, rounds = dspark.DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
+    provider, rounds = DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
         "target_kind": "gemma4-target-agreeing", "agree_frac": 0.8})), []
     serve.generate(target, PROMPT, max_tokens, _record_rounds(provider, rounds), gamma=7, eos=set())
     return provider.drafter, rounds
@@ -318,8 +323,8 @@ def _assistant_chain(head: str, dt):
     """The drafter and a 4-step chain of it past the sliding window: run() -> tokens, logits, next
     hidden, candidates of every step."""
     target = targets.load(checkpoints.build("gemma4-target", 0, {}), dt)
-    drafter = assistant.load(checkpoints.build("gemma4-assistant", 0, {"use_ordered_embeddings": head == "centroid"}),
-                             dt)
+    drafter = fast_assistant.load(checkpoints.build("gemma4-assistant", 0,
+                                                    {"use_ordered_embeddings": head == "centroid"}), dt)
     caches = make_prompt_cache(target.model)
     trace = targets.forward(target, mx.array([LONG_PROMPT]), caches=caches)
     donors, hidden = targets.donor_view(target, caches), trace.final[:, -1:, :]
@@ -385,13 +390,13 @@ def test_dspark_compiled_block_equals_plain(variant, dtype):
     ov = DSPARK_VARIANTS[variant]
     target = targets.load(checkpoints.build(ov.get("target_kind", "gemma4-target"), 0, ov.get("target_overrides", {})),
                           getattr(mx, dtype))
-    m = dspark.load(checkpoints.build("dspark-drafter", 0, ov))
+    m = fast_dspark.load(checkpoints.build("dspark-drafter", 0, ov))
     m.set_dtype(getattr(mx, dtype))
     trace = targets.forward(target, mx.array([LONG_PROMPT]))
     rows = m.taps(trace.hidden)
 
     def run():
-        src = dspark.DeepspecSource(m, serve.TargetView(target, make_prompt_cache(target.model)))
+        src = DeepspecSource(m, serve.TargetView(target, make_prompt_cache(target.model)))
         out = []
         for r in range(3):
             src.pending = rows[:, : len(LONG_PROMPT) - 4] if r == 0 else rows[:, -2:]
@@ -410,14 +415,26 @@ DFLASH_VARIANTS = {
 }
 
 
+def extended(ext, b, anchor: int):
+    """DFlash block b with the extension's heads applied (as DflashSource.extend), or b (ext None)."""
+    if ext is None:
+        return b
+    rows, tokens, conf = ext(b.hidden, b.logits, mx.array([anchor], mx.uint32))
+    return dflash.Block(b.hidden, rows, tokens, b.logits, conf)
+
+
 @pytest.mark.parametrize("variant,dtype", [(v, "float32") for v in DFLASH_VARIANTS] + [("qwen3-swa", "bfloat16")])
 def test_dflash_compiled_block_equals_plain(variant, dtype):
     """Three source rounds past the sliding window: block hidden, logits (extras: base rows and
     confidence too), tokens."""
     ov = DFLASH_VARIANTS[variant]
     target = targets.load(checkpoints.build(ov.get("target_kind", "qwen3-target"), 0, {}), getattr(mx, dtype))
-    m = dflash.load(checkpoints.build("dflash-drafter", 0, ov), extras="dspark_extras" in ov)
+    path = checkpoints.build("dflash-drafter", 0, ov)
+    m = fast_dflash.load(path)
     m.set_dtype(getattr(mx, dtype))
+    ext = dflash.load_extension(path) if "dspark_extras" in ov else None
+    if ext is not None:
+        ext.set_dtype(getattr(mx, dtype))
     rows = m.taps(targets.forward(target, mx.array([LONG_PROMPT])).hidden)
 
     def run():
@@ -425,6 +442,7 @@ def test_dflash_compiled_block_equals_plain(variant, dtype):
         for r in range(3):
             ctx = rows[:, : len(LONG_PROMPT) - 4] if r == 0 else rows[:, -2:]
             b = m.block(target, 7 + r, m.args.block_size - 1, ctx, caches)
+            b = extended(ext, b, 7 + r)
             out += [b.hidden, b.logits, b.token_ids] + [x for x in (b.base_logits, b.confidence) if x is not None]
         return out
 
@@ -449,7 +467,7 @@ def test_observed_provider_keeps_the_loops_device_drafts():
     drafts on the device; a source whose `draft` was replaced on the instance (the control)
     drafts on the host, observed or not."""
     target = targets.load(checkpoints.build("gemma4-target", 0, {}))
-    provider = assistant.AssistantProvider(checkpoints.build("gemma4-assistant", 0, {}))
+    provider = AssistantProvider(checkpoints.build("gemma4-assistant", 0, {}))
 
     def run(p):
         calls = []
@@ -462,7 +480,7 @@ def test_observed_provider_keeps_the_loops_device_drafts():
     tokens, calls = run(provider)
     assert tokens == plain and "draft_device" in calls and "draft" not in calls and "commit" in calls
 
-    class Replaced(assistant.AssistantProvider):
+    class Replaced(AssistantProvider):
         def open(self, view):
             src = super().open(view)
             src.draft = lambda *args: type(src).draft(src, *args)
@@ -488,7 +506,7 @@ def test_assistant_native_gqa_equals_repeated_kv_on_the_cpu():
     def chain(m, d=donors):
         return [a for s in assistant.draft_chain(m, target, d, 5, h, caches[0].offset, 3) for a in (s.logits, s.next_hidden)]
 
-    repeated, native = chain(assistant.load(path)), chain(assistant.load(path, repeat_kv=False))
+    repeated, native = chain(assistant.load(path)), chain(fast_assistant.load(path, repeat_kv=False))
     assert all(_bits_equal(a, b) for a, b in zip(repeated, native))
     swapped = {n: (k[:, ::-1], v[:, ::-1]) for n, (k, v) in donors.items()}
-    assert not all(_bits_equal(a, b) for a, b in zip(repeated, chain(assistant.load(path, repeat_kv=False), swapped)))
+    assert not all(_bits_equal(a, b) for a, b in zip(repeated, chain(fast_assistant.load(path, repeat_kv=False), swapped)))

@@ -73,7 +73,8 @@ def run_steps(req: Request) -> dict:
 
 
 def run_loop(req: Request) -> dict:
-    from port import assistant, targets
+    from port import targets
+    from port.sources.assistant import AssistantProvider
 
     return loop.run(targets.load(req.target), req.prompt, req.options["max_tokens"],
-                    assistant.AssistantProvider(req.drafter), req.options["gamma"], {req.options["eos"]})
+                    AssistantProvider(req.drafter), req.options["gamma"], {req.options["eos"]})

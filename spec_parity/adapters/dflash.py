@@ -17,12 +17,13 @@ def run_extension(req: Request) -> dict:
     """The DSpark-on-DFlash extension (extras on): the serve loop with pruning at the case's
     thresholds, and one with pruning off for the distribution shift (every block's base and
     extended rows)."""
-    from port import dflash, targets
+    from port import targets
+    from port.sources.dflash import DflashProvider
 
     o, target = req.options, targets.load(req.target)
 
     def source(thresholds):
-        return dflash.DflashProvider(req.drafter, max_tokens=o["max_tokens"], extras=True, thresholds=thresholds)
+        return DflashProvider(req.drafter, max_tokens=o["max_tokens"], extras=True, thresholds=thresholds)
 
     pruned = source(o["thresholds"])
     out = loop.run(target, req.prompt, o["max_tokens"], pruned, pruned.trained_gamma, set())
@@ -41,12 +42,13 @@ def run_modules(req: Request) -> dict:
     from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
     from port import dflash, serve, targets
+    from port.sources.dflash import DflashSource
 
     o = req.options
     target = targets.load(req.target)
     m = dflash.load(req.drafter, o["window"], o["embed"], scales=o["scales"])
     caches = make_prompt_cache(target.model)
-    src = dflash.DflashSource(m, serve.TargetView(target, caches))
+    src = DflashSource(m, serve.TargetView(target, caches))
     p = req.prompt
     if o["prefill"] == "split":
         first = targets.forward(target, mx.array(p[:, :-1]), caches=caches)
@@ -113,10 +115,11 @@ def _scales(req: Request) -> tuple[float, float]:
 
 
 def loop_uncached(req: Request, target=None) -> dict:
-    from port import dflash, targets
+    from port import targets
+    from port.sources.dflash import DflashProvider
 
     o = req.options
-    provider = dflash.DflashProvider(req.drafter, o["window"], max_tokens=o["max_tokens"],
+    provider = DflashProvider(req.drafter, o["window"], max_tokens=o["max_tokens"],
                                      embed=o["embed"], scales=o["scales"])
     return loop.run(target or targets.load(req.target), req.prompt, o["max_tokens"], provider, provider.trained_gamma,
                     set(o["eos"]))

@@ -12,11 +12,12 @@ def run(req: Request) -> dict:
     import mlx.core as mx
 
     from port import dspark, targets
+    from port.sources.dspark import DeepspecProvider
 
     target = targets.load(req.target)
     p = req.prompt
     if req.kind == "loop":
-        provider = dspark.DeepspecProvider(req.drafter, req.options["threshold"])
+        provider = DeepspecProvider(req.drafter, req.options["threshold"])
         n = req.options["max_new_tokens"]
         # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
         return loop.run(target, p, n + 1, provider, provider.trained_gamma, set(), keep=n)

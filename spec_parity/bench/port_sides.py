@@ -15,8 +15,9 @@ from .sides import Prep, Side, Stepper
 
 BUCKET = 256  # mlx-lm KVCache's own growth step
 # The port's modules whose host-filled buffers counters.HostBuffers counts (by name: not imported).
-PORT_MODULES = ("port.assistant", "port.compiled", "port.dflash", "port.dspark", "port.sampling", "port.serve",
-                "port.targets")
+PORT_MODULES = ("port.assistant", "port.compiled", "port.dflash", "port.dspark", "port.heads", "port.sampling",
+                "port.serve", "port.targets", "port.fast.assistant", "port.fast.dflash", "port.fast.dspark",
+                "port.sources.assistant", "port.sources.dflash", "port.sources.dspark")
 
 
 def prepare(ckpt: Checkpoints, torch: tuple[str | None, str], prompt: list[int]) -> Prep:
@@ -61,7 +62,7 @@ def donor_kv(prep: Prep) -> dict[str, tuple[mx.array, mx.array]]:
 def port_side(prep: Prep, **bucketed) -> Stepper:
     """Our port through the serve loop's seam: the source's `draft_device` (what the loop drafts
     with: the tokens stay on the device until the verify; and `commit` of one row); `bucketed`
-    (kv_bucket, bucket_attention): its opt-in bucketed path (port/compiled.py). No host read in
+    (kv_bucket, bucket_attention): its opt-in bucketed path (port/fast/). No host read in
     the step, as in the peers' steps: on MLX CUDA a host read of more than 8 bytes costs the next
     step 0.1-0.56 ms of unified-memory faults (docs/benchmarks.md)."""
     from port import serve
@@ -133,14 +134,14 @@ class PortProvider:
 
 
 def _source_class(ckpt: Checkpoints):
-    from port import assistant, dflash, dspark
+    from port.sources import assistant, dflash, dspark
 
     return {"assistant": assistant.AssistantSource, "dspark": dspark.DeepspecSource,
             "dflash": dflash.DflashSource}[ckpt.source]
 
 
 def load_port_drafter(ckpt: Checkpoints, **bucketed):
-    from port import assistant, dflash, dspark
+    from port.fast import assistant, dflash, dspark
 
     mod = {"assistant": assistant, "dspark": dspark, "dflash": dflash}[ckpt.source]
     with serve_weights(ckpt):

@@ -89,10 +89,10 @@ def _ordering(case):
 
 
 def _donor_where(layer: str, shift):
-    """The bucketed path's donor window (assistant.donor_buffers' `where`) moved by `shift`, a
-    function of the old `where`."""
+    """The bucketed path's donor window (port.fast.assistant.donor_buffers' `where`) moved by
+    `shift`, a function of the old `where`."""
     def swaps(case):
-        from port import assistant
+        from port.fast import assistant
 
         buffers = assistant.donor_buffers
 

@@ -1,4 +1,5 @@
-"""Negative controls of z-lab's DFlash drafter and its DSpark extension (port/dflash.py)."""
+"""Negative controls of z-lab's DFlash drafter (port/dflash.py) and its DSpark extension (the
+source's, port/sources/dflash.py)."""
 
 from __future__ import annotations
 
@@ -31,22 +32,21 @@ def _own_head(case):
 
 @control("dflash", "ctx_input_layernorm", "the context rows pass through each layer's input_layernorm before K/V")
 def _ctx_norm(case):
-    """On the default path (the pairs' cases), where each layer takes the context rows."""
+    """On the plain model (the pairs' module cases), where each layer takes the context rows."""
     from port import dflash
 
-    def normed(self, q, bk, bv, ctx, cache, rope):
-        return self.self_attn.attend(q, bk, bv, self.input_layernorm(ctx), cache, rope)
+    def normed(self, x, ctx, cache, block_at):
+        return self.finish(x, self.self_attn(self.input_layernorm(x), self.input_layernorm(ctx), cache, block_at))
 
-    return {(dflash.DecoderLayer, "attend"): normed}
+    return {(dflash.DecoderLayer, "__call__"): normed}
 
 
 @control("dflash", "block_position_shift", "the block's positions shifted by one (start+1..start+bs)")
 def _position(case):
     from port import dflash
 
-    enter, between = dflash.Model._enter, dflash.Model._between
-    return {(dflash.Model, "_enter"): lambda self, h, at: enter(self, h, at + 1),
-            (dflash.Model, "_between"): lambda self, i, h, o, at: between(self, i, h, o, at + 1)}
+    qkv = dflash.Attention.block_qkv
+    return {(dflash.Attention, "block_qkv"): lambda self, x, at: qkv(self, x, at + 1)}
 
 
 control("dflash", "rejected_rows", "rejected verify rows kept in the context")(rejected_rows)
@@ -56,19 +56,19 @@ control("dflash", "bucket_mask_off_by_one", "kv_bucket: the context mask lets th
 
 @control("dflash", "markov_before_softcap", "extension: Markov bias added before the softcap")
 def _markov(case):
-    from port import dflash
+    from port.sources.dflash import DflashSource
 
-    extend = dflash.Model.extend
+    extend = DflashSource.extend
 
-    def biased(self, target, anchor, hidden, base, pick=None):
-        with chain_before_softcap(lambda h: self.head(target, h), self.args.final_logit_softcapping):
-            return extend(self, target, anchor, hidden, base, pick)
+    def biased(self, block, anchor, pick):
+        with chain_before_softcap(lambda h: self.m.head(self.target, h), self.m.args.final_logit_softcapping):
+            return extend(self, block, anchor, pick)
 
-    return {(dflash.Model, "extend"): biased}
+    return {(DflashSource, "extend"): biased}
 
 
 @control("dflash", "thresholds_ignored", "extension: the confidence thresholds are not applied (no pruning)")
 def _thresholds(case):
-    from port import dflash
+    from port.sources import dflash
 
     return {(dflash, "prune_length"): lambda confidence, thresholds: confidence.shape[0]}

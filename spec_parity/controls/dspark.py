@@ -25,40 +25,40 @@ def bucket_mask_off_by_one(case):
 
 
 def chain_before_softcap(logits_before_cap, cap):
-    """port.dspark.markov_chain with the bias added before the softcap: row_k =
+    """port.heads.markov_chain with the bias added before the softcap: row_k =
     softcap(logits_before_cap(h_k) + bias_k)."""
     import mlx.core as mx
 
-    from port import dspark
+    from port import heads
 
-    chain = dspark.markov_chain
+    chain = heads.markov_chain
 
     def before(head, hidden, base, anchor, pick=None):
         if head is None:
             return chain(head, hidden, base, anchor, pick)
         rows, tokens, prev, state = [], [], anchor, None
         for k in range(hidden.shape[0]):
-            bias, state = head.step(prev, hidden[k:k + 1], state)
+            bias, state = head(prev, hidden[k:k + 1], state)
             out = logits_before_cap(hidden[k:k + 1]) + bias
             rows.append((mx.tanh(out / cap) * cap if cap else out)[0, ...])
             prev = mx.argmax(rows[-1], keepdims=True) if pick is None else mx.array([int(pick(rows[-1]))])
             tokens.append(prev.astype(mx.uint32))
         return mx.stack(rows), mx.concatenate(tokens)
 
-    return swapped({(dspark, "markov_chain"): before})
+    return swapped({(heads, "markov_chain"): before})
 
 
 @control("dspark", "markov_before_softcap", "Markov bias added before the softcap")
 def _markov(case):
     from port import dspark
 
-    tail = dspark.Model._tail
+    tail = dspark.Model.tail
 
     def biased(self, hidden, base, anchor, pick=None):
         with chain_before_softcap(self.lm_head, self.args.final_logit_softcapping):
             return tail(self, hidden, base, anchor, pick)
 
-    return {(dspark.Model, "_tail"): biased}
+    return {(dspark.Model, "tail"): biased}
 
 
 @control("dspark", "cumulative_truncation", "truncation on the cumulative product of confidences")
@@ -104,12 +104,12 @@ def _anchor(case):
 
     from port import dspark
 
-    def shifted(self, h, o):
-        full = self.norm(self.layers[-1].finish(h, o))[0, ...]
+    def shifted(self, h):
+        full = self.norm(h)[0, ...]
         hidden = mx.concatenate([full[1:], full[-1:]], axis=0)
         return hidden, self.logits(hidden)
 
-    return {(dspark.Model, "_exit"): shifted}
+    return {(dspark.Model, "final"): shifted}
 
 
 @control("dspark", "tap_index", "taps read hidden_states[l] instead of [l + 1]")

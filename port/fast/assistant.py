@@ -1,0 +1,163 @@
+"""Fast paths of the Gemma-4 assistant port (port/assistant.py), subclasses of its plain Model.
+
+Compiled (the serve loop's default): the step's shape-stable pieces run through mx.compile, the
+attention over the donor K/V (whose length changes every round) outside it; bit for bit the plain
+step (tests/test_speed.py). `repeat_kv=False` lets the attention kernel map the query heads onto
+the donor K/V heads (no copy); on the CPU the same bits, on MLX CUDA 1 ulp off optiq's repeat.
+
+Bucketed (opt-in): the donor K/V are the target's mlx-lm cache buffers as they are (KVCache: rows
+past its offset masked; RotatingKVCache: the ring, every slot but the window's entries masked,
+whatever its order; a bucketed verify's sliding buffer, compiled.VerifyCache: every row in time
+order, all but the window's masked), so a step's shapes change only when a buffer does, and the
+whole step (pre-projection, the 4 layers with their attention, norm, head, post-projection) is one
+compiled call. The window's slots are found from the ring's (write index, offset) as mlx-lm's own
+temporal order lays them out; they enter as arrays. Within fp32 tolerance of the plain step (the
+softmax sums the same entries in ring order), not bit-exact (tests/test_bucketed.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+
+from .. import assistant, targets
+from .. import compiled as pieces
+
+
+def enter(m: assistant.Model, emb, hidden_in, position):
+    """pre_projection and layer 0's Q."""
+    h = m.pre_projection(mx.concatenate([emb, hidden_in], axis=-1))
+    return h, m.model.layers[0].query(h, position)
+
+
+def between(m: assistant.Model, i: int, h, o, position):
+    """Layer i's output and layer i+1's Q."""
+    h = m.model.layers[i].finish(h, m.model.layers[i].self_attn.output(o))
+    return h, m.model.layers[i + 1].query(h, position)
+
+
+def leave(m: assistant.Model, h, o):
+    """The last layer's output -> Model.final."""
+    return m.final(m.model.layers[-1].finish(h, m.model.layers[-1].self_attn.output(o)))
+
+
+class Compiled(assistant.Model):
+    """`compiled` (default on) compiles the pieces; off, the same pieces run plain."""
+
+    def __init__(self, args: assistant.ModelArgs, compiled: bool = True, repeat_kv: bool = True):
+        super().__init__(args)
+        self.compiled, self.repeat_kv = compiled, repeat_kv
+        self._pieces = pieces.Pieces()
+
+    def pieces(self) -> tuple:
+        """(enter, [between_i], exit), plain or compiled."""
+        n = len(self.model.layers)
+        return self._pieces.get(self, (partial(enter, self), [partial(between, self, i) for i in range(n - 1)],
+                                       partial(leave, self)))
+
+    def __call__(self, emb, hidden_in, views: dict, position):
+        first, middle, last = self.pieces()
+        pos = pieces.position(self, position)
+        h, q = first(emb, hidden_in, pos)
+        for i, layer in enumerate(self.model.layers):
+            o = layer.self_attn.attend(q, *views[layer.layer_type])
+            if i < len(middle):
+                h, q = middle[i](h, o, pos)
+        return last(h, o)
+
+    def repeat(self, views: dict) -> dict:
+        return super().repeat(views) if self.repeat_kv else views
+
+
+class Bucketed(Compiled):
+    """The whole step as one compiled call over the target's cache buffers (`donors`: donor_buffers);
+    `compiled` off runs the same step function plain (the trace counter's control)."""
+
+    def __init__(self, args: assistant.ModelArgs, compiled: bool = True, repeat_kv: bool = True):
+        super().__init__(args, compiled, repeat_kv)
+        self._bucketed = pieces.Bucketed()
+
+    def donors(self, target, caches: list, window: str | int = "optiq") -> dict:
+        return donor_buffers(target, caches, window)
+
+    def views(self, donors: dict, window: str | int = "optiq") -> dict:
+        """The buffers as they are: the window is in their masks."""
+        return donors
+
+    def step(self, emb, hidden_in, donors, position: int, window: str = "optiq", pick=None,
+             views: dict | None = None) -> assistant.Step:
+        if not isinstance(donors.get("sliding_attention"), dict):
+            raise assistant.DrafterError("bucketed: the donors must be fast.assistant.donor_buffers(target, caches, "
+                                         "window), not targets.donor_view's sliced K/V")
+        fn = self._bucketed.get(self, "step", self.whole_step, [self.state])
+        logits, next_hidden, token, *cand = fn(emb, hidden_in, mx.array(position, mx.int32),
+                                               {t: d["kv"] for t, d in donors.items()})
+        if pick is not None:
+            token = mx.array([[int(pick(logits))]])
+        return assistant.Step(token, logits, next_hidden, cand[0] if cand else None)
+
+    def whole_step(self, emb, hidden_in, position, donors):
+        """The whole step over donor buffers {layer type: (k, v, where)} (donor_seen)."""
+        self._bucketed.traces += 1
+        masks = {t: pieces.additive_mask(seen, emb.dtype) for t, (_, _, seen) in donor_seen(donors).items()}
+        h, q = enter(self, emb, hidden_in, position)
+        for i, layer in enumerate(self.model.layers):
+            k, v, _ = donors[layer.layer_type]
+            o = mx.fast.scaled_dot_product_attention(q, k, v, scale=layer.self_attn.scale, mask=masks[layer.layer_type])
+            if i < len(self.model.layers) - 1:
+                h, q = between(self, i, h, o, position)
+        return leave(self, h, o)
+
+
+def donor_buffers(target, caches: list, window: str | int = "optiq") -> dict:
+    """The donor layers' K/V as their mlx-lm caches' whole buffers, with what a step may see, for
+    `bucketed`: per layer type {"kv": (k, v, where), "ring": bool}. Full (KVCache): where = [offset]
+    (rows below it). Sliding (RotatingKVCache, keep 0): where = [rot, lo, hi]: slot j has temporal
+    rank (j - rot) mod S in mlx-lm's _temporal_order and is seen iff lo <= rank < hi, the newest
+    entries of the window (targets.donor_view + sliding_view pick the same ones, in time order)."""
+    out = {}
+    for name, layer in targets.donor_layers(target).items():
+        c = caches[layer]
+        if c.keys is None:
+            raise RuntimeError("the target cache is empty: prefill before drafting")
+        S = c.keys.shape[2]
+        if not hasattr(c, "_temporal_order"):
+            if name == "sliding":   # a bucketed verify's buffer (compiled.VerifyCache): every row, in time order
+                seen = min(c.offset, assistant.window_keep(target.config["sliding_window"], window))
+                where, ring = [0, c.offset - seen, c.offset], True
+            else:
+                where, ring = [c.offset], False
+        else:
+            if c.keep:
+                raise assistant.DrafterError(f"bucketed: a RotatingKVCache with keep={c.keep} (sink rows) is not supported; "
+                                   "use bucketed=False")
+            rot, total = (c._idx, S) if c._idx < c.offset and c._idx != S else (0, S if c._idx == S else c._idx)
+            seen = min(c.offset, total, assistant.window_keep(target.config["sliding_window"], window))
+            where, ring = [rot, total - seen, total], True
+        # one scalar array per bound, not mx.array(where): a host-filled 12-byte buffer is one the GPU
+        # page-faults on (targets.block_ids), and where[0] of it a Gather
+        out[f"{name}_attention"] = {"kv": (c.keys, c.values, tuple(mx.array(w, mx.int32) for w in where)),
+                                    "ring": ring}
+    return out
+
+
+def donor_seen(donors: dict) -> dict:
+    """{layer type: (k, v, seen [S] bool)} from donor_buffers' "kv" entries (inside the step)."""
+    out = {}
+    for t, (k, v, where) in donors.items():
+        j = mx.arange(k.shape[2])
+        if len(where) == 1:
+            seen = j < where[0]
+        else:
+            rank = (j + k.shape[2] - where[0]) % k.shape[2]
+            seen = (rank >= where[1]) & (rank < where[2])
+        out[t] = (k, v, seen)
+    return out
+
+
+def load(path: str | Path, dtype: mx.Dtype | None = None, compiled: bool = True, bucketed: bool = False,
+         repeat_kv: bool = True) -> Compiled:
+    """The drafter on a fast path: Compiled, or Bucketed."""
+    return assistant.load(path, dtype, lambda a: (Bucketed if bucketed else Compiled)(a, compiled, repeat_kv))

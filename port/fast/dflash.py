@@ -1,0 +1,137 @@
+"""Fast paths of the DFlash port (port/dflash.py), subclasses of its plain Model.
+
+Compiled (the serve loop's default): the block is split where its shapes change: the attention
+over the growing context runs outside mx.compile, the shape-stable pieces between two attentions
+through it (port/compiled.py). Bit for bit the plain forward (tests/test_speed.py).
+
+Bucketed (opt-in, `kv_bucket`): every layer keeps every context row in a buffer a whole number of
+buckets long (port/compiled.py BucketCache; sliding layers mask the window instead of rotating),
+presented whole with the tail masked, and the block (embedding, layers, final norm, the target's
+head) is one compiled call that retraces only when the buffer grows (or the block length
+changes); mx.fast's attention over [context | block] joined with a float mask, or
+(bucket_attention="two-segment") a two-segment softmax. Held to the plain forward within fp32
+tolerance (bit-exact on the CPU backend with "sdpa", measured: tests/test_bucketed.py).
+window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+
+from .. import compiled as pieces
+from .. import dflash, targets
+
+
+def enter(m: dflash.Model, h, block_at):
+    """Layer 0's block Q, K, V."""
+    return m.layers[0].qkv(h, block_at)
+
+
+def between(m: dflash.Model, i: int, h, o, block_at):
+    """Layer i's output and layer i+1's block Q, K, V."""
+    h = m.layers[i].finish(h, m.layers[i].self_attn.output(o))
+    return (h,) + m.layers[i + 1].qkv(h, block_at)
+
+
+def leave(m: dflash.Model, h, o):
+    """The last layer's output -> final norm over block rows 1..n."""
+    return m.norm(m.layers[-1].finish(h, m.layers[-1].self_attn.output(o))[:, 1:])
+
+
+class Compiled(dflash.Model):
+    """`compiled` (default on) compiles the pieces; off, the same pieces run plain."""
+
+    def __init__(self, a: dflash.ModelArgs, window: str = "positional", embed: str = "scaled",
+                 compiled: bool = True):
+        super().__init__(a, window, embed)
+        self.compiled = compiled
+        self._pieces = pieces.Pieces()
+
+    def pieces(self) -> tuple:
+        """(enter, [between_i], exit), plain or compiled."""
+        n = len(self.layers)
+        return self._pieces.get(self, (partial(enter, self), [partial(between, self, i) for i in range(n - 1)],
+                                       partial(leave, self)))
+
+    def __call__(self, h, ctx, caches):
+        first, middle, last = self.pieces()
+        at = [pieces.position(self, p) for p in self.block_positions(ctx, caches)]
+        q, bk, bv = first(h, at[0])
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            o = layer.self_attn.attend(q, bk, bv, ctx, cache)
+            if i < len(middle):
+                h, q, bk, bv = middle[i](h, o, at[i + 1])
+        return last(h, o)
+
+
+class Bucketed(Compiled):
+    """The bucketed block over one BucketCache per layer (`make_caches`); `compiled` off runs the
+    same block function plain (the trace counter's control)."""
+
+    def __init__(self, a: dflash.ModelArgs, window: str = "positional", embed: str = "scaled",
+                 kv_bucket: int = 256, attention: str = "sdpa", compiled: bool = True):
+        super().__init__(a, window, embed, compiled)
+        self.kv_bucket = pieces.check_bucket(kv_bucket, attention, dflash.DFlashError)
+        if window == "zlab-mlx" and "sliding_attention" in a.layer_types:
+            raise dflash.DFlashError("kv_bucket with window='zlab-mlx': that window follows the rotating buffer's "
+                                     "order, which a bucketed context (every row, in time order) does not have; use "
+                                     "window='positional' (z-lab torch's semantics) or kv_bucket=None")
+        self.bucket_attention = attention
+        self._bucketed = pieces.Bucketed()
+
+    def make_caches(self) -> list:
+        """Every layer every context row, in a BucketCache."""
+        return [pieces.BucketCache(self.kv_bucket) for _ in self.args.layer_types]
+
+    def block(self, target: targets.Target, anchor: int, n: int, ctx_rows, caches: list) -> dflash.Block:
+        """The new context rows join the buffers (plain ops: their count varies per round), then
+        the compiled block over the whole buffers."""
+        ids, c = self.block_inputs(anchor, n, ctx_rows)
+        if not all(isinstance(cache, pieces.BucketCache) for cache in caches):
+            raise dflash.DFlashError("kv_bucket: the caches must be BucketCaches (Model.make_caches makes them)")
+        for layer, cache in zip(self.layers, caches):
+            cache.update_and_fetch(*layer.self_attn.context_kv(c, cache.offset))
+        keys, values = zip(*(cache.buffers() for cache in caches))
+        fn = self._bucketed.get(self, (id(target), self.bucket_attention), partial(self.bucketed, target),
+                                [self.state, target.model.state])
+        return dflash.Block(*fn(ids, mx.array(caches[0].offset, mx.int32), list(keys), list(values)))
+
+    def bucketed(self, target: targets.Target, ids, valid, keys, values):
+        """The whole block over the bucketed buffers (rows from `valid` masked), as arrays:
+        hidden, logits, tokens."""
+        self._bucketed.traces += 1
+        h = self.embed(target, ids)
+        q, bk, bv = enter(self, h, valid)
+        for i, layer in enumerate(self.layers):
+            o = attend(layer.self_attn, self.bucket_attention, q, bk, bv, keys[i], values[i], valid)
+            if i < len(self.layers) - 1:
+                h, q, bk, bv = between(self, i, h, o, valid)
+        hidden = leave(self, h, o)
+        logits = self.logits(target, hidden)
+        return hidden[0, ...], logits[0, ...], mx.argmax(logits[0, ...], axis=-1)
+
+
+def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid):
+    """Attention.attend over a bucketed context buffer (every context row kept, in time order: row
+    j is position j; rows from `valid` on masked; the block sits at valid..): full layers see every
+    valid row, sliding layers those within the window of each block row (window="positional");
+    the block rows see each other (causal: the earlier ones only)."""
+    L = q.shape[2]
+    seen = pieces.valid_rows(valid, keys.shape[2])
+    if attn.sliding:
+        seen = seen & (valid + mx.arange(L)[:, None] - mx.arange(keys.shape[2]) < attn.a.sliding_window)
+    causal = mx.arange(L)[None] <= mx.arange(L)[:, None] if attn.causal else None
+    return pieces.bucketed_attention(how, q, keys, values, seen, bk, bv, causal, attn.scale)
+
+
+def load(path: str | Path, window: str = "positional", embed: str = "scaled", compiled: bool = True,
+         kv_bucket: int | None = None, bucket_attention: str = "sdpa", scales: str = "either") -> Compiled:
+    """The drafter on a fast path: Compiled, or Bucketed with a `kv_bucket`."""
+    pieces.check_bucket(kv_bucket, bucket_attention, dflash.DFlashError)
+    if kv_bucket is None:
+        return dflash.load(path, window, embed, scales, lambda a, w, e: Compiled(a, w, e, compiled))
+    return dflash.load(path, window, embed, scales,
+                       lambda a, w, e: Bucketed(a, w, e, kv_bucket, bucket_attention, compiled))

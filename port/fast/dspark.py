@@ -1,0 +1,139 @@
+"""Fast paths of the DSpark port (port/dspark.py), subclasses of its plain Model.
+
+Compiled (the serve loop's default): the block is split where its shapes change: the attention
+over the growing context runs outside mx.compile, the shape-stable pieces between two attentions
+(and the greedy Markov / confidence tail) through it (port/compiled.py). Bit for bit the plain
+forward (tests/test_speed.py).
+
+Bucketed (opt-in, `kv_bucket`): the context K/V is presented at its buffer's length (a multiple of
+the bucket, port/compiled.py BucketCache) with the tail masked, and the whole block (embedding,
+layers, final norm, logits, Markov chain, confidence) is one compiled call that retraces only when
+the buffer grows; the attention is mx.fast's over [context | block] joined with a float mask, or
+(bucket_attention="two-segment") a two-segment softmax. Held to the plain forward within fp32
+tolerance (bit-exact on the CPU backend with "sdpa", measured: tests/test_bucketed.py).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+
+from .. import compiled as pieces
+from .. import dspark, targets
+
+
+def enter(m: dspark.Model, ids, start):
+    """The block's embedding and layer 0's Q, K, V."""
+    h = m.embed(ids)
+    return (h,) + m.layers[0].qkv(h, start)
+
+
+def between(m: dspark.Model, i: int, h, o, start):
+    """Layer i's output and layer i+1's Q, K, V."""
+    h = m.layers[i].finish(h, m.layers[i].self_attn.output(o))
+    return (h,) + m.layers[i + 1].qkv(h, start)
+
+
+def leave(m: dspark.Model, h, o):
+    """The last layer's output -> Model.final."""
+    return m.final(m.layers[-1].finish(h, m.layers[-1].self_attn.output(o)))
+
+
+def greedy_tail(m: dspark.Model, hidden, base, anchor):
+    """The plain Model's tail as arrays only (rows, tokens[, confidence]): what mx.compile returns."""
+    rows, tokens, conf = dspark.Model.tail(m, hidden, base, anchor)
+    return (rows, tokens) + ((conf,) if conf is not None else ())
+
+
+class Compiled(dspark.Model):
+    """`compiled` (default on) compiles the pieces; off, the same pieces run plain."""
+
+    def __init__(self, a: dspark.ModelArgs, compiled: bool = True):
+        super().__init__(a)
+        self.compiled = compiled
+        self._pieces = pieces.Pieces()
+
+    def pieces(self) -> tuple:
+        """(enter, [between_i], exit, greedy tail), plain or compiled."""
+        n = len(self.layers)
+        return self._pieces.get(self, (partial(enter, self), [partial(between, self, i) for i in range(n - 1)],
+                                       partial(leave, self), partial(greedy_tail, self)))
+
+    def __call__(self, ids, ctx, start):
+        first, middle, last, _ = self.pieces()
+        pos = pieces.position(self, start)
+        h, q, k, v = first(ids, pos)
+        for i, (layer, c) in enumerate(zip(self.layers, ctx)):
+            o = layer.self_attn.attend(q, *layer.self_attn.join(c, k, v))
+            if i < len(middle):
+                h, q, k, v = middle[i](h, o, pos)
+        return last(h, o)
+
+    def tail(self, hidden, base, anchor, pick=None):
+        """The greedy tail compiled; a host `pick` runs the plain one."""
+        if pick is not None:
+            return super().tail(hidden, base, anchor, pick)
+        rows, tokens, *conf = self.pieces()[3](hidden, base, anchor)
+        return rows, tokens, conf[0] if conf else None
+
+
+class Bucketed(Compiled):
+    """The bucketed block over one BucketCache per layer (`make_cache`); `compiled` off runs the
+    same block function plain (the trace counter's control)."""
+
+    def __init__(self, a: dspark.ModelArgs, kv_bucket: int, attention: str = "sdpa", compiled: bool = True):
+        super().__init__(a, compiled)
+        self.kv_bucket = pieces.check_bucket(kv_bucket, attention, dspark.DSparkError)
+        if self.kv_bucket is None:
+            raise dspark.DSparkError("kv_bucket=None: the bucketed path needs a bucket (the plain Model has none)")
+        self.bucket_attention = attention
+        self._bucketed = pieces.Bucketed()
+
+    def make_cache(self) -> pieces.BucketCache:
+        return pieces.BucketCache(self.kv_bucket)
+
+    def block(self, greedy: bool, ids, start, valid, keys, values):
+        """The whole block over the bucketed context buffers keys / values (per layer, rows past
+        `valid` masked); greedy: with the Markov chain and confidence, else up to the base logits
+        (a host `pick` chains the tail after)."""
+        self._bucketed.traces += 1
+        h, q, k, v = enter(self, ids, start)
+        for i, layer in enumerate(self.layers):
+            seen = pieces.valid_rows(valid, keys[i].shape[2])
+            o = pieces.bucketed_attention(self.bucket_attention, q, keys[i], values[i], seen, k, v, None,
+                                          layer.self_attn.scale)
+            if i < len(self.layers) - 1:
+                h, q, k, v = between(self, i, h, o, start)
+        hidden, base = leave(self, h, o)
+        if not greedy:
+            return hidden, base
+        return (hidden, base) + greedy_tail(self, hidden, base, ids[0, :1].astype(mx.uint32))
+
+    def draft_block(self, anchor: int, ctx, start: int, pick=None) -> dspark.Block:
+        if not all(isinstance(c, pieces.BucketCache) for c in ctx):
+            raise dspark.DSparkError("kv_bucket: draft_block needs the context as one BucketCache per layer "
+                                     "(Model.make_cache; DeepspecSource makes them), not (k, v) pairs or a KVCache")
+        a = self.args
+        ids = targets.block_ids(anchor, a.mask_token_id, a.block_size - 1)
+        keys, values = zip(*(c.buffers() for c in ctx))
+        greedy = pick is None
+        fn = self._bucketed.get(self, (greedy, self.bucket_attention), partial(self.block, greedy), [self.state])
+        out = fn(ids, mx.array(start, mx.int32), mx.array(ctx[0].offset, mx.int32), list(keys), list(values))
+        hidden, base = out[:2]
+        if greedy:
+            rows, tokens, *conf = out[2:]
+            conf = conf[0] if conf else None
+        else:
+            rows, tokens, conf = dspark.Model.tail(self, hidden, base, mx.array([anchor], mx.uint32), pick)
+        return dspark.Block(hidden, base, rows, tokens, conf)
+
+
+def load(path: str | Path, compiled: bool = True, kv_bucket: int | None = None,
+         bucket_attention: str = "sdpa") -> Compiled:
+    """The drafter on a fast path: Compiled, or Bucketed with a `kv_bucket`."""
+    pieces.check_bucket(kv_bucket, bucket_attention, dspark.DSparkError)
+    if kv_bucket is None:
+        return dspark.load(path, lambda a: Compiled(a, compiled))
+    return dspark.load(path, lambda a: Bucketed(a, kv_bucket, bucket_attention, compiled))

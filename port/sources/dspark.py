@@ -1,0 +1,87 @@
+"""DSpark (port/dspark.py) behind the serve-loop seam: DeepspecSource and DeepspecProvider."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from .. import checkpoint, targets
+from ..dspark import Block, Model, check_pairing
+from ..fast import dspark as fast
+from . import context_bytes
+
+
+class DeepspecSource:
+    """DSpark behind the serve-loop seam. It owns the per-layer context K/V: prefill queues the
+    tapped prompt rows, each draft first appends the queued rows (projected, at their absolute
+    positions), and commit queues only the anchor + accepted rows of the verify."""
+
+    def __init__(self, drafter: Model, view, threshold: float = 0.0):
+        check_pairing(drafter, view.target)
+        self.m, self.threshold = drafter, threshold
+        self.tap_layers = drafter.tap_layers()
+        self.cache: list[KVCache] | None = None  # per draft layer, preallocated (grows in steps)
+        self.length = 0
+        self.pending = None
+        self.last_block: Block | None = None
+
+    def prefill(self, prompt_ids, tapped) -> None:
+        self.pending = mx.concatenate(tapped, axis=-1)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this request's context K/V (all draft layers) and queued tap rows."""
+        return context_bytes(self.cache, self.pending)
+
+    def draft(self, feed: list[int], n: int, anchor_hidden) -> list[int]:
+        return self.draft_device(feed, n, anchor_hidden).tolist()
+
+    def draft_device(self, feed: list[int], n: int, anchor_hidden) -> mx.array:
+        """The greedy proposal as a lazy array; it syncs only for a confidence threshold (the
+        proposal's length)."""
+        block = self._block(feed, None)
+        return block.token_ids[: min(self.m.prefix_length(block.confidence, self.threshold), n)]
+
+    def draft_sampled(self, feed: list[int], n: int, anchor_hidden, pick) -> list[int]:
+        """`draft` with each slot's token chosen by `pick(row)` (None: argmax), chained through
+        the Markov head and the confidence head as DeepSpec's sampled proposal is."""
+        block = self._block(feed, pick)
+        return block.tokens[: min(self.m.prefix_length(block.confidence, self.threshold), n)]
+
+    def _block(self, feed: list[int], pick) -> Block:
+        rows = self.pending
+        kv = self.m.context_kv(self.m.project(rows), self.length)
+        if self.cache is None:
+            self.cache = [self.m.make_cache() for _ in kv]
+        for c, (k, v) in zip(self.cache, kv):
+            c.update_and_fetch(k, v)
+        self.length += rows.shape[1]
+        self.pending = None
+        self.last_block = self.m.draft_block(feed[-1], self.cache, self.length, pick)
+        return self.last_block
+
+    def commit(self, n_drafted: int, accepted: int, tapped) -> None:
+        self.pending = targets.verified_rows(tapped, accepted)
+
+    def dispose(self) -> None:
+        self.cache = None
+
+
+class DeepspecProvider:
+    """The drafter on its compiled path (port/fast/dspark.py); `kv_bucket`: the bucketed one."""
+
+    def __init__(self, path: str | Path, threshold: float = 0.0, kv_bucket: int | None = None):
+        self.path = Path(path)
+        self.id = self.path.name
+        self.drafter = fast.load(self.path, kv_bucket=kv_bucket)
+        self.weights_bytes = checkpoint.weights_bytes(self.path)
+        self.trained_gamma = self.drafter.args.block_size
+        self.threshold = threshold
+
+    def open(self, view) -> DeepspecSource:
+        return DeepspecSource(self.drafter, view, self.threshold)
+
+    def dispose(self) -> None:
+        self.drafter = None
