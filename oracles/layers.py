@@ -1,9 +1,10 @@
-"""Each drafter layer's output in a reference's first draft call, observed from outside.
+"""Each drafter layer's output in a first draft call, observed from outside the model.
 
-The reference's code runs unchanged: MLX layers (z-lab MLX, optiq) are swapped, for the duration,
-for callables that call them and record what they return; torch layers (transformers, DeepSpec,
-z-lab torch) get forward hooks. Only the first call of each layer is kept: the harness localizes
-on the first draft (block or step), where every layer's input is known on both sides.
+The model's code runs unchanged: MLX layers (z-lab MLX, optiq, and our own ports in their
+adapters) are swapped, for the duration, for stand-ins that call them and record what they
+return; torch layers (transformers, DeepSpec, z-lab torch) get forward hooks. Only the first call
+of each layer is kept: the harness localizes on the first draft (block or step), where every
+layer's input is known on both sides.
 """
 
 from __future__ import annotations
@@ -11,24 +12,41 @@ from __future__ import annotations
 import contextlib
 
 
-def _first(out: dict, i: int, y) -> None:
+def _first(out: dict, key: str, y) -> None:
     y = y[0] if isinstance(y, tuple) else y
-    out.setdefault(f"layer.{i}", y.detach().clone() if hasattr(y, "detach") else y)
+    out.setdefault(key, y.detach().clone() if hasattr(y, "detach") else y)
+
+
+class _Recording:
+    """Stands in for one layer: calls it, records, and answers every attribute as the layer does
+    (a model's loop may read `layer.layer_type`)."""
+
+    def __init__(self, layer, key: str, out: dict, feed):
+        self._layer, self._key, self._out, self._feed = layer, key, out, feed
+
+    def __call__(self, *args, **kw):
+        y = self._layer(*args, **kw)
+        first = self._key not in self._out
+        _first(self._out, self._key, y)
+        if not first or self._feed is None:
+            return y
+        import mlx.core as mx
+
+        return mx.array(self._feed)[None].astype(y.dtype)
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
 
 
 @contextlib.contextmanager
-def mlx_recorded(layers: list, out: dict):
-    """out["layer.i"] = layer i's output ([1, n, H] as the reference returns it)."""
+def mlx_recorded(layers: list, out: dict, prefix: str = "layer", feed: dict | None = None):
+    """out[f"{prefix}.i"] = layer i's first output ([1, n, H] as the model returns it). With `feed`
+    (the reference's layer.i [n, H]), that first call hands on feed["layer.i"] instead of its own
+    output, so layer i+1 runs on the reference's input: its error is its own (the port's
+    own-error run)."""
     saved = list(layers)
-
-    def wrap(i, layer):
-        def call(*args, **kw):
-            y = layer(*args, **kw)
-            _first(out, i, y)
-            return y
-        return call
-
-    layers[:] = [wrap(i, layer) for i, layer in enumerate(saved)]
+    layers[:] = [_Recording(layer, f"{prefix}.{i}", out, None if feed is None else feed[f"layer.{i}"])
+                 for i, layer in enumerate(saved)]
     try:
         yield out
     finally:
@@ -38,7 +56,7 @@ def mlx_recorded(layers: list, out: dict):
 @contextlib.contextmanager
 def torch_recorded(layers, out: dict):
     """The same through forward hooks on a torch ModuleList."""
-    handles = [layer.register_forward_hook(lambda module, args, y, i=i: _first(out, i, y))
+    handles = [layer.register_forward_hook(lambda module, args, y, i=i: _first(out, f"layer.{i}", y))
                for i, layer in enumerate(layers)]
     try:
         yield out
@@ -47,8 +65,9 @@ def torch_recorded(layers, out: dict):
             h.remove()
 
 
-def as_numpy(recorded: dict, rows=None) -> dict:
-    """Recorded layer outputs as float32 numpy [n, H] (batch dropped; `rows` a slice to keep)."""
+def as_numpy(recorded: dict) -> dict:
+    """Recorded layer outputs as float32 numpy [n, H] (batch dropped; bf16 through fp32, which
+    holds it exactly)."""
     import numpy as np
 
     out = {}
@@ -59,5 +78,5 @@ def as_numpy(recorded: dict, rows=None) -> dict:
             import mlx.core as mx
 
             a = np.array(y.astype(mx.float32))
-        out[k] = a[0] if rows is None else a[0][rows]
+        out[k] = a[0]
     return out

@@ -90,6 +90,17 @@ _measured("dflash", "loop_draft_logits", 8e-6, _DFLASH.format("2.38e-06 (z-lab M
 _measured("dflash", "loop_draft_logits_torch", 6e-5, _DFLASH.format("1.99e-05 (torch loop, 5 loop cases x 5 seeds)"))
 _measured("dflash", "path_logits", 3e-4, _DFLASH.format("8.89e-05 (11 loop cases x 5 seeds)"))
 
+# Drafter layers: each layer's output in the first block / step, free-running (`layer`) and fed the
+# reference's input to it (`layer_own`), over the L2 module and step cases (transformers, DeepSpec,
+# z-lab torch, set up as above) x seeds 0-4; against z-lab MLX and optiq the layers are L1 (bit-exact).
+_LAYERS = "spec-parity measure --module {} --seeds 5: max |Δ| {} over its L2 module / step cases x 5 seeds"
+_measured("assistant", "layer", 2e-5, _LAYERS.format("assistant", "6.20e-06"))
+_measured("assistant", "layer_own", 2e-5, _LAYERS.format("assistant", "3.34e-06") + " (own error)")
+_measured("dspark", "layer", 3e-4, _LAYERS.format("dspark", "8.56e-05"))
+_measured("dspark", "layer_own", 2e-4, _LAYERS.format("dspark", "5.96e-05") + " (own error)")
+_measured("dflash", "layer", 8e-5, _LAYERS.format("dflash", "2.35e-05"))
+_measured("dflash", "layer_own", 5e-5, _LAYERS.format("dflash", "1.43e-05") + " (own error)")
+
 # L3 gates (no reference): the DSpark-on-DFlash extension's distribution shift KL(base draft ||
 # extended draft) over every row of one request with pruning off. Measured on the ext-qwen3 and
 # ext-gemma4 cases at seeds 0-4 (harness.evaluate on dataclasses.replace(case, seed=s)): KL mean

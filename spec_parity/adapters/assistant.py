@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from oracles.layers import as_numpy, mlx_recorded
+
 from ..protocol import Request
-from . import loop
+from . import fed, loop
 
 CONVENTIONS = {
     "optiq": {"positions": "optiq", "window": "optiq"},
@@ -58,9 +60,19 @@ def run_steps(req: Request) -> dict:
     donors = {f"{n}_attention": (mx.array(inputs[f"in.donor.{n}.k"]).astype(dt), mx.array(inputs[f"in.donor.{n}.v"]).astype(dt))
               for n in ("sliding", "full")}
     conv = CONVENTIONS[req.options["convention"]]
-    steps = assistant.draft_chain(drafter, target, donors, int(inputs["in.anchor.token"][0]),
-                                  mx.array(inputs["in.anchor.hidden"]).astype(dt), int(inputs["in.position"][0]),
-                                  req.options["gamma"], positions=conv["positions"], window=conv["window"])
+
+    def chain(n):
+        return assistant.draft_chain(drafter, target, donors, int(inputs["in.anchor.token"][0]),
+                                     mx.array(inputs["in.anchor.hidden"]).astype(dt), int(inputs["in.position"][0]),
+                                     n, positions=conv["positions"], window=conv["window"])
+
+    recorded = {}
+    with mlx_recorded(drafter.model.layers, recorded):      # step 0's layers (`layer.i`)
+        steps = chain(req.options["gamma"])
+    feed = fed(req.inputs)
+    if feed:                    # the own-error run: each layer of step 0 on the reference's input
+        with mlx_recorded(drafter.model.layers, recorded, "own", feed):
+            chain(1)
     k, v = assistant.sliding_view(*donors["sliding_attention"], drafter.args.sliding_window, conv["window"])
     out = {"anchor.token": inputs["in.anchor.token"], "anchor.hidden": inputs["in.anchor.hidden"],
            "donor.sliding_attention.k": _np(k), "donor.sliding_attention.v": _np(v),
@@ -69,7 +81,7 @@ def run_steps(req: Request) -> dict:
     for i, s in enumerate(steps):
         out[f"step{i}.logits"], out[f"step{i}.next_hidden"] = _np(s.logits), _np(s.next_hidden)
         out[f"step{i}.token"] = np.array([s.token], np.int32)
-    return out
+    return {**out, **as_numpy(recorded)}
 
 
 def run_loop(req: Request) -> dict:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
+
+from oracles.layers import as_numpy, mlx_recorded
 
 from .. import controls, shared
 from ..protocol import Request
-from . import loop
+from . import fed, loop
 
 
 def run(req: Request) -> dict:
@@ -37,34 +41,22 @@ def run_modules(req: Request) -> dict:
     """The module rounds through the DflashSource, prefilled as the reference does: z-lab MLX splits
     off the prompt's last token ("split"), z-lab torch runs it in one forward ("whole"). The stored
     context K/V are returned as the reference holds them: mlx-lm's buffers as they are ("split"),
-    or in time order, sliding layers their newest W-1 rows (torch's DynamicSlidingWindowLayer)."""
+    or in time order, sliding layers their newest W-1 rows (torch's DynamicSlidingWindowLayer).
+    Each drafter layer's output in round 0 is recorded (`layer.i`); fed the reference's, a second
+    prefill and round 0 give each layer's own error (`own.i`)."""
     import mlx.core as mx
-    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+    from mlx_lm.models.cache import RotatingKVCache
 
     from port import dflash, serve, targets
-    from port.sources.dflash import DflashSource
 
     o = req.options
     target = targets.load(req.target)
     m = dflash.load(req.drafter, o["window"], o["embed"], scales=o["scales"])
-    caches = make_prompt_cache(target.model)
-    src = DflashSource(m, serve.TargetView(target, caches))
-    p = req.prompt
-    if o["prefill"] == "split":
-        first = targets.forward(target, mx.array(p[:, :-1]), caches=caches)
-        last = targets.forward(target, mx.array(p[:, -1:]), caches=caches)
-        taps = [mx.concatenate([first.hidden[i + 1], last.hidden[i + 1]], axis=1) for i in src.tap_layers]
-    else:
-        last = targets.forward(target, mx.array(p), caches=caches)
-        taps = [last.hidden[i + 1] for i in src.tap_layers]
-    src.prefill(p[0].tolist(), taps)
-    # z-lab MLX hands an all-sliding drafter only the newest W-1 prompt rows (so does the source);
-    # z-lab torch projects them all and its sliding caches keep W-1.
-    out = {"taps.0": src.pending[0] if o["prefill"] == "split" else mx.concatenate(taps, axis=-1)[0]}
-    anchor = int(mx.argmax(last.logits[0, -1]).item())
-    anchors, bs = [anchor], m.args.block_size
+    src, caches, out, anchor = _prefilled(req, target, m)
+    anchors, bs, recorded = [anchor], m.args.block_size, {}
     for r, a in enumerate(o["accepts"]):
-        tokens = src.draft([anchor], bs - 1, None)
+        with mlx_recorded(m.layers, recorded) if r == 0 else contextlib.nullcontext():
+            tokens = src.draft([anchor], bs - 1, None)
         b = src.last_block
         out[f"hidden.{r}"], out[f"logits.{r}"], out[f"tokens.{r}"] = b.hidden, b.logits, mx.array(tokens, dtype=mx.int32)
         verify = targets.forward(target, mx.array([[anchor] + tokens]), caches=caches)
@@ -74,6 +66,11 @@ def run_modules(req: Request) -> dict:
         serve.trim_caches(caches, bs - 1 - a)
         src.commit(bs - 1, a, [verify.hidden[i + 1] for i in src.tap_layers])
         out[f"taps.{r + 1}"] = src.pending[0]
+    feed = fed(req.inputs)
+    if feed:
+        own_src, _, _, first = _prefilled(req, target, m)
+        with mlx_recorded(m.layers, recorded, "own", feed):
+            own_src.draft([first], bs - 1, None)
     for i, c in enumerate(src.caches):
         if not isinstance(c, RotatingKVCache):
             k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
@@ -84,7 +81,33 @@ def run_modules(req: Request) -> dict:
             k, v = c._temporal_order(c.keys)[..., -n:, :], c._temporal_order(c.values)[..., -n:, :]
         out[f"ctx_k.{i}"], out[f"ctx_v.{i}"] = k[0], v[0]
     out["anchors"] = mx.array(anchors, dtype=mx.int32)
-    return {k: np.array(v) for k, v in out.items()}
+    return {**{k: np.array(v) for k, v in out.items()}, **as_numpy(recorded)}
+
+
+def _prefilled(req: Request, target, m):
+    """A DflashSource prefilled on the prompt as the reference prefills: (source, target caches,
+    {"taps.0"}, the first anchor)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from port import serve, targets
+    from port.sources.dflash import DflashSource
+
+    caches = make_prompt_cache(target.model)
+    src = DflashSource(m, serve.TargetView(target, caches))
+    p, split = req.prompt, req.options["prefill"] == "split"
+    if split:
+        first = targets.forward(target, mx.array(p[:, :-1]), caches=caches)
+        last = targets.forward(target, mx.array(p[:, -1:]), caches=caches)
+        taps = [mx.concatenate([first.hidden[i + 1], last.hidden[i + 1]], axis=1) for i in src.tap_layers]
+    else:
+        last = targets.forward(target, mx.array(p), caches=caches)
+        taps = [last.hidden[i + 1] for i in src.tap_layers]
+    src.prefill(p[0].tolist(), taps)
+    # z-lab MLX hands an all-sliding drafter only the newest W-1 prompt rows (so does the source);
+    # z-lab torch projects them all and its sliding caches keep W-1.
+    out = {"taps.0": src.pending[0] if split else mx.concatenate(taps, axis=-1)[0]}
+    return src, caches, out, int(mx.argmax(last.logits[0, -1]).item())
 
 
 def run_loop(req: Request) -> dict:

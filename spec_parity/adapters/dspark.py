@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from oracles.layers import as_numpy, mlx_recorded
+
 from ..protocol import Request
-from . import loop
+from . import fed, loop
 
 
 def run(req: Request) -> dict:
@@ -28,7 +30,13 @@ def run(req: Request) -> dict:
     c = m.project(taps)
     kv = m.context_kv(c, 0)
     anchor = int(mx.argmax(trace.logits[0, -1]).item())
-    block = m.draft_block(anchor, kv, p.shape[1])
+    recorded = {}
+    with mlx_recorded(m.layers, recorded):
+        block = m.draft_block(anchor, kv, p.shape[1])
+    feed = fed(req.inputs)
+    if feed:                    # the own-error run: each layer on the reference's input to it
+        with mlx_recorded(m.layers, recorded, "own", feed):
+            m.draft_block(anchor, kv, p.shape[1])
     out = {"anchor": np.array([anchor], np.int32), "taps": taps[0], "context": c[0], "block_hidden": block.hidden,
            "base_logits": block.base_logits, "logits": block.logits, "tokens": np.array(block.tokens, np.int32)}
     for i, (k, v) in enumerate(kv):
@@ -39,4 +47,4 @@ def run(req: Request) -> dict:
         n = m.prefix_length(block.confidence, t)
         out[f"prefix@{t}"] = np.array([n], np.int32)
         out[f"proposal@{t}"] = np.array(block.tokens[:n], np.int32)
-    return {k: np.array(v) for k, v in out.items()}
+    return {**{k: np.array(v) for k, v in out.items()}, **as_numpy(recorded)}

@@ -87,6 +87,27 @@ def swapped(swaps: dict):
                 setattr(owner, name, old)
 
 
+LAYER_SCALE = 1.01   # one drafter layer's output x this (a wrong layer scalar): a bug in that layer alone
+
+
+def one_layer_scaled(owner, loader: str, layers_of, case):
+    """Swaps `owner.loader` for a loader whose model's drafter layer case.control["layer"] (1 when a
+    test plants it) returns its output x LAYER_SCALE. Gemma-style layers norm their attention and
+    MLP outputs, so a scaled MLP would vanish; a scaled layer output joins the residual stream. The
+    first divergent layer must name that layer, none before it."""
+    load, layer = getattr(owner, loader), (case.control["layer"] if case else 1)
+
+    def perturbed(*args, **kwargs):
+        model = load(*args, **kwargs)
+        target = layers_of(model)[layer]
+        plain = type(target)
+        target.__class__ = type(f"Scaled{plain.__name__}", (plain,),
+                                {"__call__": lambda self, *a, **kw: plain.__call__(self, *a, **kw) * LAYER_SCALE})
+        return model
+
+    return {(owner, loader): perturbed}
+
+
 _ACTIVE: list[tuple[str, str]] = []
 
 

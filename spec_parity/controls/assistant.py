@@ -3,7 +3,7 @@ comparisons against both oracles' goldens."""
 
 from __future__ import annotations
 
-from . import control
+from . import LAYER_SCALE, control, one_layer_scaled
 
 
 @control("assistant", "scale", "attention scale 1/sqrt(d) instead of 1.0")
@@ -113,3 +113,10 @@ control("assistant", "bucketed_full_past_offset", "bucketed donors: one full-att
     _donor_where("full_attention", lambda where: (where[0] + 1,)))
 control("assistant", "ring_order_ignored", "bucketed donors: the ring's rotation dropped (slot j taken as rank j)")(
     _donor_where("sliding_attention", lambda where: (where[0] * 0, *where[1:])))
+
+
+@control("assistant", "layer_scale", f"one drafter layer's output x{LAYER_SCALE} (the layer the case names)")
+def _layer_scale(case):
+    from port import assistant
+
+    return one_layer_scaled(assistant, "load", lambda m: m.model.layers, case)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 
-from . import control
+from . import LAYER_SCALE, control, one_layer_scaled
 from .dspark import bucket_mask_off_by_one, chain_before_softcap, rejected_rows
 
 
@@ -72,3 +72,10 @@ def _thresholds(case):
     from port.sources import dflash
 
     return {(dflash, "prune_length"): lambda confidence, thresholds: confidence.shape[0]}
+
+
+@control("dflash", "layer_scale", f"one drafter layer's output x{LAYER_SCALE} (the layer the case names)")
+def _layer_scale(case):
+    from port import dflash
+
+    return one_layer_scaled(dflash, "load", lambda m: m.layers, case)

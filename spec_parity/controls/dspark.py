@@ -4,7 +4,7 @@ the same there."""
 
 from __future__ import annotations
 
-from . import control, swapped
+from . import LAYER_SCALE, control, one_layer_scaled, swapped
 
 
 def rejected_rows(case):
@@ -121,3 +121,10 @@ def _tap_index(case):
 
 control("dspark", "bucket_mask_off_by_one", "kv_bucket: the context mask lets the first padded row through")(
     bucket_mask_off_by_one)
+
+
+@control("dspark", "layer_scale", f"one drafter layer's output x{LAYER_SCALE} (the layer the case names)")
+def _layer_scale(case):
+    from port import dspark
+
+    return one_layer_scaled(dspark, "load", lambda m: m.layers, case)

@@ -11,6 +11,8 @@ compared.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .. import controls, layers
@@ -91,6 +93,9 @@ def cases() -> list[Case]:
     for o in ("optiq", "transformers"):
         for bug in STEP_CONTROLS:
             out.append(step_case("gemma4", "centroid", o, bug))
+        base = step_case("gemma4", "centroid", o)    # one drafter layer wrong: named at layer 2
+        out.append(replace(base, name=f"{base.name}-control-layer2",
+                           control=controls.case_control(NAME, "layer_scale", base.name, layer=2)))
     out += [loop_case(h, g) for h in ("centroid", "tied") for g in (1, 2, 3, 4)]
     out += [loop_case(h, g, "agreeing") for h in ("centroid", "tied", "unified") for g in (1, 2, 3, 4)]
     out.append(loop_case("centroid", 2, eos=EOS))

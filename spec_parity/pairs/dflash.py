@@ -26,6 +26,8 @@ compare.stream_metrics allows); tensors within the measured budgets.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .. import controls, layers
@@ -94,6 +96,8 @@ CONTROLS = [
     ("block_position_shift", "mod-qwen3-swa-torch"), ("rejected_rows", "loop-qwen3-torch"),
     ("thresholds_ignored", "ext-qwen3"),
 ]
+# One drafter layer's output planted wrong (controls.one_layer_scaled): the first divergent layer must be 1.
+LAYER_CONTROLS = ("mod-qwen3", "mod-qwen3-torch")
 # The DSpark-on-DFlash extension (L3: no reference implements it): a vanilla Markov head and a
 # confidence head on the DFlash drafter, pruning at one threshold for every position.
 L3 = "none (L3)"
@@ -143,6 +147,9 @@ def cases() -> list[Case]:
         b = by_name[base]
         out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, dict(b.params),
                         control=controls.case_control(NAME, bug, base), oracle=b.oracle))
+    out += [replace(by_name[base], name=f"{base}-control-layer1",
+                    control=controls.case_control(NAME, "layer_scale", base, layer=1))
+            for base in LAYER_CONTROLS]
     return out
 
 

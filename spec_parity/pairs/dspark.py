@@ -11,6 +11,8 @@ head) runs through the same port by config.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from .. import controls, layers
@@ -83,6 +85,8 @@ def cases() -> list[Case]:
         b = by_name[base]
         out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, dict(b.params),
                         control=controls.case_control(NAME, bug, base)))
+    out.append(replace(by_name["mod-gemma4"], name="mod-gemma4-control-layer1",
+                       control=controls.case_control(NAME, "layer_scale", "mod-gemma4", layer=1)))
     return out
 
 
