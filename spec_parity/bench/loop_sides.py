@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
 from .. import third_party
 from . import port_sides
+from .peers import SIDES as PEER_SIDES
 from .peers import _load_state
 from .serve import _probe, _rounds, _timed_forward, bucketed_loop
 from .shapes import SOURCES, Checkpoints, serve_weights
@@ -258,21 +259,16 @@ def deepspec_side(ckpt: Checkpoints, env) -> Loop:
     return Loop(generate, "torch", str(dev), keep=(target, draft), notes=[f"torch {dev}, {ckpt.dtype}"])
 
 
-# plain first (the reference stream and the baseline), then ours, then the peers.
+# plain first (the reference stream and the baseline), then ours, then the peers' loops: each peer's
+# Side of the step bench (its name, sources, framework, modules and install line) with its loop.
+_PEERS = {s.name: s for s in PEER_SIDES}
 SIDES: dict[str, Side] = {s.name: s for s in (
     Side("plain", SOURCES, plain_side, peer=False, needs=("mlx_lm",), install="mlx-lm"),
     Side("port", SOURCES, port_side, peer=False),
     Side("port-bucketed", SOURCES, port_bucketed_side, peer=False),
-    Side("optiq", ("assistant",), optiq_side, needs=("optiq",),
-         install="pip install --no-deps mlx-optiq==0.7.7 (+ huggingface_hub)"),
-    Side("zlab-mlx", ("dflash",), zlab_mlx_side, needs=("dflash.model_mlx",),
-         install="pip install --no-deps dflash==0.1.0 (+ huggingface_hub)"),
-    Side("dflash-mlx", ("dflash",), dflash_mlx_side, needs=("dflash_mlx",),
-         install="pip install --no-deps dflash-mlx==0.1.8"),
-    Side("dspark-mlx", ("dspark",), dspark_mlx_side, needs=("dspark_mlx",),
-         install="pip install --no-deps dspark-mlx==0.1.0"),
-    Side("deepspec-torch", ("dspark",), deepspec_side, "torch", needs=("torch", "transformers"),
-         install="export DEEPSPEC_SRC=<DeepSpec checkout>; torch, transformers"),
+    *(replace(_PEERS[name], build=build) for name, build in (
+        ("optiq", optiq_side), ("zlab-mlx", zlab_mlx_side), ("dflash-mlx", dflash_mlx_side),
+        ("dspark-mlx", dspark_mlx_side), ("deepspec-torch", deepspec_side))),
 )}
 OURS = ("port", "port-bucketed")
 
