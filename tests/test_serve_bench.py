@@ -73,6 +73,16 @@ def test_a_side_that_cannot_run_records_why(monkeypatch):
     assert port["status"] == "not run" and "install: pip install nothing" in port["reason"]
 
 
+def test_a_side_that_fails_while_it_runs_records_why(monkeypatch):
+    def failing(ckpt, env):
+        def generate(prompt, n):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return loop_sides.Loop(generate)
+    monkeypatch.setitem(loop_sides.SIDES, "port", Side("port", ("dspark",), failing))
+    port = loops.run_side(loop_sides.SIDES["port"], None, None, [[3]], [3], [3], 4, None)
+    assert port["status"] == "failed" and port["reason"].startswith("RuntimeError: CUDA error")
+
+
 @pytest.mark.slow
 def test_the_command_runs_every_side_at_tiny_shapes(tmp_path):
     out = tmp_path / "serve"
