@@ -117,6 +117,15 @@ class WordTokenizer:
         return " ".join(str(i) for i in ids)
 
 
+def optiq_stream(target, drafter, prompt: list[int], gamma: int, max_tokens: int, eos: int):
+    """optiq's own loop, `spec_generate`, on token ids (WordTokenizer): its events, as it yields them."""
+    from optiq.runtime.spec import SpecConfig, spec_generate
+
+    tok = WordTokenizer(eos)
+    return spec_generate(target, drafter, tok, tok.decode(prompt),
+                         SpecConfig(gamma=gamma, max_tokens=max_tokens, eos_token_id=eos))
+
+
 def optiq_spec_generate(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int,
                         max_tokens: int, eos: int) -> dict:
     """optiq's own loop. The per-round trace is read off its events: each round emits the
@@ -125,7 +134,6 @@ def optiq_spec_generate(target_dir: Path, drafter_dir: Path, prompt: np.ndarray,
     argmax of its step), never changed."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
-    from optiq.runtime.spec import SpecConfig, spec_generate
 
     target, _ = load_model(Path(target_dir))
     drafter = optiq_drafter(drafter_dir)
@@ -137,9 +145,7 @@ def optiq_spec_generate(target_dir: Path, drafter_dir: Path, prompt: np.ndarray,
         return out
 
     drafter.forward = observed
-    tok = WordTokenizer(eos)
-    events = list(spec_generate(target, drafter, tok, tok.decode(prompt[0].tolist()),
-                                SpecConfig(gamma=gamma, max_tokens=max_tokens, eos_token_id=eos)))
+    events = list(optiq_stream(target, drafter, prompt[0].tolist(), gamma, max_tokens, eos))
     tokens = [e.token_id for e in events if e.kind == "token"]
     stats = events[-1].stats
     trace, accepted = [], 0

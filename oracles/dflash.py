@@ -104,6 +104,15 @@ def _tokenizer(eos: set[int]):
     return tw
 
 
+def stream(target, draft, prompt: list[int], max_tokens: int, eos: set[int]):
+    """z-lab's own T=0 loop, `stream_generate`, on token ids: its responses, as it yields them."""
+    import mlx.core as mx
+    from dflash import model_mlx as z
+
+    return z.stream_generate(target, draft, _tokenizer(eos), mx.array(prompt), max_tokens=max_tokens,
+                             temperature=0.0)
+
+
 def _np(a) -> np.ndarray:
     return np.array(a)
 
@@ -165,7 +174,6 @@ def loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_tokens: in
     response emits; accepted = the longest prefix where the block equals the verify's argmax
     (z-lab's own rule)."""
     import mlx.core as mx
-    from dflash import model_mlx as z
 
     model, draft = _load(target_dir, drafter_dir)
     drafts, verifies = [], []
@@ -184,8 +192,7 @@ def loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_tokens: in
 
     draft.__class__ = RecordingDraft
     model.__class__ = RecordingTarget
-    responses = list(z.stream_generate(model, draft, _tokenizer(set(eos)), mx.array(prompt[0]), max_tokens=max_tokens,
-                                       temperature=0.0))
+    responses = list(stream(model, draft, prompt[0].tolist(), max_tokens, set(eos)))
     emitted = [r.tokens for r in responses if r.tokens]
     rounds = emitted[1:]
     checks = verifies[-len(drafts):] if drafts else []

@@ -189,20 +189,50 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, thresholds:
             **as_numpy(layers)}
 
 
+def empty_target(target_dir: Path, dtype, device):
+    """transformers' target from the checkpoint's config, sdpa, on `device`, its weights left to the
+    caller (the bench loads them from memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(target_dir), dtype=dtype,
+                                                attn_implementation="sdpa").eval()
+
+
+def evaluator(target, m, max_new_tokens: int, threshold: float):
+    """DeepSpec's DSpark evaluator (by the target's model_type) over the two models, T=0: what its
+    `_init_context` / `_propose` / `_update` run on."""
+    _import()
+    from deepspec.eval.dspark.evaluator import Gemma4DSparkEvaluator, Qwen3DSparkEvaluator
+
+    cls = Gemma4DSparkEvaluator if target.config.model_type == "gemma4_text" else Qwen3DSparkEvaluator
+    ev = object.__new__(cls)
+    ev.draft_model, ev.target_model, ev.confidence_head_recorder = m, target, None
+    ev.args = SimpleNamespace(max_new_tokens=max_new_tokens, temperature=0.0, confidence_threshold=threshold)
+    return ev
+
+
+def decode(ev, ids, init_context=None, propose=None):
+    """DeepSpec's own T=0 decoding loop, `generate_decoding_sample`, with the evaluator's hooks
+    (`init_context` / `propose`: the evaluator's own unless given, e.g. observed)."""
+    _import()
+    from deepspec.eval.base_evaluator import generate_decoding_sample
+
+    n = ev.args.max_new_tokens
+    return generate_decoding_sample(target_model=ev.target_model, input_ids=ids, max_new_tokens=n,
+                                    max_proposal_tokens=ev.max_proposal_tokens, temperature=0.0, stop_token_ids=None,
+                                    init_context=init_context or ev._init_context, propose=propose or ev._propose,
+                                    update=ev._update)
+
+
 def loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_new_tokens: int, threshold: float) -> dict:
     """DeepSpec's own T=0 decoding loop (`generate_decoding_sample` with the DSpark evaluator's
     `_init_context` / `_propose` / `_update`); the proposals are observed, not changed."""
     import torch
 
-    _import()
-    from deepspec.eval.base_evaluator import generate_decoding_sample
-    from deepspec.eval.dspark.evaluator import Gemma4DSparkEvaluator, Qwen3DSparkEvaluator
-
     target, m = _models(target_dir, drafter_dir)
-    cls = Gemma4DSparkEvaluator if target.config.model_type == "gemma4_text" else Qwen3DSparkEvaluator
-    ev = object.__new__(cls)
-    ev.draft_model, ev.target_model, ev.confidence_head_recorder = m, target, None
-    ev.args = SimpleNamespace(max_new_tokens=max_new_tokens, temperature=0.0, confidence_threshold=threshold)
+    ev = evaluator(target, m, max_new_tokens, threshold)
     proposals = []
 
     def propose(**kw):
@@ -212,9 +242,7 @@ def loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_new_tokens
 
     torch.manual_seed(0)
     ids = torch.from_numpy(prompt.astype(np.int64))
-    res = generate_decoding_sample(target_model=target, input_ids=ids, max_new_tokens=max_new_tokens,
-                                   max_proposal_tokens=ev.max_proposal_tokens, temperature=0.0, stop_token_ids=None,
-                                   init_context=ev._init_context, propose=propose, update=ev._update)
+    res = decode(ev, ids, propose=propose)
     flat = [t for p in proposals for t in p]
     return {"stream.tokens": res.output_ids[0, res.num_input_tokens:].numpy().astype(np.int32),
             "stream.accepted": np.array(res.accepted_draft_lengths, np.int32),

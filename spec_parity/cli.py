@@ -226,11 +226,11 @@ def _csv(text: str, known, what: str) -> list[str]:
 def cmd_bench(args) -> int:
     """Speed of the drafters side by side with the peers, against the bandwidth floor; figures are
     reported, never asserted. Writes OUT/bench.json, bench.md, bench.png (--serve: OUT/serve.json,
-    serve.md, spec_parity/serve_bench.py)."""
+    serve.md, spec_parity/bench/loops.py)."""
     if args.serve:
-        from . import serve_bench
+        from .bench import loops
 
-        return serve_bench.main(args)
+        return loops.main(args)
     import mlx.core as mx
 
     from . import bench

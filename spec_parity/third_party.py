@@ -1,6 +1,6 @@
 """The third-party MLX ports, dflash-mlx 0.1.8 and dspark-mlx 0.1.0, driven in one place: their
-parity adapters (examples/*_adapter.py) and the bench's peer sides (spec_parity/bench/peers.py)
-call these, so each of their calls is written once. Only their public objects (and, for
+parity adapters (examples/*_adapter.py), the bench's peer sides (spec_parity/bench/peers.py) and
+its --serve loops (spec_parity/bench/loop_sides.py) call these, so each of their calls is written once. Only their public objects (and, for
 dspark-mlx, the drafter's own methods) are called; nothing of theirs is re-implemented. Both are
 imported when a function runs: neither is a spec-parity dependency.
 """
@@ -63,6 +63,35 @@ def dflash_mlx_block(backend, target, ops, draft, cache, first, tail, taps):
                                 async_launch=False)
 
 
+def dflash_mlx_loop_ops(target):
+    """The TargetOps dflash-mlx's own loop runs with: resolved and its speculative hooks installed
+    on the target (`install_speculative_hooks`)."""
+    ops = dflash_mlx_target_ops(target)
+    ops.install_speculative_hooks(target)
+    return ops
+
+
+def dflash_mlx_generate(target, ops, draft, prompt: list[int], max_new_tokens: int):
+    """dflash-mlx's own loop, `stream_dflash_generate`, with `EagerDraftBackend`, verify_mode
+    "dflash" (fixed blocks), cycle events on and no stop token: its events, as it yields them."""
+    from dflash_mlx.diagnostics import DiagnosticsConfig, TraceConfig
+    from dflash_mlx.runtime import stream_dflash_generate
+    from dflash_mlx.runtime.context import build_offline_runtime_config, build_runtime_context
+
+    context = build_runtime_context(build_offline_runtime_config(verify_mode="dflash"),
+                                    DiagnosticsConfig(trace=TraceConfig(cycle_events=True)))
+    return stream_dflash_generate(target_model=target, target_ops=ops, draft_model=draft,
+                                  draft_backend=dflash_mlx_backend(), prompt_tokens_override=list(prompt),
+                                  max_new_tokens=max_new_tokens, stop_token_ids=[], runtime_context=context)
+
+
+def dflash_mlx_event_types():
+    """(token event, cycle event) classes of dflash-mlx's loop."""
+    from dflash_mlx.engine.events import CycleCompleteEvent, TokenEvent
+
+    return TokenEvent, CycleCompleteEvent
+
+
 # ---- dspark-mlx ---------------------------------------------------------------------------------
 
 def dspark_mlx_draft(drafter_dir: str | Path):
@@ -83,3 +112,19 @@ def dspark_mlx_next(drafter, rows, anchor):
     """The committed `rows` into the context (`extend_context`), then `draft(anchor)`."""
     drafter.extend_context(rows)
     return drafter.draft(anchor)
+
+
+def dspark_mlx_generate(target, drafter, layer_ids: list[int], prompt: list[int], max_new_tokens: int):
+    """dspark-mlx's own loop, `generate_eager` (T=0, threshold 0), on its mlx-lm host
+    (`hosts.MlxLmHostAdapter`): its events, as it yields them."""
+    from dspark_mlx import generate_eager
+    from dspark_mlx.hosts import MlxLmHostAdapter
+
+    return generate_eager(MlxLmHostAdapter(target, layer_ids), drafter, list(prompt), max_new_tokens)
+
+
+def dspark_mlx_event_types():
+    """(token event, summary event) classes of dspark-mlx's loop."""
+    from dspark_mlx import SummaryEvent, TokenEvent
+
+    return TokenEvent, SummaryEvent

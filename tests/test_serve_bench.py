@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from spec_parity import cli, controls, serve_bench, serve_sides
+from spec_parity import cli, controls
+from spec_parity.bench import loop_sides, loops
+from spec_parity.bench.sides import Side
 
 SMALL = dict(sources=("dspark",), sides=["port"], prompt_len=32, new_tokens=12, runs=2)
 
@@ -20,7 +22,7 @@ def _sides(doc: dict, condition: str) -> dict:
 
 @pytest.fixture(scope="module")
 def small():
-    return serve_bench.run(serve_bench.Options(**SMALL))
+    return loops.run(loops.Options(**SMALL))
 
 
 @pytest.mark.slow
@@ -39,22 +41,22 @@ def test_our_stream_is_plain_decode_and_agreeing_tau_is_above_random(small):
 @pytest.mark.slow
 def test_a_loop_that_emits_a_wrong_token_is_caught():
     with controls.planted("bench", "serve_wrong_token"):
-        doc = serve_bench.run(serve_bench.Options(**{**SMALL, "conditions": ("random",)}))
+        doc = loops.run(loops.Options(**{**SMALL, "conditions": ("random",)}))
     sides = _sides(doc, "random")
     assert sides["port"]["stream"] == {"lossless": False, "first_divergence": SMALL["new_tokens"] - 1,
                                        "compared": SMALL["new_tokens"]}
-    assert "no (at 11)" in serve_bench.markdown(doc)
+    assert "no (at 11)" in loops.markdown(doc)
 
 
 def test_stream_check_names_the_first_divergence():
-    assert serve_bench.stream_check([1, 2, 3], [1, 2, 3])["lossless"] is True
-    assert serve_bench.stream_check([1, 5, 3], [1, 2, 3])["first_divergence"] == 1
-    assert serve_bench.stream_check([1, 2], [1, 2, 3]) == {"lossless": False, "first_divergence": 2, "compared": 3}
+    assert loops.stream_check([1, 2, 3], [1, 2, 3])["lossless"] is True
+    assert loops.stream_check([1, 5, 3], [1, 2, 3])["first_divergence"] == 1
+    assert loops.stream_check([1, 2], [1, 2, 3]) == {"lossless": False, "first_divergence": 2, "compared": 3}
 
 
 def test_every_request_is_at_its_own_lengths_and_walks_the_same_stretch():
-    opts = serve_bench.Options(prompt_len=50, new_tokens=10, runs=4)
-    check, split, per_side = serve_bench.prompt_plan(opts, 3, 100, 0)
+    opts = loops.Options(prompt_len=50, new_tokens=10, runs=4)
+    check, split, per_side = loops.prompt_plan(opts, 3, 100, 0)
     prompts = [check, split] + [p for side in per_side for p in side]
     lengths = sorted(len(p) for p in prompts)
     assert lengths[0] == 50 and all(b - a > opts.new_tokens + 16 for a, b in zip(lengths, lengths[1:]))
@@ -66,9 +68,19 @@ def test_every_request_is_at_its_own_lengths_and_walks_the_same_stretch():
 def test_a_side_that_cannot_run_records_why(monkeypatch):
     def broken(case, env):
         raise ImportError("No module named 'nothing'")
-    monkeypatch.setitem(serve_sides.SIDES, "port", (("dspark",), broken, "pip install nothing"))
-    port = serve_bench.run_side("port", None, None, [], [], [], 4, None)
+    monkeypatch.setitem(loop_sides.SIDES, "port", Side("port", ("dspark",), broken, install="pip install nothing"))
+    port = loops.run_side(loop_sides.SIDES["port"], None, None, [], [], [], 4, None)
     assert port["status"] == "not run" and "install: pip install nothing" in port["reason"]
+
+
+def test_a_side_that_fails_while_it_runs_records_why(monkeypatch):
+    def failing(ckpt, env):
+        def generate(prompt, n):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return loop_sides.Loop(generate)
+    monkeypatch.setitem(loop_sides.SIDES, "port", Side("port", ("dspark",), failing))
+    port = loops.run_side(loop_sides.SIDES["port"], None, None, [[3]], [3], [3], 4, None)
+    assert port["status"] == "failed" and port["reason"].startswith("RuntimeError: CUDA error")
 
 
 @pytest.mark.slow
@@ -79,11 +91,11 @@ def test_the_command_runs_every_side_at_tiny_shapes(tmp_path):
     doc = json.loads((out / "serve.json").read_text())
     assert (out / "serve.md").read_text().startswith("# spec-parity bench --serve")
     assert {(c["condition"], c["source"]) for c in doc["cases"]} == {
-        (k, s) for k in serve_bench.CONDITIONS for s in ("assistant", "dspark", "dflash")}
+        (k, s) for k in loops.CONDITIONS for s in ("assistant", "dspark", "dflash")}
     for c in doc["cases"]:
         assert c["status"] == "ok"
-        assert {s["side"] for s in c["sides"]} == set(serve_sides.sides_for(c["source"], None))
+        assert {s["side"] for s in c["sides"]} == {x.name for x in loop_sides.sides_for(c["source"], None)}
         for s in c["sides"]:
             assert (s["status"] == "ok" and s["decode_tokens_per_s"]["median"] > 0) or s.get("reason"), s
-            if s["side"] in serve_sides.OURS:
+            if s["side"] in loop_sides.OURS:
                 assert s["stream"]["lossless"] is True, (c["case"], s["side"])

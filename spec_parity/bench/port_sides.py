@@ -27,9 +27,7 @@ def prepare(ckpt: Checkpoints, torch: tuple[str | None, str], prompt: list[int])
 
     from port import targets
 
-    with serve_weights(ckpt):
-        target = targets.load(ckpt.target_dir)
-    mx.eval(target.model.parameters())
+    target = load_target(ckpt)
     caches = make_prompt_cache(target.model)
     trace = targets.forward(target, mx.array([prompt]), caches=caches)
     cfg = ckpt.drafter_config
@@ -44,6 +42,16 @@ def prepare(ckpt: Checkpoints, torch: tuple[str | None, str], prompt: list[int])
             [[c.keys, c.values] for c in caches if getattr(c, "keys", None) is not None])
     del trace
     return Prep(ckpt, target, caches, taps, row, anchor, anchor_hidden, torch[0], torch[1])
+
+
+def load_target(ckpt: Checkpoints):
+    """The case's target (port.targets.load through `serve_weights`), its weights evaluated."""
+    from port import targets
+
+    with serve_weights(ckpt):
+        target = targets.load(ckpt.target_dir)
+    mx.eval(target.model.parameters())
+    return target
 
 
 def donor_kv(prep: Prep) -> dict[str, tuple[mx.array, mx.array]]:

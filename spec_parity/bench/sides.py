@@ -60,14 +60,15 @@ class Stepper:
 @dataclass(frozen=True)
 class Side:
     """One side: its name (the tables' and --peers'), the draft sources it serves, how it builds a
-    Stepper, its framework (known before it is built: a real-shape MLX side is built only for the
+    Stepper (`build(prep)`; a --serve loop side, bench/loop_sides.py: `build(ckpt, env) -> Loop`),
+    its framework (known before it is built: a real-shape MLX side is built only for the
     passes that use it, a torch side is skipped without a torch device), whether it counts as a
     peer (our own paths never do: no "best peer", no host-buffer count), the modules it imports
     (checked first, so a missing one is a reason) and what to install if they are missing."""
 
     name: str
     sources: tuple[str, ...]
-    build: Callable[[Prep], Stepper]
+    build: Callable[..., object]
     framework: str = "mlx"
     peer: bool = True
     needs: tuple[str, ...] = ()

@@ -24,7 +24,7 @@ def _block_ids(case):
 
 @control("bench", "serve_wrong_token", "the serve loop's last committed token replaced: a loop that is not lossless")
 def _wrong_token(case):
-    """What `bench --serve`'s stream check must catch (spec_parity/serve_bench.py stream_check)."""
+    """What `bench --serve`'s stream check must catch (spec_parity/bench/loops.py stream_check)."""
     from port import serve
 
     read = serve.read_at_end

@@ -1,7 +1,7 @@
 """`spec-parity bench --serve`: decode tokens/s of our serve loop in serving conditions, side by
 side with each peer's own generation loop and the target's plain decode, on the same weights.
 
-Per case (a draft source at a condition) every side (spec_parity/serve_sides.py) gets:
+Per case (a draft source at a condition) every side (spec_parity/bench/loop_sides.py) gets:
   * one untimed request on the check prompt (`--prompt-len` tokens): its warm-up, and its stream
     against the plain decode's stream on the same prompt (T=0 is lossless: any difference is a bug
     or a knife-edge tie, named with its first divergent position);
@@ -14,7 +14,7 @@ Per case (a draft source at a condition) every side (spec_parity/serve_sides.py)
   * tau = decode tokens / verify rounds (mean tokens committed per round: accepted + 1),
     acceptance = accepted / drafted where the side reports both; peak memory over the timed runs;
   * the round split (draft / verify / accept+trim) where the side exposes it: ours from one more
-    observed request (spec_parity/bench.py's serve_loop instrumentation), dflash-mlx's from its
+    observed request (spec_parity/bench/serve.py's serve_loop instrumentation), dflash-mlx's from its
     own cycle events.
 Conditions: `random` (the bench's cases, random drafters: tau ~ 1) and `agreeing` (the factory's
 agreeing kinds, spec_parity/checkpoints/agreeing.py: the target's greedy stream walks a known
@@ -27,6 +27,7 @@ Figures are reported, never asserted.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import shlex
@@ -40,10 +41,16 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 
-from . import bench, bench_shapes, bench_sides, serve_sides
+from ..case import Case
+from . import loop_sides, shapes
+from .loop_sides import Loop
+from .runner import _can_build, _git, _reason, machine, versions
+from .shapes import SOURCES
+from .sides import Side, torch_device
+from .timing import _memory, summary
 
 CONDITIONS = ("random", "agreeing")
-# The bench's case per source (spec_parity/bench_shapes.py) for the random condition.
+# The bench's case per source (spec_parity/bench/shapes.py) for the random condition.
 RANDOM_CASES = {"tiny": {"assistant": "assistant-tied", "dspark": "dspark-qwen3", "dflash": "dflash-qwen3"},
                 "real": {"assistant": "assistant-12b-tied", "dspark": "dspark-qwen3-4b", "dflash": "dflash-qwen3-4b"}}
 AGREE_DFLASH = {"hidden_size": 256, "vocab_size": 256}   # hidden >= vocab: the slot maps are exact
@@ -52,7 +59,7 @@ AGREE_DFLASH = {"hidden_size": 256, "vocab_size": 256}   # hidden >= vocab: the 
 @dataclass
 class Options:
     shapes: str = "tiny"
-    sources: tuple[str, ...] = bench_shapes.SOURCES
+    sources: tuple[str, ...] = SOURCES
     sides: list[str] | None = None        # None: every side of a source
     conditions: tuple[str, ...] = CONDITIONS
     prompt_len: int = 2048
@@ -68,50 +75,38 @@ class Options:
     argv: list[str] = field(default_factory=list)
 
 
-def agreeing_specs(agree_frac: float, gamma: int) -> list[bench_shapes.Spec]:
+def agreeing_cases(agree_frac: float, gamma: int, ctx: int) -> list[Case]:
     """The agreeing pair of each source at the factory's shapes (the pairs' own agreeing loops:
-    spec_parity/pairs/*.py), all on agreeing targets; DFlash at block 16 like the real case."""
+    spec_parity/pairs/*.py), all on agreeing targets, float32; DFlash at block 16 like the real case."""
     f = {"agree_frac": agree_frac}
     shape = "factory agreeing shapes (vocab {v}, hidden {h}), float32"
-    return [
-        bench_shapes.Spec("assistant-agreeing", "assistant", shape.format(v=128, h=64) + ", tied head",
-                          ("gemma4-assistant-agreeing", {"use_ordered_embeddings": False, **f}),
-                          ("gemma4-target-agreeing", {}), 0, gamma),
-        bench_shapes.Spec("dspark-agreeing", "dspark", shape.format(v=128, h=64) + ", block 7",
-                          ("dspark-drafter-agreeing", {"target_kind": "qwen3-target-agreeing", **f}),
-                          ("qwen3-target-agreeing", {}), 0, 7),
-        bench_shapes.Spec("dflash-agreeing", "dflash", shape.format(v=256, h=256) + ", block 16",
-                          ("dflash-drafter-agreeing", {"target_overrides": AGREE_DFLASH, "block_size": 16,
-                                                       "num_attention_heads": 16, **f}),
-                          ("qwen3-target-agreeing", AGREE_DFLASH), 0, 15),
+    rows = [
+        ("assistant-agreeing", "assistant", shape.format(v=128, h=64) + ", tied head",
+         ("gemma4-assistant-agreeing", {"use_ordered_embeddings": False, **f}), ("gemma4-target-agreeing", {}), gamma),
+        ("dspark-agreeing", "dspark", shape.format(v=128, h=64) + ", block 7",
+         ("dspark-drafter-agreeing", {"target_kind": "qwen3-target-agreeing", **f}), ("qwen3-target-agreeing", {}), 7),
+        ("dflash-agreeing", "dflash", shape.format(v=256, h=256) + ", block 16",
+         ("dflash-drafter-agreeing", {"target_overrides": AGREE_DFLASH, "block_size": 16, "num_attention_heads": 16,
+                                      **f}), ("qwen3-target-agreeing", AGREE_DFLASH), 15),
     ]
+    return [shapes.bench_case("tiny", name, src, label, d, t, ctx, g, "float32") for name, src, label, d, t, g in rows]
 
 
-def specs(opts: Options) -> list[tuple[str, bench_shapes.Spec]]:
-    """(condition, spec) per source and condition."""
+def cases(opts: Options) -> list[tuple[str, Case]]:
+    """(condition, case) per source and condition."""
     out = []
     if "random" in opts.conditions:
-        every = (bench_shapes.tiny_specs(None, opts.gamma) if opts.shapes == "tiny"
-                 else bench_shapes.real_specs(None, opts.scale, opts.target_layers, opts.gamma))
+        every = (shapes.tiny_cases(opts.prompt_len, opts.gamma, opts.dtype) if opts.shapes == "tiny"
+                 else shapes.real_cases(opts.prompt_len, opts.scale, opts.target_layers, opts.gamma, opts.dtype))
         names = RANDOM_CASES[opts.shapes]
-        out += [("random", s) for s in every if s.source in opts.sources and s.name == names[s.source]]
+        out += [("random", c) for c in every if c.module in opts.sources and c.name == names[c.module]]
     if "agreeing" in opts.conditions:
-        out += [("agreeing", s) for s in agreeing_specs(opts.agree_frac, opts.gamma) if s.source in opts.sources]
+        out += [("agreeing", c) for c in agreeing_cases(opts.agree_frac, opts.gamma, opts.prompt_len)
+                if c.module in opts.sources]
     return out
 
 
 # ---- one side ------------------------------------------------------------------------------------
-
-def _memory(loop: serve_sides.Loop):
-    """(reset, peak) for the loop's framework, None where there is no peak reader (torch on CPU)."""
-    if loop.framework == "torch":
-        import torch
-
-        if not loop.device.startswith("cuda"):
-            return None
-        return torch.cuda.reset_peak_memory_stats, torch.cuda.max_memory_allocated
-    return mx.reset_peak_memory, mx.get_peak_memory
-
 
 def stream_check(tokens: list[int], reference: list[int] | None) -> dict:
     """The side's stream on the check prompt against the plain decode's."""
@@ -129,8 +124,7 @@ def _medians(rounds: list[dict]) -> dict:
     return {k: float(np.median([r[k] for r in steady])) for k in steady[0]} if steady else {}
 
 
-def measure(loop: serve_sides.Loop, prompts: list[list[int]], check: list[int], split_prompt: list[int],
-            n: int) -> dict:
+def measure(loop: Loop, prompts: list[list[int]], check: list[int], split_prompt: list[int], n: int) -> dict:
     """The check request, the timed requests (one per prompt), then the round split."""
     first = loop.generate(check, n)
     mem = _memory(loop)
@@ -139,10 +133,10 @@ def measure(loop: serve_sides.Loop, prompts: list[list[int]], check: list[int], 
     runs = [loop.generate(p, n) for p in prompts]
     out = {"check_tokens": first.tokens}
     if mem:
-        out["peak_bytes"] = int(mem[1]())
+        out["peak_bytes"] = int(mem[2]())
     rates = [r.decode_tokens / r.decode_s for r in runs if r.decode_s > 0]
     rounds = sum(r.rounds for r in runs)
-    out.update(decode_tokens_per_s=bench.summary(rates) if rates else None, samples_tokens_per_s=rates,
+    out.update(decode_tokens_per_s=summary(rates) if rates else None, samples_tokens_per_s=rates,
                prompt_lens=[len(p) for p in prompts], decode_tokens=[r.decode_tokens for r in runs],
                rounds=[r.rounds for r in runs], tau=sum(r.decode_tokens for r in runs) / rounds if rounds else None)
     drafted = [r.drafted for r in runs]
@@ -150,31 +144,44 @@ def measure(loop: serve_sides.Loop, prompts: list[list[int]], check: list[int], 
         out["acceptance"] = sum(r.accepted for r in runs) / sum(drafted)
     if loop.split is not None:
         out["round_split_s"] = _medians(loop.split(split_prompt, n))
-        out["round_split_from"] = "one more observed request (spec_parity/bench.py serve_loop instrumentation)"
+        out["round_split_from"] = "one more observed request (spec_parity/bench/serve.py serve_loop instrumentation)"
     elif all(r.split for r in runs):
         out["round_split_s"] = _medians([x for r in runs for x in r.split])
         out["round_split_from"] = "the side's own per-round events"
     return out
 
 
-def run_side(name: str, case: bench_shapes.Case, env, prompts, check, split_prompt, n, reference) -> dict:
-    """Build one side and measure it; a side that cannot run records why."""
-    _, build, hint = serve_sides.SIDES[name]
+def _release(torch_cuda: bool) -> None:
+    """Hand a side's memory back before the next side (a failed side's too)."""
+    with contextlib.suppress(Exception):
+        gc.collect()
+        mx.clear_cache()
+        if torch_cuda:
+            import torch
+
+            torch.cuda.empty_cache()
+
+
+def run_side(side: Side, ckpt, env, prompts, check, split_prompt, n, reference) -> dict:
+    """Build one side and measure it; any failure (an import, a loader, a CUDA error) is the side's
+    recorded reason, never the run's end."""
     t0 = time.perf_counter()
     try:
-        loop = build(case, env)
+        _can_build(side, env)
+        loop = side.build(ckpt, env)
     except Exception as e:
-        return {"side": name, "status": "not run", "reason": bench._reason(e, hint)}
-    out = {"side": name, "status": "ok", "framework": loop.framework, "device": loop.device or str(mx.default_device()),
+        _release(side.framework == "torch")
+        return {"side": side.name, "status": "not run", "reason": _reason(e, side.install)}
+    out = {"side": side.name, "status": "ok", "framework": loop.framework, "device": loop.device or str(mx.default_device()),
            "notes": loop.notes, "build_s": time.perf_counter() - t0}
     try:
         out.update(measure(loop, prompts, check, split_prompt, n))
-        out["stream"] = stream_check(out["check_tokens"], reference if name != "plain" else None)
+        out["stream"] = stream_check(out["check_tokens"], reference if side.name != "plain" else None)
     except Exception as e:
-        out.update(status="failed", reason=bench._reason(e))
+        out.update(status="failed", reason=_reason(e))
+    torch_cuda = loop.framework == "torch" and loop.device.startswith("cuda")
     del loop
-    gc.collect()
-    mx.clear_cache()
+    _release(torch_cuda)
     return out
 
 
@@ -199,28 +206,28 @@ def prompt_plan(opts: Options, n_sides: int, vocab: int, seed: int) -> tuple[lis
     return at(0), at(1 + opts.runs * n_sides), per_side
 
 
-def run_case(condition: str, spec: bench_shapes.Spec, opts: Options, env, root: Path, say) -> dict:
-    shapes, dtype = ("tiny", "float32") if condition == "agreeing" else (opts.shapes, opts.dtype)
+def run_case(condition: str, case: Case, opts: Options, env, root: Path, say) -> dict:
     t0 = time.perf_counter()
-    out = {"case": spec.name, "condition": condition, "source": spec.source, "shape": spec.shape, "dtype": dtype,
-           "gamma": spec.gamma, "notes": spec.notes, "prompt_len": opts.prompt_len, "new_tokens": opts.new_tokens}
+    s = case.shapes
+    out = {"case": case.name, "condition": condition, "source": case.module, "shape": s.label, "dtype": case.dtype,
+           "gamma": s.gamma, "notes": list(s.notes), "prompt_len": opts.prompt_len, "new_tokens": opts.new_tokens}
+    sides = loop_sides.sides_for(case.module, opts.sides)
     try:
-        case = bench_shapes.build(spec, shapes, dtype, root)
+        ckpt = shapes.build(case, root)
+        check, split_prompt, per_side = prompt_plan(opts, len(sides), ckpt.target_config["vocab_size"], opts.seed)
     except Exception as e:
-        return {**out, "status": "failed", "reason": bench._reason(e)}
-    names = serve_sides.sides_for(spec.source, opts.sides)
-    check, split_prompt, per_side = prompt_plan(opts, len(names), case.target_config["vocab_size"], opts.seed)
-    sides, reference = [], None
-    for i, name in enumerate(names):
-        say(f"{condition} {spec.name}: {name}")
-        s = run_side(name, case, env, per_side[i], check, split_prompt, opts.new_tokens, reference)
-        if name == "plain" and s["status"] == "ok":
-            reference = s["check_tokens"]
-        sides.append(s)
-    _ratios(sides)
-    del case
-    gc.collect()
-    return {**out, "status": "ok", "sides": sides, "wall_s": time.perf_counter() - t0}
+        return {**out, "status": "failed", "reason": _reason(e)}
+    results, reference = [], None
+    for side, prompts in zip(sides, per_side):
+        say(f"{condition} {case.name}: {side.name}")
+        r = run_side(side, ckpt, env, prompts, check, split_prompt, opts.new_tokens, reference)
+        if side.name == "plain" and r["status"] == "ok":
+            reference = r["check_tokens"]
+        results.append(r)
+    _ratios(results)
+    del ckpt
+    _release(False)
+    return {**out, "status": "ok", "sides": results, "wall_s": time.perf_counter() - t0}
 
 
 def _ratios(sides: list[dict]) -> None:
@@ -236,16 +243,16 @@ def run(opts: Options, progress=None) -> dict:
     """The whole --serve bench; returns serve.json's content."""
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
-    torch_dev, torch_reason = bench_sides.torch_device(opts.torch_device)
+    torch_dev, torch_reason = torch_device(opts.torch_device)
     env = SimpleNamespace(torch_device=torch_dev, torch_reason=torch_reason)  # where the torch side runs, or why not
-    cases = []
+    results = []
     with tempfile.TemporaryDirectory(prefix="spec-parity-serve-") as tmp:
-        for condition, spec in specs(opts):
-            cases.append(run_case(condition, spec, opts, env, Path(tmp), say))
+        for condition, case in cases(opts):
+            results.append(run_case(condition, case, opts, env, Path(tmp), say))
     return {"command": shlex.join([sys.executable, "-m", "spec_parity.cli", *opts.argv]),
-            "options": {k: v for k, v in vars(opts).items() if k != "argv"}, "git": bench._git(),
-            "machine": bench.machine(), "versions": bench.versions(), "torch_sides": torch_dev or torch_reason,
-            "cases": cases, "wall_s": time.perf_counter() - t0, "what": __doc__.split("\n\n")[1]}
+            "options": {k: v for k, v in vars(opts).items() if k != "argv"}, "git": _git(),
+            "machine": machine(), "versions": versions(), "torch_sides": torch_dev or torch_reason,
+            "cases": results, "wall_s": time.perf_counter() - t0, "what": __doc__.split("\n\n")[1]}
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -305,14 +312,14 @@ def main(args) -> int:
     real = args.shapes == "real"
     if args.scale < 1 or (args.scale > 1 and not real):
         sys.exit("--scale N (N >= 1) applies to --shapes real only")
-    known = [n for n in serve_sides.SIDES if n != "plain"]
+    known = [n for n in loop_sides.SIDES if n != "plain"]
     sides = None if args.peers == "auto" else [] if args.peers == "none" else [x.strip() for x in args.peers.split(",")]
     if sides and set(sides) - set(known):
         sys.exit(f"--peers {args.peers!r}: unknown {sorted(set(sides) - set(known))}; with --serve known: {', '.join(known)}")
     sources = tuple(x.strip() for x in args.sources.split(",") if x.strip())
     conditions = tuple(x.strip() for x in args.conditions.split(",") if x.strip())
-    if set(sources) - set(bench_shapes.SOURCES) or set(conditions) - set(CONDITIONS):
-        sys.exit(f"--sources from {bench_shapes.SOURCES}, --conditions from {CONDITIONS}")
+    if set(sources) - set(SOURCES) or set(conditions) - set(CONDITIONS):
+        sys.exit(f"--sources from {SOURCES}, --conditions from {CONDITIONS}")
     opts = Options(shapes=args.shapes, sources=sources, sides=sides, conditions=conditions, prompt_len=args.prompt_len,
                    new_tokens=args.new_tokens, runs=args.runs, agree_frac=args.agree_frac,
                    dtype=args.dtype or ("bfloat16" if real else "float32"), scale=args.scale,
