@@ -14,8 +14,3 @@ def make_port() -> Port:
     return Port("spec-parity", __version__, runs, (package_dir("port"), package_dir("spec_parity") + "/adapters",
                                                     package_dir("oracles") + "/layers.py"))
 
-
-def fed(inputs: dict) -> dict | None:
-    """The reference's drafter layer outputs a pair feeds for the own-error run, or None."""
-    got = {k: v for k, v in inputs.items() if k.startswith("layer.")}
-    return got or None

@@ -6,8 +6,9 @@ import numpy as np
 
 from oracles.layers import as_numpy, mlx_recorded
 
+from ..checks import layer_feeds
 from ..protocol import Request
-from . import fed, loop
+from . import loop
 
 CONVENTIONS = {
     "optiq": {"positions": "optiq", "window": "optiq"},
@@ -69,7 +70,7 @@ def run_steps(req: Request) -> dict:
     recorded = {}
     with mlx_recorded(drafter.model.layers, recorded):      # step 0's layers (`layer.i`)
         steps = chain(req.options["gamma"])
-    feed = fed(req.inputs)
+    feed = layer_feeds(req.inputs)
     if feed:                    # the own-error run: each layer of step 0 on the reference's input
         with mlx_recorded(drafter.model.layers, recorded, "own", feed):
             chain(1)

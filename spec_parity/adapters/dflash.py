@@ -9,8 +9,9 @@ import numpy as np
 from oracles.layers import as_numpy, mlx_recorded
 
 from .. import controls, shared
+from ..checks import layer_feeds
 from ..protocol import Request
-from . import fed, loop
+from . import loop
 
 
 def run(req: Request) -> dict:
@@ -66,7 +67,7 @@ def run_modules(req: Request) -> dict:
         serve.trim_caches(caches, bs - 1 - a)
         src.commit(bs - 1, a, [verify.hidden[i + 1] for i in src.tap_layers])
         out[f"taps.{r + 1}"] = src.pending[0]
-    feed = fed(req.inputs)
+    feed = layer_feeds(req.inputs)
     if feed:
         own_src, _, _, first = _prefilled(req, target, m)
         with mlx_recorded(m.layers, recorded, "own", feed):

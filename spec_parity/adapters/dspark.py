@@ -6,8 +6,9 @@ import numpy as np
 
 from oracles.layers import as_numpy, mlx_recorded
 
+from ..checks import layer_feeds
 from ..protocol import Request
-from . import fed, loop
+from . import loop
 
 
 def run(req: Request) -> dict:
@@ -33,7 +34,7 @@ def run(req: Request) -> dict:
     recorded = {}
     with mlx_recorded(m.layers, recorded):
         block = m.draft_block(anchor, kv, p.shape[1])
-    feed = fed(req.inputs)
+    feed = layer_feeds(req.inputs)
     if feed:                    # the own-error run: each layer on the reference's input to it
         with mlx_recorded(m.layers, recorded, "own", feed):
             m.draft_block(anchor, kv, p.shape[1])
