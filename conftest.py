@@ -38,9 +38,10 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     """--port / --port-cmd select who answers the parity cases, as `spec-parity run` does."""
-    from spec_parity import ports
+    from spec_parity import exchange, ports
 
-    ports.configure(config.getoption("--port"), config.getoption("--port-cmd"))
+    cmd = config.getoption("--port-cmd")
+    ports.configure(config.getoption("--port"), exchange.command_port(cmd) if cmd else None)
 
 
 @pytest.hookimpl(tryfirst=True)

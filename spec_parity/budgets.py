@@ -122,6 +122,13 @@ def budget_for(module: str, quantity: str, dtype: str = "float32") -> Budget:
 
 
 def knife_edge_bound(dtype: str, magnitude: float) -> float:
-    from .compare import ulp
-
     return float(KNIFE_EDGE_ULPS[dtype] * ulp(np.array([max(magnitude, 1.0)]), dtype)[0])
+
+
+def ulp(x: np.ndarray, dtype) -> np.ndarray:
+    """Spacing of `dtype` at |x| (bf16 has 7 explicit mantissa bits)."""
+    x = np.abs(np.asarray(x, np.float64))
+    if str(dtype) == "bfloat16":
+        e = np.floor(np.log2(np.maximum(x, np.finfo(np.float32).tiny)))
+        return np.exp2(e - 7)
+    return np.spacing(x.astype(np.dtype(str(dtype)))).astype(np.float64)

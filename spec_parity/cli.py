@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import goldens, harness, ports, report
+from . import exchange, goldens, harness, ports, report
 
 
 class BadInput(Exception):
@@ -81,7 +81,8 @@ def _header() -> str:
 def _ports(args) -> None:
     """--port MODULE=SPEC and --port-cmd CMD: who answers the cases (spec_parity.ports)."""
     try:
-        ports.configure(args.port, args.port_cmd, [args.module] if args.module else None)
+        ports.configure(args.port, exchange.command_port(args.port_cmd) if args.port_cmd else None,
+                        [args.module] if args.module else None)
     except ports.PortError as e:
         raise BadInput(str(e)) from e
 
@@ -120,8 +121,6 @@ def cmd_run(args) -> int:
 def cmd_export(args) -> int:
     """Each case as a folder for a port in any language (spec_parity.exchange): the checkpoints,
     the inputs as safetensors, and in request.json the arrays to return with their shapes."""
-    from . import exchange
-
     out = Path(args.out)
     cases = [c for c in _select(args) if not c.control]
     with report.Progress(len(cases)) as bar:
@@ -136,9 +135,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_protocol(args) -> int:
-    from . import protocol
-
-    print(protocol.markdown())
+    print(exchange.markdown())
     return 0
 
 

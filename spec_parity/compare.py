@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .budgets import Budget, budget_for, knife_edge_bound
+from .budgets import Budget, budget_for, knife_edge_bound, ulp
 
 TIERS = {
     "L1": "bit-exact: identical bytes (same framework, same ops)",
@@ -94,15 +94,6 @@ def _fmt(v) -> str:
     if v is None:
         return "none"
     return f"{v:.3e}" if isinstance(v, float) else str(v)
-
-
-def ulp(x: np.ndarray, dtype) -> np.ndarray:
-    """Spacing of `dtype` at |x| (bf16 has 7 explicit mantissa bits)."""
-    x = np.abs(np.asarray(x, np.float64))
-    if str(dtype) == "bfloat16":
-        e = np.floor(np.log2(np.maximum(x, np.finfo(np.float32).tiny)))
-        return np.exp2(e - 7)
-    return np.spacing(x.astype(np.dtype(str(dtype)))).astype(np.float64)
 
 
 MASKED = -1e29

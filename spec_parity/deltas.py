@@ -43,11 +43,10 @@ DELTAS = (
 )
 
 
-def applicable(case) -> list[tuple[Delta, str]]:
-    """(delta, the other value) for each delta whose option the case runs with one of its values."""
-    from .harness import options
-
-    opts, out = options(case), []
+def applicable(case, opts: dict) -> list[tuple[Delta, str]]:
+    """(delta, the other value) for each delta whose option the case runs with one of its values
+    (`opts`: what the port is told, harness.options)."""
+    out = []
     for d in DELTAS:
         v = opts.get(d.option)
         if d.module == case.module and v in d.values:
@@ -55,11 +54,11 @@ def applicable(case) -> list[tuple[Delta, str]]:
     return out
 
 
-def explain(case, port: dict, ours, judge) -> tuple[list[Delta], Result] | None:
+def explain(case, opts: dict, port: dict, ours, judge) -> tuple[list[Delta], Result] | None:
     """The smallest set of deltas under which `port` matches our port (`ours(variant)`: our arrays
     on a case), judged by `judge(variant, port, arrays, result)`; None if no set explains it.
     Deltas on one option are exclusive, so each set flips each option once."""
-    found = applicable(case)
+    found = applicable(case, opts)
     for n in range(1, len(found) + 1):
         for combo in combinations(found, n):
             if len({d.option for d, _ in combo}) < n:
@@ -79,10 +78,8 @@ def _no_layers(arrays: dict) -> dict:
     return {k: v for k, v in arrays.items() if not k.startswith(("layer.", "own."))}
 
 
-def describe(case, deltas: list[Delta]) -> str:
-    from .harness import options
-
-    parts, opts = [], options(case)
+def describe(deltas: list[Delta], opts: dict) -> str:
+    parts = []
     for d in deltas:
         here = d.values.index(opts[d.option])
         parts.append(f"differs from {d.references[here]}, matches {d.references[1 - here]}: delta {d.name} "

@@ -115,9 +115,13 @@ def command_port(cmd: str) -> ports.Port:
                 raise ExchangeError(f"--port-cmd exited {done.returncode} on {req.module}/{req.case}: {tail[0]}")
             return read_outputs(out, req)
 
-    from .harness import PAIRS
+    return ports.Port("port-cmd", cmd, {m: run for m in protocol.MODULES}, ())
 
-    return ports.Port("port-cmd", cmd, {m: run for m in PAIRS}, ())
+
+def markdown() -> str:
+    """docs/protocol.md: the arrays of every protocol, then the file protocol that carries them."""
+    return "\n".join([protocol.markdown(), "## The file protocol (a port in any language)", "",
+                      __doc__.split("\n\n", 1)[1].strip(), ""])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -177,10 +177,10 @@ def evaluate(case: Case, source: str = "auto") -> Result:
         return result
     judge(case, arrays, ref, result)
     if not result.ok and not port.ours and pair(case.module).kind(case) != "loop":
-        found = deltas.explain(case, arrays, lambda c: port_run(c, ref, ports.ours()), judge)
+        found = deltas.explain(case, options(case), arrays, lambda c: port_run(c, ref, ports.ours()), judge)
         if found:
             result.verdict = "DELTA"
-            result.note(deltas.describe(case, found[0]))
+            result.note(deltas.describe(found[0], options(case)))
             result.metrics["delta"] = {"ok": True, "deltas": [d.name for d in found[0]]}
     if case.control:
         result.note(f"negative control ({case.control['what']}): expected to fail")

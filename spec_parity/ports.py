@@ -16,6 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .protocol import MODULES
+
 GROUP = "spec_parity.ports"
 OURS = "spec-parity"
 OURS_SPEC = "spec_parity.adapters:make_port"
@@ -109,17 +111,12 @@ def select(assignments: list[str]) -> None:
         _SELECTED[module] = port
 
 
-def configure(assignments: list[str] | None, cmd: str | None = None, modules=None) -> None:
-    """What --port and --port-cmd say (the CLI's and pytest's): `cmd` answers `modules` (default
-    every module) that no --port names."""
+def configure(assignments: list[str] | None, cmd_port: Port | None = None, modules=None) -> None:
+    """What --port and --port-cmd say (the CLI's and pytest's): `cmd_port` (exchange.command_port)
+    answers `modules` (default every module) that no --port names."""
     select(assignments or [])
-    if cmd:
-        from .exchange import command_port
-        from .harness import PAIRS
-
-        port = command_port(cmd)
-        for module in modules or PAIRS:
-            _SELECTED.setdefault(module, port)
+    for module in (modules or MODULES) if cmd_port else ():
+        _SELECTED.setdefault(module, cmd_port)
 
 
 def reset() -> None:

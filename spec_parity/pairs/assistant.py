@@ -16,7 +16,7 @@ from dataclasses import replace
 import numpy as np
 
 from .. import controls, layers
-from ..adapters.assistant import CONVENTIONS
+from ..adapters.assistant import CONVENTIONS, step_inputs
 from ..case import Case
 from ..checkpoints import GEMMA4_VARIANTS
 from ..checks import P, Plan, R, Round, Tensor, Tokens, drafter_layers, layer_feeds, serve_loop
@@ -119,8 +119,6 @@ EOS = 1
 
 def run_oracle(case: Case):
     from oracles import assistant as oracle
-
-    from ..adapters.assistant import step_inputs
 
     name, p = case.oracle, case.prompt(*PROMPT)
     if case.params.get("loop"):
