@@ -34,6 +34,10 @@ class Params:
     drafter: Drafter | None = None
     drafter_path: str | None = None
 
+    def __init_subclass__(cls, kind: str = "", **kw):
+        super().__init_subclass__(**kw)
+        cls.KIND = kind or cls.KIND
+
     def __post_init__(self):
         for f in fields(self):      # lists frozen to tuples: a case's parameters never change
             object.__setattr__(self, f.name, _tuple(getattr(self, f.name)))
@@ -57,21 +61,17 @@ class Bench(Params):
 
 
 @dataclass(frozen=True, kw_only=True)
-class TargetForward(Params):
+class TargetForward(Params, kind="forward"):
     """targets: the forward on the prompt, then a greedy stream of `new_tokens`."""
-
-    KIND: ClassVar[str] = "forward"
 
     prompt_len: int = 20
     new_tokens: int = 32
 
 
 @dataclass(frozen=True, kw_only=True)
-class AssistantStep(Params):
+class AssistantStep(Params, kind="step"):
     """assistant: `gamma` chained draft steps after prefill, in a reference's `convention`
     (adapters/assistant.py CONVENTIONS)."""
-
-    KIND: ClassVar[str] = "step"
 
     prompt_len: int = 20
     gamma: int = 4
@@ -79,10 +79,8 @@ class AssistantStep(Params):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AssistantLoop(Params):
+class AssistantLoop(Params, kind="loop"):
     """assistant: the serve loop, `gamma` drafts a round, `max_tokens` or stop token `eos` (-1: none)."""
-
-    KIND: ClassVar[str] = "loop"
 
     prompt_len: int = 12
     gamma: int
@@ -102,20 +100,16 @@ class DflashConventions(Params):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DflashRounds(DflashConventions):
+class DflashRounds(DflashConventions, kind="modules"):
     """dflash: module rounds after prefill, each committing its forced `accepts` entry."""
-
-    KIND: ClassVar[str] = "modules"
 
     prompt_len: int = 12
     accepts: tuple[int, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
-class DflashLoop(DflashConventions):
+class DflashLoop(DflashConventions, kind="loop"):
     """dflash: the serve loop, `max_tokens` or a stop token in `eos`."""
-
-    KIND: ClassVar[str] = "loop"
 
     prompt_len: int = 12
     max_tokens: int = 40
@@ -123,10 +117,8 @@ class DflashLoop(DflashConventions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DflashExtension(Params):
+class DflashExtension(Params, kind="extension"):
     """dflash (L3): the DSpark-on-DFlash serve loop, pruning at `thresholds`."""
-
-    KIND: ClassVar[str] = "extension"
 
     prompt_len: int = 12
     max_tokens: int = 40
@@ -134,20 +126,16 @@ class DflashExtension(Params):
 
 
 @dataclass(frozen=True, kw_only=True)
-class DsparkRounds(Params):
+class DsparkRounds(Params, kind="modules"):
     """dspark: the first draft round after prefill, its prefix and proposal at each of `thresholds`."""
-
-    KIND: ClassVar[str] = "modules"
 
     prompt_len: int = 12
     thresholds: tuple[float, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
-class DsparkLoop(Params):
+class DsparkLoop(Params, kind="loop"):
     """dspark: the serve loop to `max_new_tokens`, pruning at `threshold`."""
-
-    KIND: ClassVar[str] = "loop"
 
     prompt_len: int = 12
     max_new_tokens: int = 24
