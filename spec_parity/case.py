@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from . import checkpoints
+from .params import Params
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,10 @@ class Shapes:
 @dataclass(frozen=True)
 class Case:
     """What to compare: a checkpoint (factory kind + seed + overrides, or a real path), the
-    parameters of the run, the tier it is held to, and, for a negative control, the planted
-    perturbation (`control`) that the comparison must catch. A bench case carries its `shapes`
-    (module = its draft source, params["drafter"] its drafter, as for the drafter pairs)."""
+    parameters of the run (spec_parity.params: one type per kind of case), the tier it is held to,
+    and, for a negative control, the planted perturbation (`control`) that the comparison must
+    catch. A bench case carries its `shapes` (module = its draft source, params.drafter its
+    drafter, as for the drafter pairs)."""
 
     module: str
     name: str
@@ -37,7 +39,7 @@ class Case:
     kind: str
     seed: int = 0
     overrides: dict = field(default_factory=dict, hash=False)
-    params: dict = field(default_factory=dict, hash=False)
+    params: Params = field(default_factory=Params, hash=False)
     dtype: str = "float32"
     control: dict | None = field(default=None, hash=False)
     path: str | None = None
@@ -63,10 +65,10 @@ class Case:
         return checkpoints.build(self.kind, self.seed, self.overrides)
 
     def drafter_dir(self) -> Path:
-        """Drafter pairs: the drafter checkpoint (params["drafter"] = [kind, seed, overrides])."""
-        if self.params.get("drafter_path"):
-            return Path(self.params["drafter_path"])
-        kind, seed, overrides = self.params["drafter"]
+        """Drafter pairs: the drafter checkpoint (params.drafter = (kind, seed, overrides))."""
+        if self.params.drafter_path:
+            return Path(self.params.drafter_path)
+        kind, seed, overrides = self.params.drafter
         return checkpoints.build(kind, seed, overrides)
 
     def prompt(self, salt: int, high: int | None = 128) -> np.ndarray:
@@ -78,17 +80,17 @@ class Case:
                 cfg = json.loads((self.checkpoint_dir() / "config.json").read_text())
                 high = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
         rng = np.random.default_rng([self.seed, salt])
-        return rng.integers(3, high, (1, self.params["prompt_len"])).astype(np.int32)
+        return rng.integers(3, high, (1, self.params.prompt_len)).astype(np.int32)
 
     def manifest(self) -> dict:
         """The fields a golden must agree with to be used for this case."""
         return json.loads(json.dumps({
             "module": self.module, "case": self.golden_name, "tier": self.tier, "dtype": self.dtype,
             "oracle": self.oracle,
-            "params": self.params,
+            "params": self.params.as_dict(),
             "checkpoint": {"kind": self.kind, "seed": self.seed, "overrides": self.overrides,
                            "sha256": checkpoints.checkpoint_hash(self.checkpoint_dir())},
-            **({"drafter_sha256": checkpoints.checkpoint_hash(self.drafter_dir())} if "drafter" in self.params else {}),
+            **({"drafter_sha256": checkpoints.checkpoint_hash(self.drafter_dir())} if self.params.drafter else {}),
         }, sort_keys=True))
 
     def on_path(self, path: str, name_suffix: str = "real") -> Case:

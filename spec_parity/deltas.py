@@ -63,7 +63,7 @@ def explain(case, opts: dict, port: dict, ours, judge) -> tuple[list[Delta], Res
         for combo in combinations(found, n):
             if len({d.option for d, _ in combo}) < n:
                 continue
-            params = {**case.params, **{d.option: other for d, other in combo}}
+            params = replace(case.params, **{d.option: other for d, other in combo})
             variant = replace(case, params=params, tier="L2", name=f"{case.name}~{'+'.join(d.name for d, _ in combo)}")
             trial = Result(case.module, variant.name, "our port", "L2")
             judge(variant, _no_layers(port), _no_layers(ours(variant)), trial)

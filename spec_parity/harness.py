@@ -47,7 +47,7 @@ def prompt(case: Case) -> np.ndarray:
 
 def request(case: Case, ref: dict) -> protocol.Request:
     p = pair(case.module)
-    drafter = case.drafter_dir() if ("drafter" in case.params or case.params.get("drafter_path")) else None
+    drafter = case.drafter_dir() if case.params.has_drafter else None
     return protocol.Request(case.module, case.name, p.kind(case), case.checkpoint_dir(), drafter, prompt(case),
                             options(case), case.dtype, p.feeds(case, ref))
 
@@ -55,7 +55,7 @@ def request(case: Case, ref: dict) -> protocol.Request:
 def options(case: Case) -> dict:
     """What the port is told to run: the case's parameters (less the checkpoint specs) over the
     pair's reference conventions for it (`conventions(case)`: ones no case parameter sets)."""
-    params = {k: v for k, v in case.params.items() if k not in ("drafter", "drafter_path", "loop")}
+    params = {k: v for k, v in case.params.as_dict().items() if k not in ("drafter", "drafter_path", "loop")}
     return {**pair(case.module).conventions(case), **params}
 
 
@@ -136,7 +136,7 @@ def params(cases: list[Case]) -> list:
     another gamma, EOS, window, head or torch twin) are `slow`: `pytest --slow` and CI run them."""
     import pytest
 
-    loops = [c for c in cases if c.params.get("loop") and not c.control]
+    loops = [c for c in cases if c.params.KIND == "loop" and not c.control]
     first: dict[str, str] = {}
     for c in loops:
         first.setdefault(c.kind, c.name)

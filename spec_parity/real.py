@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .case import Case
+from .params import DflashConventions
 
 
 class RealError(ValueError):
@@ -80,11 +81,9 @@ def cases(target: str | Path, drafter: str | Path | None, builtin: list[Case]) -
         base = by_id.get(f"{module}/{name.format(t=t)}")
         if base is None:
             continue
-        params = {k: v for k, v in base.params.items() if k != "drafter"}
-        if drafter:
-            params["drafter_path"] = str(drafter)
-        if module == "dflash" and "window" in params:
-            params["window"] = _dflash_window(drafter, base)
+        params = replace(base.params, drafter=None, drafter_path=str(drafter) if drafter else None)
+        if isinstance(params, DflashConventions):
+            params = replace(params, window=_dflash_window(drafter, base))
         what = f"{label} on {Path(target).name}" + (f" + {Path(drafter).name}" if drafter else "")
         out.append(replace(base, path=str(target), params=params, name=what))
     return out
@@ -92,7 +91,7 @@ def cases(target: str | Path, drafter: str | Path | None, builtin: list[Case]) -
 
 def _dflash_window(drafter, base: Case) -> str:
     """z-lab MLX's window convention where the drafter has sliding layers (pairs/dflash.py window)."""
-    if base.params["window"] == "positional" and base.oracle != "zlab-mlx":
+    if base.params.window == "positional" and base.oracle != "zlab-mlx":
         return "positional"
     cfg = _config(drafter, "drafter")
     return "zlab-mlx" if "sliding_attention" in (cfg.get("layer_types") or []) else "positional"

@@ -286,7 +286,7 @@ def check_optional_key(family: str, key: str, op: str) -> str:
             return "refused"
         try:
             r = harness.evaluate(replace(case, name=f"{case.name}-{op}-{_leaf(key)}",
-                                         params={**case.params, "drafter_path": str(tmp)}), "live")
+                                         params=replace(case.params, drafter_path=str(tmp))), "live")
         except Exception as e:  # the port read it; the reference could not
             raise AssertionError(f"{what}: loaded, and the reference stops on {type(e).__name__}: {e}") from None
         assert r.ok, f"{what}: loaded, and port vs reference gives {r.verdict}: {r.message()}"

@@ -29,7 +29,7 @@ def _case(name):
 def _with_window(case, window):
     from dataclasses import replace
 
-    return replace(case, params={**case.params, "window": window})
+    return replace(case, params=replace(case.params, window=window))
 
 
 def _on_golden(case, **params):
@@ -39,7 +39,7 @@ def _on_golden(case, **params):
     from spec_parity.compare import Result
 
     ref, _ = goldens.load(case)
-    variant = replace(case, params={**case.params, **params})
+    variant = replace(case, params=replace(case.params, **params))
     result = Result(case.module, case.name, "golden", case.tier)
     harness.judge(variant, harness.port_run(variant, ref), ref, result)
     return result
@@ -54,8 +54,8 @@ def test_window_delta_vs_zlab_mlx(name):
     case = _case(name)
     ref, _ = goldens.load(case)
     port = adapter.run_modules(harness.request(_with_window(case, "positional"), ref))
-    same = [np.array_equal(port[f"logits.{r}"], ref[f"logits.{r}"]) for r in range(len(case.params["accepts"]))]
-    assert case.params["accepts"][:2] == [3, 0] and case.params["prompt_len"] > 9
+    same = [np.array_equal(port[f"logits.{r}"], ref[f"logits.{r}"]) for r in range(len(case.params.accepts))]
+    assert case.params.accepts[:2] == (3, 0) and case.params.prompt_len > 9
     assert same[:2] == [True, True] and not same[2], same
 
 
@@ -102,7 +102,7 @@ def test_positional_window_is_a_time_ordered_recompute(variant):
         src.prefill(p[0].tolist(), taps)
         rows = [mx.concatenate(taps, axis=-1)]
         anchor, bs, gaps = int(mx.argmax(tr.logits[0, -1]).item()), m.args.block_size, []
-        for a in case.params["accepts"]:
+        for a in case.params.accepts:
             tokens = src.draft([anchor], bs - 1, None)
             fresh = _fresh_logits(m, target, mx.concatenate(rows, axis=1), anchor, bs - 1)
             gaps.append(float(mx.abs(src.last_block.logits - fresh).max().item()))

@@ -46,7 +46,7 @@ def test_untied_head_matches_the_references(tmp_path, oracle, live_oracle):
     case's tier (optiq L1, transformers L2)."""
     live_oracle("assistant", oracle)
     base = next(c for c in harness.all_cases(["assistant"]) if c.name == f"step-gemma4-tied-{oracle}")
-    case = replace(base, name=base.name + "-untied", params={**base.params, "drafter_path": str(_untied(tmp_path))})
+    case = replace(base, name=base.name + "-untied", params=replace(base.params, drafter_path=str(_untied(tmp_path))))
     r = harness.evaluate(case, "live")
     assert r.ok, r.message()
 
@@ -100,7 +100,7 @@ def _top_level_scales(tmp_path):
     nested = cfg["dflash_config"]
     moved = {k: nested.pop(k) for k in ("input_embedding_scale", "output_multiplier")}
     dst = _edit(src, tmp_path / "top-level", {**moved, "dflash_config": nested})
-    return replace(case, name="mod-gemma4-top-level-scales", params={**case.params, "drafter_path": str(dst)})
+    return replace(case, name="mod-gemma4-top-level-scales", params=replace(case.params, drafter_path=str(dst)))
 
 
 def test_scale_keys_follow_each_reference():

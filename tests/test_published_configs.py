@@ -109,7 +109,7 @@ def _on_published(module, case_name, target, drafter):
 
     base = next(c for c in harness.all_cases([module]) if c.name == case_name)
     return replace(base, name=f"{case_name}-published", path=str(target),
-                   params={**base.params, "drafter_path": str(drafter)})
+                   params=replace(base.params, drafter_path=str(drafter)))
 
 
 # The E2B assistant's shrunk widths (backbone 96, head dims 16 / 32, 1 KV head, vocab 4096, window

@@ -280,7 +280,7 @@ def test_dflash_buffer_growth_bit_exact_vs_zlab_mlx(name, live_oracle):
 
     live_oracle("dflash", pair.ORACLE)
     case = next(c for c in pair.cases() if c.name == name)
-    harness.check(case, harness.evaluate(replace(case, params={**case.params, "prompt_len": 300}), "live"))
+    harness.check(case, harness.evaluate(replace(case, params=replace(case.params, prompt_len=300)), "live"))
 
 
 def _compiled_matches_plain(model, run, mutate) -> None:

@@ -32,6 +32,7 @@ from safetensors.numpy import save_file
 
 from .. import checkpoints
 from ..case import Case, Shapes
+from ..params import Bench
 
 SOURCES = ("assistant", "dspark", "dflash")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
@@ -70,8 +71,8 @@ class Checkpoints:
 def bench_case(size: str, name: str, source: str, label: str, drafter: tuple[str, dict], target: tuple[str, dict],
                ctx: int, gamma: int, dtype: str, notes: tuple[str, ...] = ()) -> Case:
     """The harness's Case of one bench case: its target is the checkpoint (kind, overrides), its
-    drafter params["drafter"], as for the drafter pairs; the tier is the bench's (never asserted)."""
-    return Case(source, name, "bench", target[0], 0, target[1], {"drafter": [drafter[0], 0, drafter[1]]},
+    drafter params.drafter, as for the drafter pairs; the tier is the bench's (never asserted)."""
+    return Case(source, name, "bench", target[0], 0, target[1], Bench(drafter=(drafter[0], 0, drafter[1])),
                 dtype=dtype, shapes=Shapes(size, label, ctx, gamma, tuple(notes)))
 
 
@@ -227,7 +228,7 @@ def build(case: Case, root: Path) -> Checkpoints:
     """tiny: the factory's directories, their tensors cast to the case's dtype; real: config-only
     directories under `root` and the random tensors in memory."""
     mdtype = DTYPES[case.dtype]
-    drafter_kind, _, drafter_overrides = case.params["drafter"]
+    drafter_kind, _, drafter_overrides = case.params.drafter
     kinds = ((drafter_kind, drafter_overrides), (case.kind, case.overrides))
     if case.shapes.size == "tiny":
         dirs = [checkpoints.build(kind, case.seed, copy.deepcopy(ov)) for kind, ov in kinds]

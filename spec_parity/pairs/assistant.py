@@ -20,6 +20,7 @@ from ..adapters.assistant import CONVENTIONS, step_inputs
 from ..case import Case
 from ..checkpoints import GEMMA4_VARIANTS
 from ..checks import P, Plan, R, Round, Tensor, Tokens, drafter_layers, layer_feeds, serve_loop
+from ..params import AssistantLoop, AssistantStep
 
 NAME = "assistant"
 ORACLE = "optiq"
@@ -56,8 +57,8 @@ def step_case(target: str, head: str, oracle: str, control: str | None = None, c
               dtype: str = "float32") -> Case:
     name = (f"step-{target}-{head}-{oracle}" + ("" if convention == "optiq" else f"-{convention}")
             + ("" if dtype == "float32" else "-bf16"))
-    params = {"prompt_len": 20, "gamma": 4, "drafter": ["gemma4-assistant", 0, drafter_overrides(target, head)],
-              "convention": convention}
+    params = AssistantStep(prompt_len=20, gamma=4, drafter=("gemma4-assistant", 0, drafter_overrides(target, head)),
+                           convention=convention)
     ctl = None
     if control:
         ctl = controls.case_control(NAME, control, name)
@@ -77,8 +78,8 @@ def loop_case(head: str, gamma: int, drafter: str = "random", control: str | Non
     name = f"loop-{drafter}-{head}-g{gamma}" + ("-eos" if eos >= 0 else "")
     kind = "gemma4-assistant" if drafter == "random" else "gemma4-assistant-agreeing"
     target = "gemma4-target" if drafter == "random" else "gemma4-target-agreeing"
-    params = {"loop": True, "prompt_len": 12, "gamma": gamma, "max_tokens": 40, "eos": eos,
-              "drafter": [kind, 0, drafter_overrides("gemma4", head)]}
+    params = AssistantLoop(prompt_len=12, gamma=gamma, max_tokens=40, eos=eos,
+                           drafter=(kind, 0, drafter_overrides("gemma4", head)))
     ctl = None
     if control:
         ctl = controls.case_control(LOOP_CONTROLS[control], control, name)
@@ -120,18 +121,16 @@ EOS = 1
 def run_oracle(case: Case):
     from oracles import assistant as oracle
 
-    name, p = case.oracle, case.prompt(*PROMPT)
-    if case.params.get("loop"):
-        arrays = oracle.optiq_spec_generate(case.checkpoint_dir(), case.drafter_dir(), p,
-                                            case.params["gamma"], case.params["max_tokens"], case.params["eos"])
+    name, p, o = case.oracle, case.prompt(*PROMPT), case.params
+    if isinstance(o, AssistantLoop):
+        arrays = oracle.optiq_spec_generate(case.checkpoint_dir(), case.drafter_dir(), p, o.gamma, o.max_tokens, o.eos)
     elif name == "optiq":
-        arrays = oracle.optiq_draft_steps(case.checkpoint_dir(), case.drafter_dir(), p, case.params["gamma"],
-                                          case.dtype)
+        arrays = oracle.optiq_draft_steps(case.checkpoint_dir(), case.drafter_dir(), p, o.gamma, case.dtype)
     else:
         inputs = step_inputs(case.checkpoint_dir(), p, case.dtype)
-        conv = CONVENTIONS[case.params["convention"]]
+        conv = CONVENTIONS[o.convention]
         keep = None if conv["window"] == "hf" else _window(case) - 1
-        arrays = {**inputs, **oracle.hf_draft_steps(case.drafter_dir(), inputs, case.params["gamma"], keep,
+        arrays = {**inputs, **oracle.hf_draft_steps(case.drafter_dir(), inputs, o.gamma, keep,
                                                     conv["positions"])}
     return arrays, {"reference": {"name": name, "versions": oracle.versions(name)}}
 
@@ -143,7 +142,7 @@ def _window(case: Case) -> int:
 
 
 def kind(case: Case) -> str:
-    return "loop" if case.params.get("loop") else "step"
+    return case.params.KIND
 
 
 def conventions(case: Case) -> dict:
@@ -157,14 +156,14 @@ def feeds(case: Case, ref: dict) -> dict:
 
 
 def plan(case: Case, ref: dict) -> Plan:
-    if case.params.get("loop"):
-        eos = {case.params["eos"]}
-        return serve_loop("optiq", case.params["max_tokens"], eos, ref_drop=eos, greedy_drop=eos,
+    if isinstance(case.params, AssistantLoop):
+        eos = {case.params.eos}
+        return serve_loop("optiq", case.params.max_tokens, eos, ref_drop=eos, greedy_drop=eos,
                           schedule=(P("stream.drafted"), P("stream.accepted"), P("stream.emitted")),
                           ref_schedule=(R("stream.trace"),), draft_logits="loop_draft_logits",
                           drafts=Round(R("stream.trace", col=0), R("stream.trace", col=2), R("stream.proposals"),
                                        R("stream.draft_logits")))
-    gamma = case.params["gamma"]
+    gamma = case.params.gamma
     checks = []
     if case.oracle == "optiq":
         checks += [Tensor(k, P(k), R(k), k) for k in ("anchor.token", "anchor.hidden", "donor.sliding_attention.k",

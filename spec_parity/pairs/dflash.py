@@ -50,6 +50,7 @@ from ..checks import (
     layer_feeds,
     serve_loop,
 )
+from ..params import DflashExtension, DflashLoop, DflashRounds
 
 NAME = "dflash"
 ORACLE = "zlab-mlx"
@@ -109,43 +110,44 @@ def window(variant: str) -> str:
     return "zlab-mlx" if "sliding_attention" in (VARIANTS[variant].get("layer_types") or []) else "positional"
 
 
-def _case(name: str, variant: str, params: dict, tier: str, oracle: str = ORACLE) -> Case:
+def _case(name: str, variant: str, params: DflashRounds | DflashLoop, tier: str, oracle: str = ORACLE) -> Case:
     ov = VARIANTS[variant]
     conventions = ({"window": window(variant), "embed": "scaled", "prefill": "split"} if oracle == ORACLE
                    else {"window": "positional", "embed": "raw", "prefill": "whole"})
     return Case(NAME, name, tier, ov.get("target_kind", "qwen3-target"), 0, ov.get("target_overrides", {}),
-                {**params, **conventions, "drafter": ["dflash-drafter", 0, ov]}, oracle=oracle)
+                replace(params, **conventions, drafter=("dflash-drafter", 0, ov)), oracle=oracle)
 
 
-def _module_params(variant: str) -> dict:
-    return {"prompt_len": 12, "accepts": ACCEPTS_BS16 if "bs16" in variant else ACCEPTS}
+def _module_params(variant: str) -> DflashRounds:
+    return DflashRounds(prompt_len=12, accepts=ACCEPTS_BS16 if "bs16" in variant else ACCEPTS)
+
+
+def _agreeing(name: str, tk: str, tov: dict, ov: dict, n: int, oracle: str, embed: str, prefill: str) -> Case:
+    return Case(NAME, name, "L2", tk, 0, tov,
+                DflashLoop(prompt_len=12, max_tokens=n, eos=(), window="positional", embed=embed, prefill=prefill,
+                           drafter=("dflash-drafter-agreeing", 0, ov)), oracle=oracle)
 
 
 def cases() -> list[Case]:
     out = [_case(f"mod-{v}", v, _module_params(v), "L1") for v in VARIANTS]
-    out += [_case(f"loop-{v}" + ("-eos" if eos else ""), v,
-                  {"loop": True, "prompt_len": 12, "max_tokens": MAX_TOKENS, "eos": eos}, "L2") for v, eos in LOOPS]
-    out += [Case(NAME, f"loop-{name}", "L2", tk, 0, tov,
-                 {"loop": True, "prompt_len": 12, "max_tokens": n, "eos": [], "window": "positional",
-                  "embed": "scaled", "prefill": "split", "drafter": ["dflash-drafter-agreeing", 0, ov]}, oracle=ORACLE)
-            for name, tk, tov, ov, n in AGREEING]
+    out += [_case(f"loop-{v}" + ("-eos" if eos else ""), v, DflashLoop(prompt_len=12, max_tokens=MAX_TOKENS, eos=eos),
+                  "L2") for v, eos in LOOPS]
+    out += [_agreeing(f"loop-{name}", tk, tov, ov, n, ORACLE, "scaled", "split") for name, tk, tov, ov, n in AGREEING]
     # The Qwen3 agreeing loops against z-lab's torch loop too (Qwen3 has no embedding scale, so the
     # torch model's raw block embedding is the same construction).
-    out += [Case(NAME, f"loop-{name}-torch", "L2", tk, 0, tov,
-                 {"loop": True, "prompt_len": 12, "max_tokens": n, "eos": [], "window": "positional",
-                  "embed": "raw", "prefill": "whole", "drafter": ["dflash-drafter-agreeing", 0, ov]}, oracle=TORCH)
+    out += [_agreeing(f"loop-{name}-torch", tk, tov, ov, n, TORCH, "raw", "whole")
             for name, tk, tov, ov, n in AGREEING if tk.startswith("qwen3")]
     out += [_case(f"mod-{v}-torch", v, _module_params(v), "L2", TORCH) for v in TORCH_MODULES]
-    out += [_case(f"loop-{v}-torch", v, {"loop": True, "prompt_len": 12, "max_tokens": MAX_TOKENS, "eos": []}, "L2",
-                  TORCH) for v in TORCH_LOOPS]
+    out += [_case(f"loop-{v}-torch", v, DflashLoop(prompt_len=12, max_tokens=MAX_TOKENS, eos=()), "L2", TORCH)
+            for v in TORCH_LOOPS]
     out += [Case(NAME, f"ext-{v}", "L3", VARIANTS[v].get("target_kind", "qwen3-target"), 0, {},
-                 {"extension": True, "prompt_len": 12, "max_tokens": MAX_TOKENS, "thresholds": EXT_THRESHOLDS,
-                  "drafter": ["dflash-drafter", 0, {**VARIANTS[v], "dspark_extras": EXT_EXTRAS}]}, oracle=L3)
+                 DflashExtension(prompt_len=12, max_tokens=MAX_TOKENS, thresholds=EXT_THRESHOLDS,
+                                 drafter=("dflash-drafter", 0, {**VARIANTS[v], "dspark_extras": EXT_EXTRAS})), oracle=L3)
             for v in ("qwen3", "gemma4")]
     by_name = {c.name: c for c in out}
     for bug, base in CONTROLS:
         b = by_name[base]
-        out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, dict(b.params),
+        out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, b.params,
                         control=controls.case_control(NAME, bug, base), oracle=b.oracle))
     out += [replace(by_name[base], name=f"{base}-control-layer1",
                     control=controls.case_control(NAME, "layer_scale", base, layer=1))
@@ -167,20 +169,17 @@ PROMPT = (17, 120)
 def run_oracle(case: Case):
     from oracles import dflash as oracle
 
-    t, d, p = case.checkpoint_dir(), case.drafter_dir(), case.prompt(*PROMPT)
+    t, d, p, o = case.checkpoint_dir(), case.drafter_dir(), case.prompt(*PROMPT), case.params
+    loop = isinstance(o, DflashLoop)
     if case.oracle == TORCH:
-        arrays = (oracle.torch_loop(t, d, p, case.params["max_tokens"]) if case.params.get("loop")
-                  else oracle.torch_modules(t, d, p, case.params["accepts"]))
+        arrays = oracle.torch_loop(t, d, p, o.max_tokens) if loop else oracle.torch_modules(t, d, p, o.accepts)
         return arrays, {"reference": {"name": "z-lab dflash.model (torch)", "versions": oracle.torch_versions()}}
-    if case.params.get("loop"):
-        arrays = oracle.loop(t, d, p, case.params["max_tokens"], case.params["eos"])
-    else:
-        arrays = oracle.modules(t, d, p, case.params["accepts"])
+    arrays = oracle.loop(t, d, p, o.max_tokens, o.eos) if loop else oracle.modules(t, d, p, o.accepts)
     return arrays, {"reference": {"name": "z-lab dflash.model_mlx", "versions": oracle.versions()}}
 
 
 def kind(case: Case) -> str:
-    return "loop" if case.params.get("loop") else "extension" if case.params.get("extension") else "modules"
+    return case.params.KIND
 
 
 def conventions(case: Case) -> dict:
@@ -193,22 +192,22 @@ def feeds(case: Case, ref: dict) -> dict:
 
 
 def plan(case: Case, ref: dict) -> Plan:
-    if case.params.get("extension"):
+    if isinstance(case.params, DflashExtension):
         return Plan([Tokens("lossless_vs_greedy", P("stream.tokens"), G("greedy.tokens"), G("greedy.logits"),
                             "not lossless: the stream vs the target's greedy one", "lossless"),
                      Pruning("pruning", P("ext.confidence"), P("ext.block_len"), P("ext.proposed"),
-                             tuple(case.params["thresholds"])),
+                             case.params.thresholds),
                      Shift("shift", P("unpruned.base_logits"), P("unpruned.logits"), L3_GATES[(NAME, "extension")]),
                      Scored("acceptance", "acceptance", (P("stream.drafted"), P("stream.accepted"), P("tau")))],
-                    greedy=(case.params["max_tokens"], frozenset()))
-    if case.params.get("loop"):
-        eos = set(case.params["eos"])
+                    greedy=(case.params.max_tokens, frozenset()))
+    if isinstance(case.params, DflashLoop):
+        eos = set(case.params.eos)
         cols = ("stream.drafted", "stream.accepted", "stream.emitted")
-        return serve_loop("z-lab", case.params["max_tokens"], eos, ref_drop=eos, greedy_prefix=True,
+        return serve_loop("z-lab", case.params.max_tokens, eos, ref_drop=eos, greedy_prefix=True,
                           schedule=tuple(P(c) for c in cols), ref_schedule=tuple(R(c) for c in cols),
                           drafts=Round(R(cols[0]), R(cols[2]), R("stream.proposals"), R("stream.draft_logits")),
                           draft_logits="loop_draft_logits_torch" if case.oracle == TORCH else "loop_draft_logits")
-    rounds = len(case.params["accepts"])
+    rounds = len(case.params.accepts)
     checks = [Tensor("taps.0", P("taps.0"), R("taps.0"), "taps")]
     for r in range(rounds):  # in the order they are computed, so the reason names the first one off
         checks += [Tensor(f"{k}.{r}", P(f"{k}.{r}"), R(f"{k}.{r}"), k) for k in ("hidden", "logits")]

@@ -30,6 +30,7 @@ from ..checks import (
     layer_feeds,
     serve_loop,
 )
+from ..params import DsparkLoop, DsparkRounds
 
 NAME = "dspark"
 ORACLE = "deepspec"
@@ -64,7 +65,7 @@ CONTROLS = {
 }
 
 
-def _case(name: str, variant: str, params: dict, agree_frac: float | None = None) -> Case:
+def _case(name: str, variant: str, params: DsparkRounds | DsparkLoop, agree_frac: float | None = None) -> Case:
     ov = dict(VARIANTS[variant])
     target = ov.get("target_kind", "gemma4-target")
     kind = "dspark-drafter"
@@ -72,18 +73,18 @@ def _case(name: str, variant: str, params: dict, agree_frac: float | None = None
         target = target.replace("-target", "-target-agreeing")
         ov.update(target_kind=target, agree_frac=agree_frac)
         kind = "dspark-drafter-agreeing"
-    return Case(NAME, name, "L2", target, 0, ov.get("target_overrides", {}), {**params, "drafter": [kind, 0, ov]})
+    return Case(NAME, name, "L2", target, 0, ov.get("target_overrides", {}), replace(params, drafter=(kind, 0, ov)))
 
 
 def cases() -> list[Case]:
-    out = [_case(f"mod-{v}", v, {"prompt_len": 12, "thresholds": THRESHOLDS}) for v in VARIANTS]
-    loop = {"loop": True, "prompt_len": 12, "max_new_tokens": 24}
-    out += [_case(f"loop-{v}-t{t}", v, {**loop, "threshold": t}) for v, t in LOOPS]
-    out += [_case(f"loop-agree{f}-{v}-t{t}", v, {**loop, "max_new_tokens": 32, "threshold": t}, f) for v, f, t in AGREEING]
+    out = [_case(f"mod-{v}", v, DsparkRounds(prompt_len=12, thresholds=THRESHOLDS)) for v in VARIANTS]
+    out += [_case(f"loop-{v}-t{t}", v, DsparkLoop(prompt_len=12, max_new_tokens=24, threshold=t)) for v, t in LOOPS]
+    out += [_case(f"loop-agree{f}-{v}-t{t}", v, DsparkLoop(prompt_len=12, max_new_tokens=32, threshold=t), f)
+            for v, f, t in AGREEING]
     by_name = {c.name: c for c in out}
     for bug, base in CONTROLS.items():
         b = by_name[base]
-        out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, dict(b.params),
+        out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, b.params,
                         control=controls.case_control(NAME, bug, base)))
     out.append(replace(by_name["mod-gemma4"], name="mod-gemma4-control-layer1",
                        control=controls.case_control(NAME, "layer_scale", "mod-gemma4", layer=1)))
@@ -102,17 +103,16 @@ PROMPT = (13, 128)
 def run_oracle(case: Case):
     from oracles import dspark as oracle
 
-    p = case.prompt(*PROMPT)
-    if case.params.get("loop"):
-        arrays = oracle.loop(case.checkpoint_dir(), case.drafter_dir(), p, case.params["max_new_tokens"],
-                             case.params["threshold"])
+    p, o = case.prompt(*PROMPT), case.params
+    if isinstance(o, DsparkLoop):
+        arrays = oracle.loop(case.checkpoint_dir(), case.drafter_dir(), p, o.max_new_tokens, o.threshold)
     else:
-        arrays = oracle.modules(case.checkpoint_dir(), case.drafter_dir(), p, case.params["thresholds"])
+        arrays = oracle.modules(case.checkpoint_dir(), case.drafter_dir(), p, o.thresholds)
     return arrays, {"reference": {"name": ORACLE, "versions": oracle.versions()}}
 
 
 def kind(case: Case) -> str:
-    return "loop" if case.params.get("loop") else "modules"
+    return case.params.KIND
 
 
 def conventions(case: Case) -> dict:
@@ -128,9 +128,9 @@ MODULE_TENSORS = [("taps", "taps"), ("context", "context"), ("block_hidden", "bl
 
 
 def plan(case: Case, ref: dict) -> Plan:
-    if case.params.get("loop"):
+    if isinstance(case.params, DsparkLoop):
         # DeepSpec decodes while fewer than n + 1 tokens are committed, then trims to n.
-        return serve_loop("DeepSpec", case.params["max_new_tokens"] + 1, set(), greedy_prefix=True,
+        return serve_loop("DeepSpec", case.params.max_new_tokens + 1, set(), greedy_prefix=True,
                           schedule=(P("stream.drafted"), P("stream.accepted")),
                           ref_schedule=(R("stream.proposed"), R("stream.accepted")),
                           tau=R("stream.acceptance_lengths"),
@@ -139,7 +139,7 @@ def plan(case: Case, ref: dict) -> Plan:
     checks += [Tensor(key, P(key), R(key), quantity) for key, quantity in MODULE_TENSORS if key in ref]
     checks += [Tensor(k, P(k), R(k), "context_kv") for k in sorted(k for k in ref if k.startswith("context_"))]
     checks.append(Tokens("tokens", P("tokens"), R("tokens"), R("logits"), "draft token", finding="module"))
-    for t in case.params["thresholds"]:
+    for t in case.params.thresholds:
         checks += [Same(f"prefix@{t}", P(f"prefix@{t}"), R(f"prefix@{t}"), f"prefix length at threshold {t}"),
                    Same(f"proposal@{t}", P(f"proposal@{t}"), R(f"proposal@{t}"), f"proposal at threshold {t}")]
     return Plan(checks + drafter_layers(ref))

@@ -13,19 +13,20 @@ from .. import controls
 from ..case import Case
 from ..checkpoints import GEMMA4_VARIANTS
 from ..checks import Layers, P, Plan, R, Scored, Tensor, Tokens
+from ..params import TargetForward
 
 NAME = "targets"
 ORACLE = "transformers"
 
-PARAMS = {"prompt_len": 20, "new_tokens": 32}
+PARAMS = TargetForward(prompt_len=20, new_tokens=32)
 
 
 def cases() -> list[Case]:
-    out = [Case(NAME, name, "L2", "gemma4-target", 0, ov, dict(PARAMS)) for name, ov in GEMMA4_VARIANTS.items()]
-    out.append(Case(NAME, "qwen3", "L2", "qwen3-target", 0, {}, dict(PARAMS)))
+    out = [Case(NAME, name, "L2", "gemma4-target", 0, ov, PARAMS) for name, ov in GEMMA4_VARIANTS.items()]
+    out.append(Case(NAME, "qwen3", "L2", "qwen3-target", 0, {}, PARAMS))
     for base, kind, layer in (("gemma4", "gemma4-target", 3), ("qwen3", "qwen3-target", 1)):
         ov = GEMMA4_VARIANTS.get(base, {})
-        out.append(Case(NAME, f"{base}-control-rope-L{layer}", "L2", kind, 0, ov, dict(PARAMS),
+        out.append(Case(NAME, f"{base}-control-rope-L{layer}", "L2", kind, 0, ov, PARAMS,
                         control=controls.case_control(NAME, f"rope-L{layer}", base, layer=layer)))
     return out
 
@@ -48,7 +49,7 @@ def run_oracle(case: Case):
     model = oracle.load(case.checkpoint_dir())
     ids = case.prompt(*PROMPT).astype(np.int64)
     arrays = oracle.forward(model, ids)
-    arrays.update(oracle.greedy(model, ids, case.params["new_tokens"]))
+    arrays.update(oracle.greedy(model, ids, case.params.new_tokens))
     provenance = {"reference": {"name": ORACLE, "versions": oracle.versions()}}
     return arrays, provenance
 
