@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import attended
+from .attended import Rows, Window
 from .compare import Result, check_tensor, kl, stream_metrics, teacher_forced, trace_metrics
 from .layers import localize
 
@@ -245,6 +247,8 @@ def _port_srcs(check) -> list[Src]:
                 out.append(s)
             elif isinstance(s, Round):
                 out += [x for x in (s.sizes, s.emitted, s.tokens) if x.side == "port"]
+            elif isinstance(s, Rows) and s.src.side == "port":
+                out.append(s.src)
     return out
 
 
@@ -476,5 +480,5 @@ def layer_feeds(ref: dict) -> dict:
     return {k: v for k, v in ref.items() if k.startswith("layer.")}
 
 
-_JUDGES = {Drafts: _drafts, Shift: _shift, Pruning: _pruning, FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,
+_JUDGES = {Window: attended.judge, Drafts: _drafts, Shift: _shift, Pruning: _pruning, FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,
            Scored: _scored}
