@@ -43,7 +43,7 @@ class Window:
     finding: str = "module"
 
 
-def _positions(rows: Rows, sides: dict, n: int) -> np.ndarray | None:
+def _positions(rows: Rows, sides: dict) -> np.ndarray | None:
     arrays = sides[rows.src.side]
     if rows.pos is not None and rows.pos in arrays:
         return np.ravel(arrays[rows.pos]).astype(np.int64)
@@ -62,15 +62,15 @@ def judge(c: Window, sides, module, dtype, result) -> None:
     if any(a is None for a, _ in got):
         result.metrics[c.name] = {"ok": False, "error": "missing"}
         return result.fail(f"{c.name}: missing", c.finding)
-    bad = [r.src.label for a, r in got if (p := _positions(r, sides, a.shape[-2])) is not None and len(p) != a.shape[-2]]
+    bad = [r.src.label for a, r in got if (p := _positions(r, sides)) is not None and len(p) != a.shape[-2]]
     if bad:
         result.metrics[c.name] = {"ok": False, "error": "positions"}
         return result.fail(f"{c.name}: {bad[0]}'s positions do not number its rows", c.finding)
-    (p, pp), (r, rp) = (view(a, _positions(s, sides, a.shape[-2]), c.keep) for a, s in got)
+    (p, pp), (r, rp) = (view(a, _positions(s, sides), c.keep) for a, s in got)
     if pp is None and rp is not None and len(rp):
-        pp = rp[-1] - len(p) + 1 + np.arange(len(p))
+        pp = rp[-1] - p.shape[-2] + 1 + np.arange(p.shape[-2])
     elif rp is None and pp is not None and len(pp):
-        rp = pp[-1] - len(r) + 1 + np.arange(len(r))
+        rp = pp[-1] - r.shape[-2] + 1 + np.arange(r.shape[-2])
     if pp is not None and not np.array_equal(pp, rp):
         result.metrics[c.name] = {"ok": False, "port_positions": pp.tolist(), "ref_positions": rp.tolist()}
         return result.fail(f"{c.name}: attends positions {pp.tolist()} vs the reference's {rp.tolist()}", c.finding)

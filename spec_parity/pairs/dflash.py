@@ -99,6 +99,7 @@ CONTROLS = [
     ("rejected_rows", "mod-qwen3"), ("rejected_rows", "loop-qwen3"), ("rejected_rows", "loop-gemma4"),
     ("own_head", "mod-gemma4-torch"), ("ctx_input_layernorm", "mod-qwen3-torch"),
     ("block_position_shift", "mod-qwen3-swa-torch"), ("rejected_rows", "loop-qwen3-torch"),
+    ("window_one_short", "mod-qwen3-swa"), ("window_one_short", "mod-qwen3-swa-torch"),
     ("thresholds_ignored", "ext-qwen3"),
 ]
 # One drafter layer's output planted wrong (controls.one_layer_scaled): the first divergent layer must be 1.
