@@ -71,6 +71,8 @@ LOOP_RETURNS = (
     Quantity("stream.drafted", "[R]", "int32", "tokens proposed per round"),
     Quantity("stream.accepted", "[R]", "int32", "drafts accepted per round"),
     Quantity("stream.emitted", "[R]", "int32", "tokens committed per round"),
+    Quantity("stream.prefilled", "[1]", "int32", "tokens committed before round 0 (absent: 1, the prefill's greedy "
+             "token; 0 where round 0 drafts it)"),
     Quantity("stream.proposals", "[D]", "int32", "every round's draft tokens, in order"),
     Quantity("stream.draft_logits", "[D, V]", "float32", "the drafter's logits of each proposed token"),
     Quantity("stream.logits", "[N, V]", "float32", "the target's logits each committed token was chosen from"),
