@@ -38,7 +38,7 @@ def recorded(section: str, case: str) -> tuple[str, str, list[str]]:
     m = re.search(rf"^\| {re.escape(case)} \| [^|]+ \| [^|]+ \| (PASS|FAIL|ERROR|DECLINED|DELTA) \| ([^|]*) \|(.*)$",
                   text, re.M)
     assert m, f"{DOC}: no row for {case} under '## {section}'"
-    return m.group(1), m.group(2).strip().strip("`"), [x.strip() for x in m.group(3).split("|")]
+    return m.group(1), m.group(2).strip().strip("`"), [x.strip() for x in m.group(3).strip().rstrip("|").split("|")]
 
 
 @pytest.mark.parametrize("module,name,req,adapter,section,case",
