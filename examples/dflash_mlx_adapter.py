@@ -27,7 +27,12 @@ What the case asks and dflash-mlx does not do is left as dflash-mlx does it, for
 to show: the drafter config's `is_causal`, `input_embedding_scale` and `output_multiplier` are
 never read, top level or nested (DFlashDraftModelArgs has no such fields; option `scales`),
 the block embedding is always the target's scaled one (option `embed`), and the sliding window
-is dflash-mlx's own (option `window`): every context row is kept and masked by position. Stored context K/V (`ctx_*`) are its caches' rows.
+is dflash-mlx's own (option `window`): every context row is kept and masked by position. Stored
+context K/V (`ctx_*`) are its caches' rows, with their positions (`position_indices()`,
+`ctx_pos.*`), so the harness compares them as attended. Each draft layer's output in round 0 is
+recorded from outside (`draft.layers` wrapped, oracles.layers.mlx_recorded, as for the
+references: `layer.*`), and, fed the reference's, once more from fresh caches (`own.*`): the
+first divergent layer.
 
 Loop cases run `runtime.stream_dflash_generate` (its own loop) on the prompt ids at T=0 with
 verify_mode "dflash" (fixed blocks; the default "adaptive" shortens blocks on wall-clock
@@ -42,6 +47,8 @@ DECLINED.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
@@ -77,20 +84,13 @@ def _load(req):
 
 def _modules(req) -> dict:
     import mlx.core as mx
-    from dflash_mlx.engine.config import resolve_draft_window
-    from dflash_mlx.runtime.config import runtime_config_from_defaults
+
+    from oracles.layers import as_numpy, mlx_recorded
+    from spec_parity.checks import layer_feeds
 
     target, ops, draft = _load(req)
-    o, p = req.options, req.prompt
-    bs, ids = int(draft.block_size), list(draft.target_layer_ids)
-    capture = {i + 1 for i in ids}
-    allow_full = bool(ops.capabilities_for(target).supports_full_context_draft_layers)
-    n_ctx = p.shape[1] + len(o["accepts"]) * bs
-    sink, window = resolve_draft_window(runtime_config_from_defaults(), draft, context_len=n_ctx,
-                                        allow_full_attention_context=allow_full)
-    backend = third_party.dflash_mlx_backend()
-    draft_cache = third_party.dflash_mlx_cache(backend, draft, sink, window, allow_full)
-    cache = ops.make_cache(target, enable_speculative_linear_cache=True)
+    o = req.options
+    bs, ids, capture = int(draft.block_size), list(draft.target_layer_ids), {i + 1 for i in draft.target_layer_ids}
 
     hidden = []
     forward = draft.forward_projected_context
@@ -101,19 +101,13 @@ def _modules(req) -> dict:
         return h
     draft.forward_projected_context = recording
 
-    parts = [p[:, :-1], p[:, -1:]] if o["prefill"] == "split" else [p]
-    feats = []
-    for part in parts:
-        logits, captured = ops.forward_with_hidden_capture(target, input_ids=mx.array(part), cache=cache,
-                                                           capture_layer_ids=capture)
-        feats.append(ops.extract_context_feature(captured, ids))
-    taps = mx.concatenate(feats, axis=1)
-    anchor = int(mx.argmax(logits[0, -1]).item())
-    out, anchors, start = {"taps.0": taps[0]}, [anchor], p.shape[1]
-    tail = third_party.dflash_mlx_tail(draft)
+    backend, tail, recorded = third_party.dflash_mlx_backend(), third_party.dflash_mlx_tail(draft), {}
+    cache, draft_cache, taps, anchor = _prefilled(req, target, ops, draft, backend)
+    out, anchors, start = {"taps.0": taps[0]}, [anchor], req.prompt.shape[1]
     for r, a in enumerate(o["accepts"]):
-        tokens = third_party.dflash_mlx_block(backend, target, ops, draft, draft_cache,
-                                              mx.array([anchor], dtype=mx.uint32), tail, taps)
+        with mlx_recorded(draft.layers, recorded) if r == 0 else contextlib.nullcontext():
+            tokens = third_party.dflash_mlx_block(backend, target, ops, draft, draft_cache,
+                                                  mx.array([anchor], dtype=mx.uint32), tail, taps)
         h = hidden[-1]
         out[f"hidden.{r}"], out[f"tokens.{r}"] = h[0, 1:], tokens.astype(mx.int32)
         out[f"logits.{r}"] = ops.logits_from_hidden(target, h[:, 1:, :])[0]
@@ -130,9 +124,37 @@ def _modules(req) -> dict:
     # The last commit enters the caches at the next draft, as in the reference: not in ctx_*.
     for i, c in enumerate(draft_cache):
         k, v = c.fetch()
-        out[f"ctx_k.{i}"], out[f"ctx_v.{i}"] = k[0], v[0]
+        out[f"ctx_k.{i}"], out[f"ctx_v.{i}"], out[f"ctx_pos.{i}"] = k[0], v[0], c.position_indices()
     out["anchors"] = mx.array(anchors, dtype=mx.int32)
-    return {k: np.array(v) for k, v in out.items()}
+    feed = layer_feeds(req.inputs)
+    if feed:        # fresh caches, round 0 again, each layer fed the reference's previous layer
+        _, own_cache, own_taps, first = _prefilled(req, target, ops, draft, backend)
+        with mlx_recorded(draft.layers, recorded, "own", feed):
+            third_party.dflash_mlx_block(backend, target, ops, draft, own_cache, mx.array([first], dtype=mx.uint32),
+                                         tail, own_taps)
+    return {**{k: np.array(v) for k, v in out.items()}, **as_numpy(recorded)}
+
+
+def _prefilled(req, target, ops, draft, backend):
+    """Fresh target and draft caches, the prompt through the target as the case's `prefill` says:
+    (target cache, draft cache, the prompt's taps [1, P, T], the first anchor)."""
+    import mlx.core as mx
+    from dflash_mlx.engine.config import resolve_draft_window
+    from dflash_mlx.runtime.config import runtime_config_from_defaults
+
+    p, o, ids = req.prompt, req.options, list(draft.target_layer_ids)
+    allow_full = bool(ops.capabilities_for(target).supports_full_context_draft_layers)
+    n_ctx = p.shape[1] + len(o["accepts"]) * int(draft.block_size)
+    sink, window = resolve_draft_window(runtime_config_from_defaults(), draft, context_len=n_ctx,
+                                        allow_full_attention_context=allow_full)
+    draft_cache = third_party.dflash_mlx_cache(backend, draft, sink, window, allow_full)
+    cache = ops.make_cache(target, enable_speculative_linear_cache=True)
+    feats = []
+    for part in [p[:, :-1], p[:, -1:]] if o["prefill"] == "split" else [p]:
+        logits, captured = ops.forward_with_hidden_capture(target, input_ids=mx.array(part), cache=cache,
+                                                           capture_layer_ids={i + 1 for i in ids})
+        feats.append(ops.extract_context_feature(captured, ids))
+    return cache, draft_cache, mx.concatenate(feats, axis=1), int(mx.argmax(logits[0, -1]).item())
 
 
 def _loop(req) -> dict:

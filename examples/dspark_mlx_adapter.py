@@ -32,7 +32,8 @@ round's accepted count comes from its TokenEvents (`n_accepted`, one group per r
 drafts are recorded by wrapping the drafter instance's `draft` (its outputs unchanged) and cut
 at the threshold as the loop cuts them. Its loop starts from the prompt's last token as anchor
 (the target's first token is round 0's first draft), where DeepSpec starts from the prefill's
-greedy token: the verdict's schedule and drafts findings show that shift, the lossless one not.
+greedy token: the adapter says so (`stream.prefilled` 0: nothing committed before round 0), so the
+drafts are paired with DeepSpec's on the same context and the schedule finding names the shift.
 """
 
 from __future__ import annotations
@@ -185,4 +186,5 @@ def _loop(req) -> dict:
     return {"stream.tokens": np.array([e.token for e in events], np.int32),
             "stream.drafted": np.array([len(p) for p in proposals], np.int32), "stream.accepted": accepted,
             "stream.emitted": accepted + 1, "stream.proposals": np.concatenate(proposals).astype(np.int32),
-            "stream.draft_logits": np.concatenate(rows), "tau": np.array([float(np.mean(accepted + 1))])}
+            "stream.draft_logits": np.concatenate(rows), "tau": np.array([float(np.mean(accepted + 1))]),
+            "stream.prefilled": np.array([0], np.int32)}

@@ -161,6 +161,23 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accepts: li
     return {**{k: _np(v) for k, v in out.items()}, **as_numpy(layers)}
 
 
+def ring_positions(start: int, sizes: list[int], window: int) -> tuple[int, ...]:
+    """The absolute position of each row a sliding layer's `ctx_k`/`ctx_v` hold as `modules`
+    stores them (mlx-lm's RotatingKVCache of W-1 rows, z-lab MLX's draft cache), replayed on that
+    cache with the positions as the rows: `start` the first context row's position, `sizes` the
+    rows entering it per round (taps.r; z-lab MLX keeps the newest W-1 of them, counting all)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import RotatingKVCache
+
+    c = RotatingKVCache(max_size=window - 1, keep=0)
+    c.offset = start
+    for n in sizes:
+        c.offset += max(0, n - (window - 1))
+        rows = mx.arange(c.offset, c.offset + min(n, window - 1), dtype=mx.float32).reshape(1, 1, -1, 1)
+        c.update_and_fetch(rows, rows)
+    return tuple(int(x) for x in np.array(c.keys[0, 0, : _stored(c), 0]))
+
+
 def _stored(c) -> int:
     """Rows held by an mlx-lm cache's buffer (KVCache over-allocates in steps of 256)."""
     from mlx_lm.models.cache import RotatingKVCache

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import attended
+from .attended import Rows, Window
 from .compare import Result, check_tensor, kl, stream_metrics, teacher_forced, trace_metrics
 from .layers import localize
 
@@ -169,6 +171,7 @@ class Round:
     emitted: Src
     tokens: Src
     logits: Src | None = None
+    start: Src | None = None        # tokens committed before round 0 (absent: 1, the prefill's)
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,8 @@ def _port_srcs(check) -> list[Src]:
                 out.append(s)
             elif isinstance(s, Round):
                 out += [x for x in (s.sizes, s.emitted, s.tokens) if x.side == "port"]
+            elif isinstance(s, Rows) and s.src.side == "port":
+                out.append(s.src)
     return out
 
 
@@ -366,7 +371,8 @@ def _rounds(r: Round, sides) -> dict | None:
     logits = r.logits.get(sides) if r.logits is not None else None
     if sizes is None or emitted is None or tokens is None:
         return None
-    out, at, ctx = {}, 0, 0
+    first = r.start.get(sides) if r.start is not None else None
+    out, at, ctx = {}, 0, 1 if first is None else int(np.ravel(first)[0])
     for n, e in zip(np.ravel(sizes).tolist(), np.ravel(emitted).tolist()):
         out[ctx] = (np.ravel(tokens)[at:at + n], logits[at:at + n] if logits is not None else None)
         at, ctx = at + n, ctx + e
@@ -374,10 +380,17 @@ def _rounds(r: Round, sides) -> dict | None:
 
 
 def _drafts(c: Drafts, sides, module, dtype, result):
+    """Also the schedule's first fact: a loop whose round 0 drafts the prefill's token starts one
+    token before the reference's (its rounds then pair with the reference's one round on)."""
     port, ref = _rounds(c.port, sides), _rounds(c.ref, sides)
     if port is None or ref is None:
         return _missing(result, c, "missing")
     shared = sorted(set(port) & set(ref))
+    if min(port, default=1) != min(ref, default=1):
+        p, r = min(port), min(ref)
+        result.metrics["schedule_start"] = {"ok": False, "port": p, "ref": r}
+        result.fail(f"its first round starts after {p} tokens past the prompt, the reference's after {r}: its "
+                    f"rounds stand {abs(r - p)} token(s) {'before' if p < r else 'after'} the reference's", "schedule")
     bad, rows_p, rows_r = [], [], []
     for ctx in shared:
         (tp, lp), (tr, lr) = port[ctx], ref[ctx]
@@ -391,10 +404,12 @@ def _drafts(c: Drafts, sides, module, dtype, result):
                               "first_bad": bad[0] if bad else None}
     if bad:
         ctx, tp, tr = bad[0]
-        result.fail(f"drafts differ from the reference's on the same context (round after {ctx} committed "
-                    f"tokens: port {tp} vs ref {tr}; {len(bad)} of {len(shared)} rounds)", c.finding)
+        result.fail(f"drafts differ from the reference's on the same context (round after {ctx} tokens past "
+                    f"the prompt: port {tp} vs ref {tr}; {len(bad)} of {len(shared)} rounds)", c.finding)
     elif not shared and (len(port) or len(ref)):
-        result.fail(f"{c.name}: no round of the port starts where one of the reference's does", c.finding)
+        result.note(f"{c.name}: not compared, no round of the port starts where one of the reference's does "
+                    f"(after {sorted(port)[:4]} vs {sorted(ref)[:4]} committed tokens): the schedule differs")
+        result.metrics[c.name]["compared"] = False
     if c.quantity and rows_p:
         V = rows_p[0].shape[-1]
         check_tensor(result, c.name + ".logits", np.concatenate(rows_p).reshape(-1, V),
@@ -450,7 +465,7 @@ def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tup
               Tokens("stream_vs_ref", P("stream.tokens"), R("stream.tokens", drop=ref_drop), G("greedy.logits"),
                      f"token stream vs {ref_name}'s")]
     ours = Round(P("stream.drafted"), P("stream.emitted"), P("stream.proposals"),
-                 P("stream.draft_logits") if drafts.logits is not None else None)
+                 P("stream.draft_logits") if drafts.logits is not None else None, P("stream.prefilled"))
     checks.append(Drafts("drafts_vs_ref", ours, drafts, draft_logits))
     checks.append(Trace("schedule_vs_ref", schedule, ref_schedule, f"per-round schedule vs {ref_name}'s"))
     if tau is not None:
@@ -476,5 +491,5 @@ def layer_feeds(ref: dict) -> dict:
     return {k: v for k, v in ref.items() if k.startswith("layer.")}
 
 
-_JUDGES = {Drafts: _drafts, Shift: _shift, Pruning: _pruning, FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,
+_JUDGES = {Window: attended.judge, Drafts: _drafts, Shift: _shift, Pruning: _pruning, FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,
            Scored: _scored}

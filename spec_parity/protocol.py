@@ -71,6 +71,8 @@ LOOP_RETURNS = (
     Quantity("stream.drafted", "[R]", "int32", "tokens proposed per round"),
     Quantity("stream.accepted", "[R]", "int32", "drafts accepted per round"),
     Quantity("stream.emitted", "[R]", "int32", "tokens committed per round"),
+    Quantity("stream.prefilled", "[1]", "int32", "tokens committed before round 0 (absent: 1, the prefill's greedy "
+             "token; 0 where round 0 drafts it)"),
     Quantity("stream.proposals", "[D]", "int32", "every round's draft tokens, in order"),
     Quantity("stream.draft_logits", "[D, V]", "float32", "the drafter's logits of each proposed token"),
     Quantity("stream.logits", "[N, V]", "float32", "the target's logits each committed token was chosen from"),
@@ -123,7 +125,8 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
               Quantity("anchor", "[1]", "int32", "the target's greedy next token"),
               Quantity("taps", "[P, T]", "float32", "the tapped target hiddens"),
               Quantity("context", "[P, H]", "float32", "the projected context"),
-              Quantity("context_*", "[heads, P, d]", "float32", "each drafter layer's context K/V"),
+              Quantity("context_*", "[heads, P, d]", "float32", "each drafter layer's context K/V (no window: "
+                       "every prompt row, in position order)"),
               Quantity("block_hidden", "[B-1, H]", "float32", "the block's final hidden (the rows that draft)"),
               Quantity("base_logits", "[B-1, V]", "float32", "logits before the Markov head"),
               Quantity("confidence", "[B-1]", "float32", "the confidence head's logits")) + LAYER_RETURNS),
@@ -134,7 +137,10 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
                   Quantity("anchors", "[R+1]", "int32", "each round's anchor", True),
                   Quantity("hidden.*", "[B-1, H]", "float32", "round r's final-normed block hidden (rows 1..B-1)"),
                   Quantity("taps.*", "[n, T]", "float32", "the tap rows entering the context before round r"),
-                  Quantity("ctx_*", "[heads, S, d]", "float32", "each layer's stored context K/V at the end"))
+                  Quantity("ctx_[kv].*", "[heads, S, d]", "float32", "each layer's context K/V at the end, in any "
+                           "layout (compared as attended: by position, a sliding layer's newest W-1 rows)"),
+                  Quantity("ctx_pos.*", "[S]", "int32", "each ctx_k/ctx_v row's absolute position (absent: "
+                           "in position order, the newest last)"))
              + LAYER_RETURNS),
     _loop("assistant"), _loop("dspark"), _loop("dflash"),
     Protocol("dflash", "extension", "the DSpark-on-DFlash extension (no reference: L3), extras on, at T=0",

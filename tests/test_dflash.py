@@ -71,6 +71,30 @@ def test_window_conventions_vs_zlab_torch(name):
 
 
 @pytest.mark.golden
+@pytest.mark.parametrize("base", ["mod-qwen3-swa", "mod-qwen3-swa-torch"])
+def test_a_window_one_row_short_fails_on_the_attended_positions(base):
+    """The planted window_one_short control: every sliding layer's stored window, compared as
+    attended (z-lab MLX's ring replayed, z-lab torch's rows in time order), names the lost row."""
+    result = harness.evaluate(_case(f"{base}-control-window_one_short"), "golden")
+    for i in (0, 1):
+        m = result.metrics[f"ctx_k.{i}"]
+        assert m["port_positions"] == list(range(22, 30)) and m["ref_positions"] == list(range(21, 30)), m
+
+
+@pytest.mark.golden
+def test_ring_replay_is_the_ports_own_ring():
+    """The golden's ring positions, replayed from its taps, are those of the port's own cache
+    (which it returns as ctx_pos) on the same schedule: the replay describes mlx-lm's ring."""
+    case = _case("mod-qwen3-swa")
+    ref, _ = goldens.load(case)
+    port = harness.port_run(case, ref)
+    sliding, W = pair._sliding(case)
+    for i in (0, 1):
+        known = pair._stored_positions(case, ref, f"ctx_k.{i}", sliding[i], W)
+        assert known == tuple(port[f"ctx_pos.{i}"].tolist()) and known != tuple(sorted(known)), known
+
+
+@pytest.mark.golden
 def test_embed_convention_vs_zlab_torch():
     """z-lab torch embeds the block with the raw embedding rows; with z-lab MLX's sqrt(H)-scaled
     embedding the very first block already differs on a Gemma-4 target (and not on Qwen3)."""

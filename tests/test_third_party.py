@@ -24,19 +24,21 @@ DOC = ROOT / "docs" / "third-party.md"
 # (module, import name, pip requirement, adapter module, doc section, cases)
 PEERS = [
     ("dflash", "dflash_mlx", "dflash-mlx==0.1.8", "dflash_mlx_adapter", "dflash-mlx 0.1.8",
-     ["mod-qwen3", "mod-qwen3-causal", "ext-qwen3"]),
+     ["mod-qwen3", "mod-qwen3-causal", "mod-qwen3-swa", "ext-qwen3"]),
     ("dspark", "dspark_mlx", "dspark-mlx==0.1.0", "dspark_mlx_adapter", "dspark-mlx 0.1.0",
-     ["mod-qwen3", "mod-gemma4-gated"]),
+     ["mod-qwen3", "mod-gemma4-gated", "loop-qwen3-t0.0"]),
 ]
+FINDINGS = ("lossless", "stream", "drafts", "schedule")     # a loop row's columns after the first failing check
 
 
-def recorded(section: str, case: str) -> tuple[str, str]:
-    """(verdict, first failing check or error) of `case` in `section`'s verdict table of
-    docs/third-party.md."""
+def recorded(section: str, case: str) -> tuple[str, str, list[str]]:
+    """(verdict, first failing check or error, the row's further cells) of `case` in `section`'s
+    verdict tables of docs/third-party.md."""
     text = DOC.read_text().split(f"## {section}", 1)[1].split("\n## ", 1)[0]
-    m = re.search(rf"^\| {re.escape(case)} \| [^|]+ \| [^|]+ \| (PASS|FAIL|ERROR|DECLINED) \| ([^|]*) \|", text, re.M)
+    m = re.search(rf"^\| {re.escape(case)} \| [^|]+ \| [^|]+ \| (PASS|FAIL|ERROR|DECLINED|DELTA) \| ([^|]*) \|(.*)$",
+                  text, re.M)
     assert m, f"{DOC}: no row for {case} under '## {section}'"
-    return m.group(1), m.group(2).strip().strip("`")
+    return m.group(1), m.group(2).strip().strip("`"), [x.strip() for x in m.group(3).strip().rstrip("|").split("|")]
 
 
 @pytest.mark.parametrize("module,name,req,adapter,section,case",
@@ -47,7 +49,7 @@ def test_adapter_gives_the_recorded_verdict(module, name, req, adapter, section,
     port = ports.load(f"{adapter}:make_port")
     monkeypatch.setitem(ports._SELECTED, module, port)
     c = {c.name: c for c in harness.pair(module).cases()}[case]
-    verdict, first = recorded(section, case)
+    verdict, first, cells = recorded(section, case)
     if verdict == "ERROR":                     # the port cannot run the case: the doc names why
         with pytest.raises(Exception) as e:
             harness.evaluate(c, "golden")
@@ -61,3 +63,8 @@ def test_adapter_gives_the_recorded_verdict(module, name, req, adapter, section,
     assert result.verdict == verdict, f"{case}: {result.message()}"
     failed = [k for k, v in result.metrics.items() if isinstance(v, dict) and v.get("ok") is False]
     assert (failed[0] if failed else "") == first, f"{case}: first failing check {failed[:3]}, doc says {first!r}"
+    if verdict == "DELTA":                     # the row names the delta the harness named
+        assert all(d in cells[-1] for d in result.metrics["delta"]["deltas"]), (cells, result.metrics["delta"])
+    if c.params.KIND == "loop":                # each finding as recorded: ok / FAIL / not exposed / not compared
+        for finding, cell in zip(FINDINGS, cells):
+            assert (cell == "FAIL") == (finding in result.findings), f"{case}: {finding} is {cell!r} in the doc"

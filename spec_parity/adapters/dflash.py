@@ -42,7 +42,8 @@ def run_modules(req: Request) -> dict:
     """The module rounds through the DflashSource, prefilled as the reference does: z-lab MLX splits
     off the prompt's last token ("split"), z-lab torch runs it in one forward ("whole"). The stored
     context K/V are returned as the reference holds them: mlx-lm's buffers as they are ("split"),
-    or in time order, sliding layers their newest W-1 rows (torch's DynamicSlidingWindowLayer).
+    or in time order, sliding layers their newest W-1 rows (torch's DynamicSlidingWindowLayer),
+    with each row's position (`ctx_pos.i`), so the harness compares them as attended.
     Each drafter layer's output in round 0 is recorded (`layer.i`); fed the reference's, a second
     prefill and round 0 give each layer's own error (`own.i`)."""
     import mlx.core as mx
@@ -74,15 +75,28 @@ def run_modules(req: Request) -> dict:
             own_src.draft([first], bs - 1, None)
     for i, c in enumerate(src.caches):
         if not isinstance(c, RotatingKVCache):
-            k, v = c.keys[..., : c.offset, :], c.values[..., : c.offset, :]
+            k, v, pos = c.keys[..., : c.offset, :], c.values[..., : c.offset, :], np.arange(c.offset)
         elif o["prefill"] == "split":
-            k, v = c.keys, c.values
+            k, v, pos = c.keys, c.values, _ring_positions(c)
         else:
             n = min(c.max_size, c.offset)
             k, v = c._temporal_order(c.keys)[..., -n:, :], c._temporal_order(c.values)[..., -n:, :]
-        out[f"ctx_k.{i}"], out[f"ctx_v.{i}"] = k[0], v[0]
+            pos = np.arange(c.offset - n, c.offset)
+        out[f"ctx_k.{i}"], out[f"ctx_v.{i}"], out[f"ctx_pos.{i}"] = k[0], v[0], mx.array(pos, dtype=mx.int32)
     out["anchors"] = mx.array(anchors, dtype=mx.int32)
     return {**{k: np.array(v) for k, v in out.items()}, **as_numpy(recorded)}
+
+
+def _ring_positions(c) -> np.ndarray:
+    """The absolute position of each row of an mlx-lm RotatingKVCache's buffer as it lies (the
+    cache's own time order of its row indices; rows never written: -1)."""
+    import mlx.core as mx
+
+    L = c.keys.shape[2]
+    order = np.array(c._temporal_order(mx.arange(L).reshape(1, 1, L, 1))).ravel()
+    pos = np.full(L, -1)
+    pos[order] = c.offset - len(order) + np.arange(len(order))
+    return pos
 
 
 def _prefilled(req: Request, target, m):

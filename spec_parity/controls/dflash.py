@@ -49,6 +49,23 @@ def _position(case):
     return {(dflash.Attention, "block_qkv"): lambda self, x, at: qkv(self, x, at + 1)}
 
 
+@control("dflash", "window_one_short", "a sliding layer's window one row short (the config's W read as W-1)")
+def _window_short(case):
+    """Its newest W-2 context rows attended where W-1 are due: the stored window ends where the
+    reference's does, one row shorter at the old end."""
+    from port import dflash
+
+    load = dflash.load
+
+    def short(*args, **kwargs):
+        model = load(*args, **kwargs)
+        if model.args.sliding_window:
+            model.args.sliding_window -= 1
+        return model
+
+    return {(dflash, "load"): short}
+
+
 control("dflash", "rejected_rows", "rejected verify rows kept in the context")(rejected_rows)
 control("dflash", "bucket_mask_off_by_one", "kv_bucket: the context mask lets the first padded row through")(
     bucket_mask_off_by_one)

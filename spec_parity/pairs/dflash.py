@@ -6,7 +6,9 @@ token, then the last token, taps through its layer hooks) and eight draft rounds
 commits (`accepts`: long, partial and empty ones, so one-row context updates on a full sliding
 ring happen). Compared per round: the taps entering the context, the drafter's final-normed block
 hidden, its logits (target head x output_multiplier, softcap) and greedy block, the next anchor,
-and at the end every layer's stored context K/V. Same framework, same ops: identical bytes.
+and at the end every layer's context K/V as its next query attends them (spec_parity.attended:
+in position order, a sliding layer's newest W-1 rows, wherever each side stores them; with an
+all-sliding drafter the taps too). Same framework, same ops: identical bytes.
 
 Loop cases (L2): our serve loop with the DflashSource against z-lab's `stream_generate` (T=0):
 token stream, per-round (drafted, accepted, emitted), the draft tokens, and the drafter's logits
@@ -26,6 +28,7 @@ compare.stream_metrics allows); tensors within the measured budgets.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -42,10 +45,12 @@ from ..checks import (
     Pruning,
     R,
     Round,
+    Rows,
     Scored,
     Shift,
     Tensor,
     Tokens,
+    Window,
     drafter_layers,
     layer_feeds,
     serve_loop,
@@ -95,6 +100,7 @@ CONTROLS = [
     ("rejected_rows", "mod-qwen3"), ("rejected_rows", "loop-qwen3"), ("rejected_rows", "loop-gemma4"),
     ("own_head", "mod-gemma4-torch"), ("ctx_input_layernorm", "mod-qwen3-torch"),
     ("block_position_shift", "mod-qwen3-swa-torch"), ("rejected_rows", "loop-qwen3-torch"),
+    ("window_one_short", "mod-qwen3-swa"), ("window_one_short", "mod-qwen3-swa-torch"),
     ("thresholds_ignored", "ext-qwen3"),
 ]
 # One drafter layer's output planted wrong (controls.one_layer_scaled): the first divergent layer must be 1.
@@ -207,18 +213,50 @@ def plan(case: Case, ref: dict) -> Plan:
                           schedule=tuple(P(c) for c in cols), ref_schedule=tuple(R(c) for c in cols),
                           drafts=Round(R(cols[0]), R(cols[2]), R("stream.proposals"), R("stream.draft_logits")),
                           draft_logits="loop_draft_logits_torch" if case.oracle == TORCH else "loop_draft_logits")
-    rounds = len(case.params.accepts)
-    checks = [Tensor("taps.0", P("taps.0"), R("taps.0"), "taps")]
+    rounds, (sliding, W) = len(case.params.accepts), _sliding(case)
+
+    def taps(k):  # an all-sliding drafter attends no context row older than the newest W-1
+        return Window(k, Rows(P(k)), Rows(R(k)), "taps", W - 1) if all(sliding) else Tensor(k, P(k), R(k), "taps")
+    checks = [taps("taps.0")]
     for r in range(rounds):  # in the order they are computed, so the reason names the first one off
         checks += [Tensor(f"{k}.{r}", P(f"{k}.{r}"), R(f"{k}.{r}"), k) for k in ("hidden", "logits")]
         checks.append(Tensor(f"tokens.{r}", P(f"tokens.{r}"), R(f"tokens.{r}"), "tokens") if case.tier == "L1" else
                       Tokens(f"tokens.{r}", P(f"tokens.{r}"), R(f"tokens.{r}"), R(f"logits.{r}"), f"round {r}'s draft",
                              finding="module"))
-        checks.append(Tensor(f"taps.{r + 1}", P(f"taps.{r + 1}"), R(f"taps.{r + 1}"), "taps"))
+        checks.append(taps(f"taps.{r + 1}"))
     checks.append(Tensor("anchors", P("anchors"), R("anchors"), "anchors"))
-    checks += [Tensor(k, P(k), R(k), "context_kv") for k in sorted(k for k in ref if k.startswith("ctx_"))]
+    for k in sorted(k for k in ref if k.startswith(("ctx_k.", "ctx_v."))):
+        i = int(k.split(".")[1])
+        pos = f"ctx_pos.{i}"
+        known = None if pos in ref else _stored_positions(case, ref, k, sliding[i], W)
+        checks.append(Window(k, Rows(P(k), pos), Rows(R(k), pos, known), "context_kv", W - 1 if sliding[i] else None))
     checks.append(FirstRound("rounds", tuple(f"logits.{r}" for r in range(rounds))))
     return Plan(checks + drafter_layers(ref))
+
+
+def _sliding(case: Case) -> tuple[list[bool], int | None]:
+    """Which drafter layers are sliding, and the window W, as the drafter's config.json says."""
+    cfg = json.loads((case.drafter_dir() / "config.json").read_text())
+    types = cfg.get("layer_types") or ["full_attention"] * int(cfg["num_hidden_layers"])
+    return [t == "sliding_attention" for t in types], cfg.get("sliding_window")
+
+
+def _stored_positions(case: Case, ref: dict, key: str, sliding: bool, W: int | None) -> tuple[int, ...] | None:
+    """Each stored row's position in a reference's context K/V (which records none): z-lab MLX's
+    sliding layers hold mlx-lm's ring buffer (replayed, oracles.dflash.ring_positions), the rest
+    (its full layers, every z-lab torch layer) the newest rows in time order. The rows entering
+    the context per round are the reference's own taps."""
+    from oracles import dflash as oracle
+
+    rounds = len(case.params.accepts)
+    if any(f"taps.{r}" not in ref for r in range(rounds)):
+        return None
+    sizes = [len(ref[f"taps.{r}"]) for r in range(rounds)]
+    start = case.params.prompt_len - sizes[0]
+    if sliding and case.oracle == ORACLE:
+        return oracle.ring_positions(start, sizes, W)
+    n = start + sum(sizes)
+    return tuple(range(n - ref[key].shape[-2], n))
 
 
 def quantities(port: dict, ref: dict) -> dict[str, float]:
