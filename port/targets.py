@@ -61,6 +61,9 @@ def load(path: str | Path, dtype: mx.Dtype | None = None, lazy: bool = False) ->
         model, config = load_model(path, lazy=lazy)
     except ValueError as e:
         raise (_tensor_error(path, str(e)) or e) from e
+    except FileNotFoundError as e:
+        raise TargetError(f"{path}: no model*.safetensors, the only weight files mlx-lm's loader reads; rename "
+                          "the weights model.safetensors (or model-0000i-of-0000n.safetensors shards)") from e
     family = FAMILIES.get(config.get("model_type"))
     if family is None:
         raise TargetError(f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not a supported "

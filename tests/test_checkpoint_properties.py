@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from port import assistant, checkpoint, dflash, dspark
+from port import assistant, checkpoint, dflash, dspark, targets
 from spec_parity import checkpoints
 
 FAMILIES = sorted(m.FAMILIES)
@@ -218,3 +218,12 @@ def test_control_a_loader_that_defaults_markov_head_type_is_caught(monkeypatch, 
     monkeypatch.setattr(checkpoint, "REQUIRED_WHEN", {})
     caught = _fails(m.check_optional_key, [("dspark", "markov_head_type", "removed")])
     assert len(caught) == 1 and "the reference stops" in caught[0], caught
+
+
+def test_control_a_target_refusal_left_to_mlx_lm_is_caught(monkeypatch):
+    """port.targets.load passing mlx-lm's own refusal through (two lines, no file) fails the
+    tensor properties for both targets."""
+    examples = [(f, "model.layers.0.extra.weight") for f in ("qwen3", "gemma4")]
+    assert not _fails(m.check_tensor_extra, examples)
+    monkeypatch.setattr(targets, "_tensor_error", lambda path, msg: None)
+    assert len(_fails(m.check_tensor_extra, examples)) == len(examples)

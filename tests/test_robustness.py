@@ -127,6 +127,8 @@ BAD_INPUTS = [
     ("target safetensors with a misshaped tensor", lambda t: ["run", "--target", str(_tensors(
         _copy("qwen3-target", t, "q"), grow="model.layers.1.mlp.up_proj.weight"))],
      ["q/model.safetensors", "model.layers.1.mlp.up_proj.weight", "[129, 64]", "fix the config.json keys"]),
+    ("target weights not named model*.safetensors", lambda t: ["run", "--target", str(_renamed(_copy("qwen3-target", t, "q")))],
+     ["q: no model*.safetensors", "rename the weights"]),
     ("drafter safetensors with an extra tensor", lambda t: ["run", "--target", str(_copy("qwen3-target", t, "q")),
                                                             "--drafter", str(_tensors(_copy("dflash-drafter", t, "df"), add="fc.bias"))],
      ["df/model.safetensors", "fc.bias", "no place"]),
@@ -159,6 +161,11 @@ def _tensors(d: Path, add: str = "", drop: str = "", grow: str = "") -> Path:
     if grow:
         t[grow] = np.concatenate([t[grow], t[grow][:1]])
     save_file(t, d / "model.safetensors")
+    return d
+
+
+def _renamed(d: Path) -> Path:
+    (d / "model.safetensors").rename(d / "weights.safetensors")
     return d
 
 
