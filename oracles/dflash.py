@@ -318,6 +318,12 @@ def torch_modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accep
                        "prompt": [int(t) for t in prompt[0]], "accepts": list(accepts)})
 
 
+def torch_save(drafter_dir: Path, out_dir: Path) -> Path:
+    """The drafter as z-lab's torch `DFlashDraftModel.save_pretrained` writes it, in out_dir."""
+    _run_torch({"mode": "save", "drafter": str(drafter_dir), "out": str(out_dir)})
+    return Path(out_dir)
+
+
 def torch_loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_tokens: int) -> dict:
     return _run_torch({"mode": "loop", "target": str(target_dir), "drafter": str(drafter_dir),
                        "prompt": [int(t) for t in prompt[0]], "max_tokens": int(max_tokens)})

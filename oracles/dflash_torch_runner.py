@@ -7,8 +7,8 @@ script with that environment's python:
 
     python dflash_torch_runner.py request.json out.npz
 
-request: {"mode": "modules" | "loop", "target": dir, "drafter": dir, "prompt": [ids],
-          "accepts": [a per round] (modules), "max_tokens": n (loop)}
+request: {"mode": "modules" | "loop" | "save", "target": dir, "drafter": dir, "prompt": [ids],
+          "accepts": [a per round] (modules), "max_tokens": n (loop), "out": dir (save)}
 
 It imports only numpy, torch, transformers and z-lab's `dflash.model`, and calls z-lab's own
 functions: `DFlashDraftModel.from_pretrained`, `extract_context_feature`, `_make_cache`,
@@ -192,6 +192,15 @@ def loop(req: dict) -> dict:
             else np.zeros((0, V), np.float32)}
 
 
+def save(req: dict) -> dict:
+    """z-lab's own save path: `DFlashDraftModel.from_pretrained(drafter).save_pretrained(out)`."""
+    import torch
+    from dflash.model import DFlashDraftModel
+
+    DFlashDraftModel.from_pretrained(Path(req["drafter"]), dtype=torch.float32).save_pretrained(Path(req["out"]))
+    return {}
+
+
 def versions() -> dict:
     from importlib.metadata import version
 
@@ -203,7 +212,7 @@ def main(argv: list[str]) -> int:
     if req["mode"] == "versions":
         arrays = {}
     else:
-        arrays = {"modules": modules, "loop": loop}[req["mode"]](req)
+        arrays = {"modules": modules, "loop": loop, "save": save}[req["mode"]](req)
     arrays["__versions__"] = np.frombuffer(json.dumps(versions()).encode(), np.uint8)
     np.savez(argv[2], **arrays)
     return 0

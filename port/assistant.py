@@ -295,6 +295,7 @@ def load(path: str | Path, dtype: mx.Dtype | None = None, model=Model) -> Model:
     cfg = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_config(cfg, path)
     model = model(args)
+    model.config_file = path / "config.json"
     weights = checkpoint.read_tensors(path)
     if not args.tie_word_embeddings and "lm_head.weight" not in weights:
         raise DrafterError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight; "
@@ -320,23 +321,26 @@ def norms_in_fp32(model: nn.Module) -> None:
 
 
 def check_pairing(drafter: Model, target) -> None:
-    """A drafter is trained against one backbone: refuse a target it cannot read."""
+    """A drafter is trained against one backbone: refuse a target it cannot read, naming the
+    drafter's config.json, the key and the fix."""
+    f, t = checkpoint.config_of(drafter), f"{target.path / 'config.json'}"
+    fix = "pair the drafter with the target it was trained on"
     if target.family != "gemma4":
-        raise DrafterError(f"the Gemma-4 assistant drafter needs a Gemma-4 target; {target.path} is "
-                           f"{target.config.get('model_type')!r}")
+        raise DrafterError(f"{f}: a Gemma-4 assistant drafter needs a Gemma-4 target; {t} has model_type "
+                           f"{target.config.get('model_type')!r}; {fix}")
     a, c = drafter.args, target.config
     if a.backbone_hidden_size != c["hidden_size"]:
-        raise DrafterError(f"drafter backbone_hidden_size {a.backbone_hidden_size} != target hidden_size "
-                           f"{c['hidden_size']}: this drafter belongs to another Gemma-4 size")
+        raise DrafterError(f"{f}: backbone_hidden_size {a.backbone_hidden_size} != hidden_size {c['hidden_size']} "
+                           f"of {t}: this drafter belongs to another Gemma-4 size; {fix}")
     if (a.head_dim, a.global_head_dim) != (c["head_dim"], c["global_head_dim"]):
-        raise DrafterError(f"drafter head dims {(a.head_dim, a.global_head_dim)} != target's "
-                           f"{(c['head_dim'], c['global_head_dim'])}: it cannot read the target's K/V")
+        raise DrafterError(f"{f}: text_config head dims (head_dim, global_head_dim) {(a.head_dim, a.global_head_dim)} "
+                           f"!= {(c['head_dim'], c['global_head_dim'])} of {t}: it cannot read the target's K/V; {fix}")
     if a.vocab_size != c["vocab_size"]:
-        raise DrafterError(f"drafter vocab {a.vocab_size} != target vocab {c['vocab_size']}")
+        raise DrafterError(f"{f}: text_config.vocab_size {a.vocab_size} != vocab_size {c['vocab_size']} of {t}; {fix}")
     if a.sliding_window != c["sliding_window"]:
-        raise DrafterError(f"drafter sliding_window {a.sliding_window} != target's {c['sliding_window']}: optiq cuts "
-                           "the donor view at the target's window and the port at the drafter's; set the drafter's "
-                           "text_config.sliding_window to the target's")
+        raise DrafterError(f"{f}: text_config.sliding_window {a.sliding_window} != sliding_window {c['sliding_window']} "
+                           f"of {t}: optiq cuts the donor view at the target's window and the port at the drafter's; "
+                           "set the drafter's text_config.sliding_window to the target's")
 
 
 def draft_chain(drafter: Model, target, donors: dict, token: int, hidden, position: int, n: int,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
+from safetensors import safe_open
 
 
 class CheckpointError(ValueError):
@@ -32,7 +33,8 @@ class CheckpointError(ValueError):
 #   assistant port/assistant.py ModelArgs.from_config (the text_config keys read with []); the
 #             centroid head's num_centroids / top-k (transformers defaults 2048 / 32, optiq and the
 #             port 0; tests/test_checkpoint_properties.py shows the difference)
-#   dspark    port/dspark.py ModelArgs.from_config; num_anchors, which DeepSpec's config asserts
+#   dspark    port/dspark.py ModelArgs.from_config; num_anchors, markov_rank and enable_confidence_head,
+#             which DeepSpec's DSpark models assert (modeling/dspark/*/modeling.py, required_fields)
 #   dflash    port/dflash.py ModelArgs.from_config (it checks the same list itself); rms_norm_eps and
 #             max_position_embeddings, which z-lab MLX's (mlx-lm's) qwen3 ModelArgs read without a default
 _SIZES = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "vocab_size")
@@ -47,16 +49,25 @@ REQUIRED: dict[str, tuple[str, ...]] = {
                   "text_config.sliding_window", "text_config.vocab_size", "text_config.rope_parameters",
                   "num_centroids", "centroid_intermediate_top_k"),
     "dspark-gemma4": (*_SIZES, "num_key_value_heads", "global_head_dim", "block_size", "mask_token_id",
-                      "target_layer_ids", "num_target_layers", "num_anchors", "rope_parameters"),
+                      "target_layer_ids", "num_target_layers", "num_anchors", "markov_rank", "enable_confidence_head",
+                      "rope_parameters"),
     "dspark-qwen3": (*_SIZES, "num_key_value_heads", "head_dim", "block_size", "mask_token_id",
-                     "target_layer_ids", "num_target_layers", "num_anchors", "rope_theta|rope_parameters"),
+                     "target_layer_ids", "num_target_layers", "num_anchors", "markov_rank", "enable_confidence_head",
+                     "rope_theta|rope_parameters"),
     "dflash": (*_SIZES, "num_key_value_heads", "head_dim", "num_target_layers", "dflash_config",
                "dflash_config.target_layer_ids", "dflash_config.mask_token_id", "rms_norm_eps",
                "max_position_embeddings", "rope_theta|rope_parameters"),
 }
+# Keys required only when another key turns their part on, as DeepSpec's DSpark models assert
+# them: (key, the key that turns it on, the values it takes). Neither has a default in DeepSpec's
+# config class; the port's would be a silent choice of head (a vanilla Markov head).
+_DSPARK_WHEN = (("markov_head_type", "markov_rank", "vanilla, gated or rnn"),
+                ("confidence_head_with_markov", "enable_confidence_head", "true or false"))
+REQUIRED_WHEN: dict[str, tuple[tuple[str, str, str], ...]] = {
+    "dspark-gemma4": _DSPARK_WHEN, "dspark-qwen3": _DSPARK_WHEN, "dflash-extension": _DSPARK_WHEN}
 LABELS = {"qwen3": "Qwen3 target", "gemma4_text": "Gemma-4 target", "assistant": "Gemma-4 assistant",
           "dspark-gemma4": "DeepSpec DSpark (Gemma-4)", "dspark-qwen3": "DeepSpec DSpark (Qwen3)",
-          "dflash": "z-lab DFlash"}
+          "dflash": "z-lab DFlash", "dflash-extension": "DSpark-on-DFlash"}
 TARGETS = ("qwen3", "gemma4_text")
 ASSISTANT_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 EXTRAS = ("markov_rank", "enable_confidence_head")   # a DFlash config declaring the DSpark extras
@@ -163,12 +174,23 @@ def check_dir(path: str | Path, role: str, families: tuple[str, ...] | None = No
         keys = ", ".join(k.replace("|", " (or ") + ")" * ("|" in k) for k in missing)
         raise CheckpointError(f"{p / 'config.json'}: this {LABELS[fam]} config lacks {keys}{where}; add it as "
                               "the checkpoint was trained (loaders would default it, each differently)")
+    check_required_when(cfg, p, fam)
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{p}: no *.safetensors beside config.json; copy the checkpoint's weights there")
     for f in files:
         check_safetensors(f)
     return fam
+
+
+def check_required_when(cfg: dict, path: Path, fam: str) -> None:
+    """Refuse a config whose part is turned on (markov_rank > 0) without the key that shapes it
+    (markov_head_type), naming config.json, both keys and the fix (REQUIRED_WHEN)."""
+    for key, on, values in REQUIRED_WHEN.get(fam, ()):
+        if cfg.get(on) and key not in cfg:
+            raise CheckpointError(f"{Path(path) / 'config.json'}: {on} is {json.dumps(cfg[on])}, so this {LABELS[fam]} "
+                                  f"config needs {key} ({values}), as DeepSpec asserts; add it as the checkpoint "
+                                  "was trained (the port would default it)")
 
 
 def read_tensors(path: Path) -> dict[str, mx.array]:
@@ -180,6 +202,35 @@ def read_tensors(path: Path) -> dict[str, mx.array]:
             check_safetensors(f)  # names what is wrong with the file, if it can
             raise CheckpointError(f"{f}: cannot be read as safetensors ({e}); re-download or re-save the checkpoint") from e
     return weights
+
+
+def _tensor_names(f: Path) -> set[str]:
+    with safe_open(str(f), "numpy") as fh:
+        return set(fh.keys())
+
+
+def tensor_file(path: Path, name: str, pattern: str = "*.safetensors") -> Path:
+    """The safetensors file of `path` holding tensor `name` (or the one key ending like it: mlx-lm's
+    sanitize may drop a prefix of the file's key), or the shard the index assigns it to, or the
+    only file; else the directory. Error messages name it."""
+    path = Path(path)
+    files = {f.name: _tensor_names(f) for f in sorted(Path(path).glob(pattern))}
+    tail = "." + name.partition(".")[2]
+    for match in (lambda k: k == name, lambda k: k.endswith("." + name) or k.endswith(tail)):
+        held = [f for f, keys in files.items() if any(match(k) for k in keys)]
+        if len(held) == 1:
+            return path / held[0]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shard = json.loads(index.read_text()).get("weight_map", {}).get(name)
+        if shard:
+            return path / shard
+    return path / next(iter(files)) if len(files) == 1 else path
+
+
+def config_of(drafter) -> str:
+    """The drafter's config.json, for pairing messages (a drafter built in memory names none)."""
+    return str(getattr(drafter, "config_file", None) or "the drafter's config.json")
 
 
 def weights_bytes(path: Path) -> int:
@@ -198,14 +249,14 @@ def load_into(model, path: Path, weights: dict[str, mx.array], error: type[Excep
     missing = sorted(expected - set(weights))
     if missing:
         what = hint(missing) if callable(hint) else hint
-        raise error(f"{path}: missing tensor(s) {missing[:6]}{' …' if len(missing) > 6 else ''}; {what}")
+        raise error(f"{tensor_file(path, missing[0])}: missing tensor(s) {missing[:6]}{' …' if len(missing) > 6 else ''}; {what}")
     extra = sorted(k for k in set(weights) - expected if not (unused and k.startswith(unused)))
     if extra:
-        raise error(f"{path}: tensor(s) {extra[:6]}{' …' if len(extra) > 6 else ''} have no place in this "
+        raise error(f"{tensor_file(path, extra[0])}: tensor(s) {extra[:6]}{' …' if len(extra) > 6 else ''} have no place in this "
                     f"port's model; remove them, or fix the config.json keys that declare that part")
     wrong = sorted(k for k in expected if tuple(weights[k].shape) != tuple(params[k].shape))
     if wrong:
         got = ", ".join(f"{k} {list(weights[k].shape)} (expected {list(params[k].shape)})" for k in wrong[:3])
-        raise error(f"{path}: tensor(s) of the wrong shape: {got}{' …' if len(wrong) > 3 else ''}; "
+        raise error(f"{tensor_file(path, wrong[0])}: tensor(s) of the wrong shape: {got}{' …' if len(wrong) > 3 else ''}; "
                     "fix the config.json keys that size them, or re-save the checkpoint")
     model.load_weights([(k, v) for k, v in weights.items() if k in expected], strict=True)

@@ -365,6 +365,7 @@ def load(path: str | Path, window: str = "positional", embed: str = "scaled", sc
         raise DFlashError(f"{path}: no config.json")
     a = ModelArgs.from_config(json.loads((path / "config.json").read_text()), path, scales)
     m = model(a, window, embed)
+    m.config_file = path / "config.json"
     checkpoint.load_into(m, path, checkpoint.read_tensors(path), DFlashError,
                          "is this a complete z-lab DFlash checkpoint?", unused=EXTRAS)
     mx.eval(m.parameters())
@@ -378,7 +379,9 @@ def load_extension(path: str | Path) -> heads.Extension:
     """The DSpark extras of the checkpoint at `path` (the Markov and confidence heads its config
     declares), for the DSpark-on-DFlash extension."""
     path = Path(path)
-    a = ModelArgs.from_config(json.loads((path / "config.json").read_text()), path)
+    cfg = json.loads((path / "config.json").read_text())
+    a = ModelArgs.from_config(cfg, path)
+    checkpoint.check_required_when({**cfg, **cfg.get("dflash_config", {})}, path, "dflash-extension")
     if a.markov_rank <= 0 and not a.enable_confidence_head:
         raise DFlashError("extras=True needs a checkpoint with DSpark extras (markov_rank > 0 and/or "
                           "enable_confidence_head in its config); this one has none")
@@ -394,20 +397,24 @@ def load_extension(path: str | Path) -> heads.Extension:
 
 def check_pairing(drafter: Model, target: targets.Target) -> None:
     """A DFlash drafter reads one target's hidden states and borrows its embedding and head:
-    refuse a target it was not built on."""
+    refuse a target it was not built on, naming the drafter's config.json, the key and the fix."""
     a, c = drafter.args, target.config
-    name = target.path
+    f, t = checkpoint.config_of(drafter), f"{target.path / 'config.json'}"
+    fix = "pair the drafter with the target it was trained on"
     if a.num_target_layers != c["num_hidden_layers"]:
-        raise DFlashError(f"drafter was built on a {a.num_target_layers}-layer target; {name} has "
-                          f"{c['num_hidden_layers']} layers (tap layers {a.target_layer_ids} would read the wrong depth)")
+        raise DFlashError(f"{f}: num_target_layers {a.num_target_layers} != num_hidden_layers {c['num_hidden_layers']} "
+                          f"of {t} (tap layers {a.target_layer_ids} would read the wrong depth); {fix}")
     if a.hidden_size != c["hidden_size"]:
-        raise DFlashError(f"drafter hidden size {a.hidden_size} != target's {c['hidden_size']} ({name}): it embeds "
-                          "with the target's embedding and scores with the target's head")
+        raise DFlashError(f"{f}: hidden_size {a.hidden_size} != hidden_size {c['hidden_size']} of {t}: it embeds "
+                          f"with the target's embedding and scores with the target's head; {fix}")
     if a.vocab_size != c["vocab_size"]:
-        raise DFlashError(f"drafter vocab {a.vocab_size} != target's {c['vocab_size']} ({name})")
+        raise DFlashError(f"{f}: vocab_size {a.vocab_size} != vocab_size {c['vocab_size']} of {t}; {fix}")
     if not 0 <= a.mask_token_id < c["vocab_size"]:
-        raise DFlashError(f"mask_token_id {a.mask_token_id} is not a row of the target's embedding ({c['vocab_size']})")
+        raise DFlashError(f"{f}: dflash_config.mask_token_id {a.mask_token_id} is not a row of the embedding of {t} "
+                          f"(vocab_size {c['vocab_size']}); set it to the mask token the drafter was trained with")
     bad = [i for i in a.target_layer_ids if not 0 <= i < c["num_hidden_layers"] - 1]
     if bad:
-        raise DFlashError(f"target_layer_ids {a.target_layer_ids}: {bad} outside [0, {c['num_hidden_layers'] - 2}] "
-                          "(the final layer's hidden state is the final-normed one in transformers, not a raw output)")
+        raise DFlashError(f"{f}: dflash_config.target_layer_ids {a.target_layer_ids}: {bad} outside "
+                          f"[0, {c['num_hidden_layers'] - 2}] for {t}: the final layer's hidden state is the "
+                          "final-normed one in transformers and z-lab torch (z-lab MLX accepts it, reading the raw "
+                          "output; the port refuses rather than pick one); tap layers below the last")

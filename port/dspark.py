@@ -69,6 +69,7 @@ class ModelArgs:
         if family is None:
             raise DSparkError(f"{path}: architectures {c.get('architectures')} is not a DeepSpec DSpark drafter "
                               "(expected Gemma4DSparkModel or Qwen3DSparkModel)")
+        checkpoint.check_required_when(c, path, f"dspark-{family}")
         gemma = family == "gemma4"
         keqv = bool(gemma and c.get("attention_k_eq_v"))
         if gemma:
@@ -303,6 +304,7 @@ def load(path: str | Path, model=Model) -> Model:
     cfg = json.loads((path / "config.json").read_text())
     a = ModelArgs.from_config(cfg, path)
     model = model(a)
+    model.config_file = path / "config.json"
     checkpoint.load_into(model, path, checkpoint.read_tensors(path), DSparkError,
                          "is this a complete DeepSpec DSpark checkpoint?")
     mx.eval(model.parameters())
@@ -310,17 +312,21 @@ def load(path: str | Path, model=Model) -> Model:
 
 
 def check_pairing(drafter: Model, target: targets.Target) -> None:
-    """A DSpark drafter reads one target's hidden states: refuse a target it was not built on."""
+    """A DSpark drafter reads one target's hidden states: refuse a target it was not built on,
+    naming the drafter's config.json, the key and the fix."""
     a, c = drafter.args, target.config
+    f, t = checkpoint.config_of(drafter), f"{target.path / 'config.json'}"
+    fix = "pair the drafter with the target it was trained on"
     if a.family != target.family:
-        raise DSparkError(f"a {a.family} DSpark drafter needs a {a.family} target; {target.path} is "
-                          f"{c.get('model_type')!r}")
+        raise DSparkError(f"{f}: its architectures make it a {a.family} DSpark drafter, which needs a {a.family} target; {t} has "
+                          f"model_type {c.get('model_type')!r}; {fix}")
     if a.num_target_layers != c["num_hidden_layers"]:
-        raise DSparkError(f"drafter was built on a {a.num_target_layers}-layer target; {target.path} has "
-                          f"{c['num_hidden_layers']} layers (tap layers {a.target_layer_ids} would read the wrong depth)")
+        raise DSparkError(f"{f}: num_target_layers {a.num_target_layers} != num_hidden_layers {c['num_hidden_layers']} "
+                          f"of {t} (tap layers {a.target_layer_ids} would read the wrong depth); {fix}")
     if a.hidden_size != c["hidden_size"] or a.vocab_size != c["vocab_size"]:
-        raise DSparkError(f"drafter hidden/vocab {(a.hidden_size, a.vocab_size)} != target's "
-                          f"{(c['hidden_size'], c['vocab_size'])}")
+        raise DSparkError(f"{f}: hidden_size/vocab_size {(a.hidden_size, a.vocab_size)} != "
+                          f"{(c['hidden_size'], c['vocab_size'])} of {t}; {fix}")
     if c["num_hidden_layers"] - 1 in a.target_layer_ids:
-        raise DSparkError(f"target_layer_ids {a.target_layer_ids} include the final layer: its hidden state is "
-                          "the final-normed one in transformers, not a raw layer output")
+        raise DSparkError(f"{f}: target_layer_ids {a.target_layer_ids} include the final layer "
+                          f"{c['num_hidden_layers'] - 1} of {t}: its hidden state is the final-normed one in "
+                          "transformers (DeepSpec's), not a raw layer output; tap layers below the last")

@@ -12,6 +12,8 @@ output of decoder layer i; `final` = the final-normed output.
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -21,6 +23,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
+from . import checkpoint
 from .compiled import VerifyCache, check_bucket
 
 FAMILIES = {"gemma4_text": "gemma4", "qwen3": "qwen3"}
@@ -46,16 +49,58 @@ class Trace:
     donors: dict[str, tuple[mx.array, mx.array]] = field(default_factory=dict)
 
 
-def load(path: str | Path, dtype: mx.Dtype | None = None) -> Target:
+class TargetError(ValueError):
+    """A target checkpoint mlx-lm's loader refuses: one line naming the file, the tensor and the fix."""
+
+
+def load(path: str | Path, dtype: mx.Dtype | None = None, lazy: bool = False) -> Target:
+    """The target at `path` through mlx-lm's `load_model` (lazy: weights not read into memory, the
+    CLI's preflight check of its tensors before the first case)."""
     path = Path(path)
-    model, config = load_model(path)
+    try:
+        model, config = load_model(path, lazy=lazy)
+    except ValueError as e:
+        raise (_tensor_error(path, str(e)) or e) from e
+    except FileNotFoundError as e:
+        raise TargetError(f"{path}: no model*.safetensors, the only weight files mlx-lm's loader reads; rename "
+                          "the weights model.safetensors (or model-0000i-of-0000n.safetensors shards)") from e
     family = FAMILIES.get(config.get("model_type"))
     if family is None:
-        raise ValueError(f"{path}: model_type {config.get('model_type')!r} is not a supported target; "
-                         f"supported: {sorted(FAMILIES)}")
+        raise TargetError(f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not a supported "
+                          f"target; supported: {sorted(FAMILIES)}")
     if dtype is not None:
         model.set_dtype(dtype)
     return Target(model, config, family, path)
+
+
+# mlx-lm's strict load_weights refusals, over several lines and naming no file
+_EXTRA = re.compile(r"Received \d+ parameters not in model:\s*(.*)\.$", re.S)
+_MISSING = re.compile(r"Missing \d+ parameters:\s*(.*)\.$", re.S)
+_SHAPE = re.compile(r"Expected shape (\(.*?\)) but received shape (\(.*?\)) for parameter (\S+)$")
+
+
+def _tensor_error(path: Path, msg: str) -> TargetError | None:
+    """mlx-lm's refusal of a tensor as one line naming the safetensors file that holds it (or
+    should), the tensor and the fix; None for another error."""
+    where = functools.partial(checkpoint.tensor_file, path, pattern="model*.safetensors")
+    if m := _SHAPE.search(msg.strip()):
+        want, got, name = m.groups()
+        return TargetError(f"{where(name)}: tensor {name} has shape {list(_shape(got))}, mlx-lm's "
+                           f"model expects {list(_shape(want))}; fix the config.json keys that size it, or "
+                           "re-save the checkpoint")
+    for rx, what, fix in ((_EXTRA, "has no place in mlx-lm's model",
+                           "remove it, or fix the config.json keys that declare that part"),
+                          (_MISSING, "is missing (mlx-lm's model needs it)",
+                           "re-download or re-save the complete checkpoint")):
+        if m := rx.search(msg.strip()):
+            names = [n.strip() for n in m.group(1).split(",") if n.strip()]
+            more = f" (and {len(names) - 1} more: {names[1:4]}{' …' if len(names) > 4 else ''})" if len(names) > 1 else ""
+            return TargetError(f"{where(names[0])}: tensor {names[0]}{more} {what}; {fix}")
+    return None
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", text))
 
 
 def donor_layers(target: Target) -> dict[str, int]:

@@ -24,7 +24,7 @@ def _bad_input_errors() -> tuple[type[Exception], ...]:
     already imported are looked at (one that was not imported raised nothing)."""
     refusals = {"port.checkpoint": "CheckpointError", "port.ab": "PromptsError", "port.assistant": "DrafterError",
                 "port.dspark": "DSparkError", "port.dflash": "DFlashError", "port.heads": "HeadError",
-                "port.calibration": "ThresholdError"}
+                "port.calibration": "ThresholdError", "port.targets": "TargetError"}
     return (BadInput, *(getattr(sys.modules[m], n) for m, n in refusals.items() if m in sys.modules))
 
 
@@ -55,6 +55,7 @@ def _select(args) -> list:
 
         try:
             cases = real.cases(args.target, getattr(args, "drafter", None), cases)
+            real.check_pair(args.target, getattr(args, "drafter", None))
         except real.RealError as e:
             raise BadInput(str(e)) from e
         runnable = [c for c in cases if c.tier == "L3" or harness.pair(c.module).oracle_status(harness.oracle_name(c)) is None]

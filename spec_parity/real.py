@@ -95,3 +95,19 @@ def _dflash_window(drafter, base: Case) -> str:
         return "positional"
     cfg = _config(drafter, "drafter")
     return "zlab-mlx" if "sliding_attention" in (cfg.get("layer_types") or []) else "positional"
+
+
+def check_pair(target: str | Path, drafter: str | Path | None) -> None:
+    """Load the target (lazily) and the drafter as the cases will, and pair them: a tensor the
+    loaders refuse or a (target, drafter) mismatch is bad input, refused before the first case
+    (otherwise each case would report it as its ERROR)."""
+    from port import assistant, dflash, dspark, targets
+
+    t = targets.load(target, lazy=True)
+    if drafter is None:
+        return
+    kind = drafter_family(drafter)
+    module = {"assistant": assistant, "dspark": dspark, "dflash": dflash, "dflash-extension": dflash}[kind]
+    module.check_pairing(module.load(drafter), t)
+    if kind == "dflash-extension":
+        dflash.load_extension(drafter)

@@ -330,3 +330,13 @@ def test_ab_takes_every_draft_source(target, drafter, overrides):
     ra, rb = ab.run_ab(t, a, b, [[3, 4, 5, 6, 7, 8]], max_tokens=8, warmup=False)
     assert ra[0].drafted > 0 and rb[0].drafted > 0
     assert ab.paired_verdict(ra, rb).verdict.startswith(("PASS — acceptance", "FAIL — acceptance"))
+
+
+def test_readme_says_which_drafters_ab_takes():
+    """Issue 18: README names every draft source `ab` takes (test_ab_takes_every_draft_source runs them)."""
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    line = text[text.index("spec-parity ab --target"):][:300]
+    for name in ("Gemma-4 assistant", "DSpark", "DFlash", "DSpark-on-DFlash"):
+        assert name in line, (name, line)

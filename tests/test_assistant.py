@@ -27,7 +27,7 @@ def test_non_gemma4_target_is_refused_by_name():
 
 def test_backbone_mismatch_is_refused_by_name():
     drafter = assistant.load(_load("gemma4-assistant", {"backbone_hidden_size": 32}))
-    with pytest.raises(assistant.DrafterError, match="backbone_hidden_size 32 != target hidden_size 64"):
+    with pytest.raises(assistant.DrafterError, match=r"assistant-s0-\w+/config.json: backbone_hidden_size 32 != hidden_size 64 of .*; pair"):
         assistant.check_pairing(drafter, targets.load(_load("gemma4-target")))
 
 

@@ -5,12 +5,15 @@ our load refuses with one line naming the file and the key or tensor (issue 18, 
 properties are the plain functions of tests/checkpoint_mutations.py; planted-bug controls, applied
 from outside product code, show each property fails on the bug it guards against."""
 
+import json
+
 import checkpoint_mutations as m
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from port import assistant, checkpoint, dflash, dspark
+from port import assistant, checkpoint, dflash, dspark, targets
+from spec_parity import checkpoints
 
 FAMILIES = sorted(m.FAMILIES)
 DRAFTERS = sorted(m.NEST)
@@ -91,13 +94,23 @@ def test_every_optional_key_of_a_family(live_oracle, family):
             m.check_optional_key(family, key, op)
 
 
-@pytest.mark.oracle
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known: DeepSpec asserts markov_head_type, the port defaults it "
-                   "(tests/checkpoint_mutations.py KNOWN)")
-def test_known_dspark_markov_head_type_is_read_with_a_default(live_oracle):
-    live_oracle("dspark")
-    m.check_optional_key("dspark", "markov_head_type", "removed")
+@pytest.mark.parametrize("key, on, variant", [
+    ("markov_head_type", "markov_rank", {"markov_rank": 0, "confidence_head_alpha": 0.0}),
+    ("confidence_head_with_markov", "enable_confidence_head", {"confidence_head_alpha": 0.0}),
+])
+def test_dspark_keys_required_only_when_their_part_is_on(key, on, variant):
+    """DeepSpec's rule: markov_head_type only with markov_rank > 0, confidence_head_with_markov only
+    with enable_confidence_head. On, the key removed is refused naming config.json, both keys and
+    the fix; off (the factory's variant that leaves the part out), the checkpoint loads."""
+    assert m.check_optional_key("dspark", key, "removed") == "refused"
+    with m.mutated("dspark", lambda cfg: cfg.pop(key)) as p:
+        with pytest.raises(checkpoint.CheckpointError) as e:
+            m.our_load("dspark", p)
+    msg = str(e.value)
+    assert "\n" not in msg and all(s in msg for s in (f"{p}/config.json", key, on, "add it")), msg
+    off = checkpoints.build("dspark-drafter", 0, variant)
+    assert key not in json.loads((off / "config.json").read_text())
+    m.our_load("dspark", off)
 
 
 @pytest.mark.slow
@@ -195,3 +208,22 @@ def test_control_the_keys_the_property_made_required_are_load_bearing(monkeypatc
     assert m.check_optional_key(family, key, "removed") == "refused"
     monkeypatch.setitem(checkpoint.REQUIRED, fam, tuple(k for k in checkpoint.REQUIRED[fam] if k not in row))
     assert _fails(m.check_optional_key, [(family, key, "removed")])
+
+
+@pytest.mark.oracle
+def test_control_a_loader_that_defaults_markov_head_type_is_caught(monkeypatch, live_oracle):
+    """The port before REQUIRED_WHEN: a DSpark config with markov_rank > 0 and no markov_head_type
+    loaded as a vanilla head, and DeepSpec stops on its assertion; the property must say so."""
+    live_oracle("dspark")
+    monkeypatch.setattr(checkpoint, "REQUIRED_WHEN", {})
+    caught = _fails(m.check_optional_key, [("dspark", "markov_head_type", "removed")])
+    assert len(caught) == 1 and "the reference stops" in caught[0], caught
+
+
+def test_control_a_target_refusal_left_to_mlx_lm_is_caught(monkeypatch):
+    """port.targets.load passing mlx-lm's own refusal through (two lines, no file) fails the
+    tensor properties for both targets."""
+    examples = [(f, "model.layers.0.extra.weight") for f in ("qwen3", "gemma4")]
+    assert not _fails(m.check_tensor_extra, examples)
+    monkeypatch.setattr(targets, "_tensor_error", lambda path, msg: None)
+    assert len(_fails(m.check_tensor_extra, examples)) == len(examples)

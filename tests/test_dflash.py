@@ -173,19 +173,19 @@ def _qwen3(ov=None):
 
 def test_wrong_depth_target_is_refused_by_name():
     m = dflash.load(_drafter())
-    with pytest.raises(dflash.DFlashError, match="built on a 6-layer target"):
+    with pytest.raises(dflash.DFlashError, match=r"config.json: num_target_layers 6 != num_hidden_layers 4"):
         dflash.check_pairing(m, _qwen3({"num_hidden_layers": 4}))
 
 
 def test_wrong_width_target_is_refused_by_name():
     m = dflash.load(_drafter())
-    with pytest.raises(dflash.DFlashError, match="hidden size 64 != target's 32"):
+    with pytest.raises(dflash.DFlashError, match="hidden_size 64 != hidden_size 32"):
         dflash.check_pairing(m, _qwen3({"hidden_size": 32}))
 
 
 def test_wrong_vocab_target_is_refused_by_name():
     m = dflash.load(_drafter())
-    with pytest.raises(dflash.DFlashError, match="vocab 128 != target's 256"):
+    with pytest.raises(dflash.DFlashError, match="vocab_size 128 != vocab_size 256"):
         dflash.check_pairing(m, _qwen3({"vocab_size": 256}))
 
 
@@ -195,7 +195,7 @@ def test_final_layer_tap_is_refused(tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["dflash_config"]["target_layer_ids"] = [1, 2, 5]
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(dflash.DFlashError, match=r"\[5\] outside \[0, 4\]"):
+    with pytest.raises(dflash.DFlashError, match=r"\[5\] outside \[0, 4\].*z-lab MLX accepts it"):
         dflash.check_pairing(dflash.load(tmp_path), _qwen3())
 
 

@@ -44,13 +44,13 @@ def _drafter(ov=None):
 
 def test_wrong_family_target_is_refused_by_name():
     m = dspark.load(_drafter())
-    with pytest.raises(dspark.DSparkError, match="gemma4 DSpark drafter needs a gemma4 target"):
+    with pytest.raises(dspark.DSparkError, match=r"config.json: .*gemma4 DSpark drafter, which needs a gemma4 target"):
         dspark.check_pairing(m, targets.load(checkpoints.build("qwen3-target", 0, {})))
 
 
 def test_wrong_depth_target_is_refused_by_name():
     m = dspark.load(_drafter())
-    with pytest.raises(dspark.DSparkError, match="built on a 6-layer target"):
+    with pytest.raises(dspark.DSparkError, match="num_target_layers 6 != num_hidden_layers 3"):
         dspark.check_pairing(m, targets.load(checkpoints.build(
             "gemma4-target", 0, {"num_hidden_layers": 3, "layer_types": ["sliding_attention", "sliding_attention",
                                                                          "full_attention"]})))

@@ -88,7 +88,7 @@ def test_a_sliding_window_other_than_the_targets_is_refused():
     from port import targets
 
     drafter = assistant.load(checkpoints.build("gemma4-assistant", 0, {"text_config": {"sliding_window": 6}}))
-    with pytest.raises(assistant.DrafterError, match="drafter sliding_window 6 != target's"):
+    with pytest.raises(assistant.DrafterError, match="text_config.sliding_window 6 != sliding_window 8"):
         assistant.check_pairing(drafter, targets.load(checkpoints.build("gemma4-target", 0, {})))
 
 

@@ -82,6 +82,28 @@ def test_checkpoints_the_references_saved(tmp_path, live_oracle):
         assert r.ok, r.message()
 
 
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_an_assistant_transformers_saved(tmp_path, live_oracle):
+    """A Gemma-4 assistant and its target, each written by transformers' save_pretrained (the
+    config.json it writes carries every config default), run by path against optiq and
+    transformers like the factory's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from oracles import targets as hf
+
+    live_oracle("targets")
+    live_oracle("assistant")
+    target, drafter = _pair("assistant")
+    hf.load(target).save_pretrained(tmp_path / "target")
+    AutoModelForCausalLM.from_pretrained(drafter, dtype=torch.float32).save_pretrained(tmp_path / "assistant")
+    results = _run(tmp_path / "target", tmp_path / "assistant")
+    assert len(results) == 3
+    for _, r in results:
+        assert r.ok, r.message()
+
+
 @pytest.mark.real
 @pytest.mark.oracle
 def test_real_checkpoints(live_oracle):
@@ -89,4 +111,21 @@ def test_real_checkpoints(live_oracle):
         pytest.skip("set SPEC_PARITY_TARGET=/path/to/target (and SPEC_PARITY_DRAFTER=/path/to/drafter) to run "
                     "the cases that apply on real weights")
     for _, r in _run(TARGET, DRAFTER):
+        assert r.ok, r.message()
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_a_dflash_drafter_zlab_saved(tmp_path, live_oracle):
+    """A DFlash drafter written by z-lab's own save path (DFlashDraftModel.save_pretrained, torch)
+    runs by path against z-lab MLX and torch like the factory's."""
+    from oracles import dflash as zlab
+
+    live_oracle("dflash")
+    live_oracle("dflash", "zlab-torch")
+    target, drafter = _pair("dflash")
+    saved = zlab.torch_save(drafter, tmp_path / "drafter")
+    results = _run(target, saved)
+    assert len(results) == 3
+    for _, r in results:
         assert r.ok, r.message()

@@ -114,9 +114,66 @@ BAD_INPUTS = [
     ("ab prompt not integers", lambda t: _ab(t, _prompts(t, b"hello world\n")), ["prompts.txt:1", "token ids"]),
     ("ab prompts file empty", lambda t: _ab(t, _prompts(t, b"# only a comment\n\n")), ["prompts.txt", "no prompts"]),
     ("ab prompts file missing", lambda t: _ab(t, t / "none.txt"), ["none.txt", "cannot be read"]),
+    ("DSpark config.json with markov_rank > 0 lacks markov_head_type", lambda t: [
+        "run", "--target", str(_copy("gemma4-target", t, "g")),
+        "--drafter", str(_edit_config(_copy("dspark-drafter", t, "ds"), "markov_head_type"))],
+     ["ds/config.json", "markov_rank is 8", "markov_head_type", "add it"]),
+    ("target safetensors with an extra tensor", lambda t: ["run", "--target", str(_tensors(
+        _copy("qwen3-target", t, "q"), add="model.layers.0.extra.weight"))],
+     ["q/model.safetensors", "model.layers.0.extra.weight", "no place", "remove it"]),
+    ("target safetensors missing a tensor", lambda t: ["run", "--target", str(_tensors(
+        _copy("gemma4-target", t, "g"), drop="model.norm.weight"))],
+     ["g/model.safetensors", "model.norm.weight", "missing", "re-download"]),
+    ("target safetensors with a misshaped tensor", lambda t: ["run", "--target", str(_tensors(
+        _copy("qwen3-target", t, "q"), grow="model.layers.1.mlp.up_proj.weight"))],
+     ["q/model.safetensors", "model.layers.1.mlp.up_proj.weight", "[129, 64]", "fix the config.json keys"]),
+    ("target weights not named model*.safetensors", lambda t: ["run", "--target", str(_renamed(_copy("qwen3-target", t, "q")))],
+     ["q: no model*.safetensors", "rename the weights"]),
+    ("drafter safetensors with an extra tensor", lambda t: ["run", "--target", str(_copy("qwen3-target", t, "q")),
+                                                            "--drafter", str(_tensors(_copy("dflash-drafter", t, "df"), add="fc.bias"))],
+     ["df/model.safetensors", "fc.bias", "no place"]),
+    ("assistant sliding_window other than the target's", lambda t: ["run", "--target", str(_copy("gemma4-target", t, "g")),
+                                                                    "--drafter", str(_pair("gemma4-assistant", t, "sw", {"text_config": {"sliding_window": 16}}))],
+     ["sw/config.json", "text_config.sliding_window 16 != sliding_window 8", "set the drafter's"]),
+    ("DSpark drafter built on a deeper target", lambda t: ["run", "--target", str(_copy("gemma4-target", t, "g")),
+                                                           "--drafter", str(_pair("dspark-drafter", t, "deep", {"target_overrides": {
+                                                               "num_hidden_layers": 8, "layer_types": ["sliding_attention", "full_attention"] * 4}}))],
+     ["deep/config.json", "num_target_layers 8 != num_hidden_layers 6", "pair the drafter"]),
+    ("DFlash drafter of another hidden size", lambda t: _ab(t, b=_pair("dflash-drafter", t, "wide", {"target_overrides": {"hidden_size": 96}})),
+     ["wide/config.json", "hidden_size 96 != hidden_size 64", "pair the drafter"]),
+    ("DFlash tap on the target's final layer", lambda t: ["run", "--target", str(_copy("qwen3-target", t, "q")),
+                                                          "--drafter", str(_pair("dflash-drafter", t, "tap", {"target_layer_ids": [1, 3, 5]}))],
+     ["tap/config.json", "target_layer_ids", "z-lab MLX accepts it"]),
     ("ab --json in a folder that is a file", lambda t: _ab(t, None, None, None, "--json", str(_target_file(t) / "r.json")),
      ["--json", "cannot be written"]),
 ]
+
+
+def _tensors(d: Path, add: str = "", drop: str = "", grow: str = "") -> Path:
+    """d/model.safetensors with a tensor added, dropped, or grown by one row."""
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(d / "model.safetensors")
+    if add:
+        t[add] = np.zeros((4, 4), np.float32)
+    if drop:
+        del t[drop]
+    if grow:
+        t[grow] = np.concatenate([t[grow], t[grow][:1]])
+    save_file(t, d / "model.safetensors")
+    return d
+
+
+def _renamed(d: Path) -> Path:
+    (d / "model.safetensors").rename(d / "weights.safetensors")
+    return d
+
+
+def _pair(kind: str, tmp: Path, name: str, overrides: dict) -> Path:
+    """A factory drafter built with `overrides` (for another target), copied to tmp/name."""
+    dst = tmp / name
+    shutil.copytree(checkpoints.build(kind, 0, overrides), dst)
+    return dst
 
 
 def _broken_json(t: Path) -> Path:

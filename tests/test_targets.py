@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from port import targets as port
-from spec_parity import controls, goldens, harness
+from spec_parity import checkpoints, controls, goldens, harness
 from spec_parity.pairs import targets as pair
 
 CASES = pair.cases()
@@ -115,3 +115,36 @@ def test_goldens_regenerate_byte_identically(fixture_copy, live_oracle):
             assert set(regen) == set(committed), case.name
             for k, v in committed.items():
                 assert np.allclose(regen[k], v, rtol=1.3e-6, atol=1e-4), f"{case.name}: {k} moved past 1e-4 on regen"
+
+
+@pytest.mark.parametrize("edit, shard, needs", [
+    ("add", 2, "has no place in mlx-lm's model; remove it"),
+    ("grow", 1, "has shape"),
+    ("drop", 2, "is missing (mlx-lm's model needs it)"),
+])
+def test_a_target_tensor_refusal_names_its_shard(tmp_path, edit, shard, needs):
+    """mlx-lm's refusal of a sharded target's tensor (two lines, no file) is one line naming the
+    shard that holds it (a missing one: the shard the index assigns it to) and the fix."""
+    from safetensors.numpy import load_file, save_file
+
+    t = load_file(str(checkpoints.build("qwen3-target", 0) / "model.safetensors"))
+    names = sorted(t)
+    halves = [names[: len(names) // 2], names[len(names) // 2:]]
+    files = [f"model-0000{i + 1}-of-00002.safetensors" for i in range(2)]
+    index = {"metadata": {}, "weight_map": {n: files[i] for i, half in enumerate(halves) for n in half}}
+    name = {"add": "model.layers.1.extra.weight", "grow": halves[0][1], "drop": halves[1][1]}[edit]
+    parts = [{n: t[n] for n in half} for half in halves]
+    if edit == "add":
+        parts[1][name] = np.zeros((4, 4), np.float32)
+    elif edit == "grow":
+        parts[0][name] = np.concatenate([t[name], t[name][:1]])
+    else:
+        del parts[1][name]
+    for f, part in zip(files, parts):
+        save_file(part, str(tmp_path / f))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    shutil.copy(checkpoints.build("qwen3-target", 0) / "config.json", tmp_path / "config.json")
+    with pytest.raises(port.TargetError) as e:
+        port.load(tmp_path, lazy=True)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{tmp_path / files[shard - 1]}: tensor {name}") and needs in msg, msg
