@@ -1,8 +1,9 @@
 """port.ab: paired drafter A/B statistics (seed semantics), the report, and `spec-parity ab`.
 
 Same scheme as tests/test_calibration.py: each property is a plain `prop_*(verdict_fn, example)`;
-the `@given` test runs it on the port, its control on a transcription of the seed's ab-stats.ts
-with one planted bug, found by hypothesis `find` within the default example count.
+the `@given` test runs it on the port, its control on the port with one planted bug
+(spec_parity/controls/ab.py, applied from outside), found by hypothesis `find` within the default
+example count; the port equals a transcription of the seed's ab-stats.ts (the reference).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from port import ab
-from spec_parity import checkpoints, harness
+from spec_parity import checkpoints, controls, harness
 
 from controls import must_fail
 
@@ -50,50 +51,44 @@ def paired_arms(draw):
     return a, b, max_drop
 
 
-# --- the seed, transcribed, with planted bugs ------------------------------------------------------
+# --- the seed, transcribed (mlx-bun 0.0.11 ab-stats.ts, in its own shape): the reference ---------
 
 
-def seed_summarize(results, bug=None):
-    generated, drafted = sum(r.generated_tokens for r in results), sum(r.drafted for r in results)
-    accepted, calls = sum(r.accepted for r in results), sum(r.target_calls for r in results)
-    wall = sum(r.wall_ms for r in results)
+def seed_summarize(results):
+    def total(f):
+        return sum(f(r) for r in results)
+
+    generated, drafted, accepted = total(lambda r: r.generated_tokens), total(lambda r: r.drafted), total(lambda r: r.accepted)
+    calls, wall = total(lambda r: r.target_calls), total(lambda r: r.wall_ms)
     gamma = max([0, *[len(r.drafted_by_pos) for r in results]])
     by_pos = []
     for i in range(gamma):
-        d = sum(r.drafted_by_pos[i] if i < len(r.drafted_by_pos) else 0 for r in results)
-        a = sum(r.accepted_by_pos[i] if i < len(r.accepted_by_pos) else 0 for r in results)
-        if bug == "by-pos-over-prompts":  # divides by the prompts, not by what was drafted there
-            d = len(results) if d > 0 else 0
+        d = total(lambda r, i=i: r.drafted_by_pos[i] if i < len(r.drafted_by_pos) else 0)
+        a = total(lambda r, i=i: r.accepted_by_pos[i] if i < len(r.accepted_by_pos) else 0)
         by_pos.append(a / d if d > 0 else 0.0)
     return ab.AbArmSummary(len(results), generated, accepted / drafted if drafted > 0 else 0.0,
                            generated / calls if calls > 0 else 0.0,
                            generated / wall * 1000 if wall > 0 else 0.0, by_pos)
 
 
-def seed_verdict(a_results, b_results, max_drop_pts=3, bug=None):
-    if len(a_results) != len(b_results) and bug != "no-size-check":
+def seed_verdict(a_results, b_results, max_drop_pts=3):
+    if len(a_results) != len(b_results):
         raise ValueError(f"paired_verdict: arm sizes differ ({len(a_results)} vs {len(b_results)})")
-    a, b = seed_summarize(a_results, bug), seed_summarize(b_results, bug)
-    if bug == "relative-delta":  # a relative change in % instead of absolute points
-        delta = (b.acceptance - a.acceptance) / a.acceptance * 100 if a.acceptance else (b.acceptance - a.acceptance) * 100
-    else:
-        delta = (b.acceptance - a.acceptance) * 100
+    a, b = seed_summarize(a_results), seed_summarize(b_results)
+    delta = (b.acceptance - a.acceptance) * 100
     ratio = b.tok_per_sec / a.tok_per_sec if a.tok_per_sec > 0 else 0.0
-    holds = 0
-    for ra, rb in zip(a_results, b_results):
-        acc_a = ra.accepted / ra.drafted if ra.drafted > 0 else 0.0
-        acc_b = rb.accepted / rb.drafted if rb.drafted > 0 else 0.0
-        if acc_b >= acc_a - max_drop_pts / 100:
-            holds += 1
-    acceptance_ok = delta >= -max_drop_pts
-    speed_ok = ratio >= 1 if bug == "speed-not-strict" else ratio > 1
-    passed = acceptance_ok and speed_ok
-    verdict = ab.verdict_text(delta, ratio, max_drop_pts, acceptance_ok, passed)   # the wording, not the rule
+    rates = [(ra.accepted / ra.drafted if ra.drafted > 0 else 0.0, rb.accepted / rb.drafted if rb.drafted > 0 else 0.0)
+             for ra, rb in zip(a_results, b_results)]
+    holds = sum(1 for acc_a, acc_b in rates if acc_b >= acc_a - max_drop_pts / 100)
+    ok = delta >= -max_drop_pts
+    passed = ok and ratio > 1
+    verdict = ab.verdict_text(delta, ratio, max_drop_pts, ok, passed)   # the wording, not the rule
     return ab.AbVerdict(a, b, delta, ratio, holds, max_drop_pts, passed, verdict)
 
 
-def verdict_bug(bug):
-    return lambda a, b, m=3: seed_verdict(a, b, m, bug)
+def planted_verdict(a, b, m=3):
+    """The port's verdict looked up at call time, so a control planted around it (controls/ab.py) shows."""
+    return ab.paired_verdict(a, b, m)
 
 
 # --- the properties ------------------------------------------------------------------------------
@@ -157,9 +152,9 @@ def check_size_mismatch(verdict):
 
 AB_PROPS = {
     # property: (body, planted bug that must fail it)
-    "sign_symmetry": (prop_sign_symmetry, "relative-delta"),
-    "counts_bounded": (prop_counts_bounded, "by-pos-over-prompts"),
-    "pass_iff_both": (prop_pass_iff_both, "speed-not-strict"),
+    "sign_symmetry": (prop_sign_symmetry, "relative_delta"),
+    "counts_bounded": (prop_counts_bounded, "by_pos_over_prompts"),
+    "pass_iff_both": (prop_pass_iff_both, "speed_not_strict"),
 }
 
 
@@ -185,7 +180,8 @@ def test_ab_pass_iff_both(ex):
 @pytest.mark.parametrize("name", sorted(AB_PROPS))
 def test_ab_control(name):
     prop, bug = AB_PROPS[name]
-    must_fail(lambda ex: prop(verdict_bug(bug), ex), paired_arms())
+    with controls.planted("ab", bug):
+        must_fail(lambda ex: prop(planted_verdict, ex), paired_arms())
 
 
 @pytest.mark.property
@@ -201,7 +197,8 @@ def test_ab_arm_size_mismatch():
 
 @pytest.mark.property
 def test_ab_arm_size_mismatch_control():
-    must_fail(lambda _: check_size_mismatch(verdict_bug("no-size-check")), fixed=[None])
+    with controls.planted("ab", "no_size_check"):
+        must_fail(lambda _: check_size_mismatch(planted_verdict), fixed=[None])
 
 
 # --- wording and the report ----------------------------------------------------------------------

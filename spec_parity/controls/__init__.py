@@ -22,7 +22,7 @@ from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
-MODULES = ("targets", "assistant", "dspark", "dflash", "serve", "sampling", "bench")
+MODULES = ("targets", "assistant", "dspark", "dflash", "serve", "sampling", "bench", "ab")
 
 
 class ControlError(ValueError):
