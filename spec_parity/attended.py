@@ -58,15 +58,13 @@ def view(a: np.ndarray, pos: np.ndarray | None, keep: int | None) -> tuple[np.nd
 
 
 def judge(c: Window, sides, module, dtype, result) -> None:
-    got = [(r.src.get(sides), r) for r in (c.port, c.ref)]
-    if any(a is None for a, _ in got):
-        result.metrics[c.name] = {"ok": False, "error": "missing"}
-        return result.fail(f"{c.name}: missing", c.finding)
-    bad = [r.src.label for a, r in got if (p := _positions(r, sides)) is not None and len(p) != a.shape[-2]]
+    got = [(r.src.get(sides), _positions(r, sides), r.src.label) for r in (c.port, c.ref)]
+    if any(a is None for a, _, _ in got):
+        return result.missing(c, "missing")
+    bad = [label for a, pos, label in got if pos is not None and len(pos) != a.shape[-2]]
     if bad:
-        result.metrics[c.name] = {"ok": False, "error": "positions"}
-        return result.fail(f"{c.name}: {bad[0]}'s positions do not number its rows", c.finding)
-    (p, pp), (r, rp) = (view(a, _positions(s, sides), c.keep) for a, s in got)
+        return result.missing(c, f"{bad[0]}'s positions do not number its rows")
+    (p, pp), (r, rp) = (view(a, pos, c.keep) for a, pos, _ in got)
     if pp is None and rp is not None and len(rp):
         pp = rp[-1] - p.shape[-2] + 1 + np.arange(p.shape[-2])
     elif rp is None and pp is not None and len(pp):
@@ -75,6 +73,5 @@ def judge(c: Window, sides, module, dtype, result) -> None:
         result.metrics[c.name] = {"ok": False, "port_positions": pp.tolist(), "ref_positions": rp.tolist()}
         return result.fail(f"{c.name}: attends positions {pp.tolist()} vs the reference's {rp.tolist()}", c.finding)
     if p.shape != r.shape:
-        result.metrics[c.name] = {"ok": False, "error": "shape"}
-        return result.fail(f"{c.name}: shape {list(p.shape)} vs {list(r.shape)} as attended", c.finding)
+        return result.missing(c, f"shape {list(p.shape)} vs {list(r.shape)} as attended")
     check_tensor(result, c.name, p, r, module, c.quantity, dtype, c.finding)

@@ -253,17 +253,12 @@ def _port_srcs(check) -> list[Src]:
     return out
 
 
-def _missing(result: Result, check, what: str) -> None:
-    result.metrics[check.name] = {"ok": False, "error": what}
-    result.fail(f"{check.name}: {what}", check.finding)
-
-
 def _tensor(c: Tensor, sides, module, dtype, result):
     p, r = c.port.get(sides), c.ref.get(sides)
     if p is None or r is None:
-        return _missing(result, c, f"missing ({c.port.label if p is None else c.ref.label} not given)")
+        return result.missing(c, f"missing ({c.port.label if p is None else c.ref.label} not given)")
     if np.shape(p) != np.shape(r) and c.upto is None:
-        return _missing(result, c, f"shape {list(np.shape(p))} vs {list(np.shape(r))}")
+        return result.missing(c, f"shape {list(np.shape(p))} vs {list(np.shape(r))}")
     if c.upto == "common":
         n = min(len(p), len(r))
         p, r = p[:n], r[:n]
@@ -284,7 +279,7 @@ def _tensor(c: Tensor, sides, module, dtype, result):
 def _tokens(c: Tokens, sides, module, dtype, result):
     p, r, lg = c.port.get(sides), c.ref.get(sides), c.logits.get(sides)
     if p is None or r is None or lg is None:
-        return _missing(result, c, "missing")
+        return result.missing(c, "missing")
     p = np.ravel(p)
     r = np.ravel(r)[: len(p)] if c.prefix else np.ravel(r)
     s = stream_metrics(p, r, lg, dtype)
@@ -302,7 +297,7 @@ def _tokens(c: Tokens, sides, module, dtype, result):
 def _same(c: Same, sides, module, dtype, result):
     p, r = c.port.get(sides), c.ref.get(sides)
     if p is None or r is None:
-        return _missing(result, c, "missing")
+        return result.missing(c, "missing")
     pl, rl = np.ravel(p).tolist(), np.ravel(r).tolist()
     first = next((i for i, (a, b) in enumerate(zip(pl, rl)) if a != b), None if len(pl) == len(rl) else min(len(pl), len(rl)))
     result.metrics[c.name] = {"ok": first is None, "lengths": [len(pl), len(rl)], "first_difference": first}
@@ -313,7 +308,7 @@ def _same(c: Same, sides, module, dtype, result):
 def _trace(c: Trace, sides, module, dtype, result):
     cols = [[s.get(sides) for s in side] for side in (c.port, c.ref)]
     if any(a is None for side in cols for a in side):
-        return _missing(result, c, "missing")
+        return result.missing(c, "missing")
     t = trace_metrics(np.stack(cols[0], 1) if len(cols[0]) > 1 else cols[0][0],
                       np.stack(cols[1], 1) if len(cols[1]) > 1 else cols[1][0])
     result.metrics[c.name] = t
@@ -325,7 +320,7 @@ def _trace(c: Trace, sides, module, dtype, result):
 def _mean(c: Mean, sides, module, dtype, result):
     p, r = c.port.get(sides), c.ref.get(sides)
     if p is None or r is None:
-        return _missing(result, c, "missing")
+        return result.missing(c, "missing")
     port_v, ref_v = float(np.ravel(p)[0]), float(np.mean(r)) if len(r) else 0.0
     ok = abs(port_v - ref_v) < c.atol
     result.metrics[c.name] = {"ok": ok, "port": port_v, "ref": ref_v}
@@ -384,7 +379,7 @@ def _drafts(c: Drafts, sides, module, dtype, result):
     token before the reference's (its rounds then pair with the reference's one round on)."""
     port, ref = _rounds(c.port, sides), _rounds(c.ref, sides)
     if port is None or ref is None:
-        return _missing(result, c, "missing")
+        return result.missing(c, "missing")
     shared = sorted(set(port) & set(ref))
     if min(port, default=1) != min(ref, default=1):
         p, r = min(port), min(ref)
@@ -419,7 +414,7 @@ def _drafts(c: Drafts, sides, module, dtype, result):
 def _shift(c: Shift, sides, module, dtype, result):
     base, port = c.base.get(sides), c.port.get(sides)
     if base is None or port is None:
-        return _missing(result, c, "missing")
+        return result.missing(c, "missing")
     k = kl(base, port)
     top1 = float(np.mean(base.argmax(-1) == port.argmax(-1))) if len(k) else 1.0
     g = c.gates
@@ -434,7 +429,7 @@ def _shift(c: Shift, sides, module, dtype, result):
 def _pruning(c: Pruning, sides, module, dtype, result):
     conf, lens, proposed = (s.get(sides) for s in (c.confidence, c.block_len, c.proposed))
     if conf is None or lens is None or proposed is None:
-        return _missing(result, c, "missing")
+        return result.missing(c, "missing")
     p = (1.0 / (1.0 + np.exp(-conf.astype(np.float32)))).astype(np.float32)
     expected, at = [], 0
     for n in lens:

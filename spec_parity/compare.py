@@ -43,6 +43,11 @@ class Result:
         self.reason = f"{self.reason}; {reason}" if self.reason else reason
         self.findings.setdefault(finding, []).append(reason)
 
+    def missing(self, check, what: str) -> None:
+        """A check (its `name` and `finding`) that could not compare: `what` stood in the way."""
+        self.metrics[check.name] = {"ok": False, "error": what}
+        self.fail(f"{check.name}: {what}", check.finding)
+
     def note(self, reason: str) -> None:
         self.reason = f"{self.reason}; {reason}" if self.reason else reason
 
