@@ -115,8 +115,9 @@ def configure(assignments: list[str] | None, cmd_port: Port | None = None, modul
     """What --port and --port-cmd say (the CLI's and pytest's): `cmd_port` (exchange.command_port)
     answers `modules` (default every module) that no --port names."""
     select(assignments or [])
-    for module in (modules or MODULES) if cmd_port else ():
-        _SELECTED.setdefault(module, cmd_port)
+    if cmd_port is not None:
+        for module in modules or MODULES:
+            _SELECTED.setdefault(module, cmd_port)
 
 
 def reset() -> None:
