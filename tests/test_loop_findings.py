@@ -5,6 +5,8 @@ code): one that schedules its rounds otherwise (another gamma) reads as that, no
 
 from dataclasses import replace
 
+import numpy as np
+
 from spec_parity import harness, ports
 
 
@@ -31,3 +33,16 @@ def test_a_drafter_bug_with_unchanged_acceptance_fails_the_drafts():
     base = harness.evaluate(_case("assistant/loop-random-centroid-g2"), "golden")
     assert r.verdict == "FAIL" and set(r.findings) == {"drafts"}, r.message()
     assert r.metrics["acceptance"] == base.metrics["acceptance"]
+
+
+def test_a_loop_that_says_it_starts_earlier_fails_the_schedule_start(monkeypatch):
+    """Control of `schedule_start` (checks._drafts): our own DSpark loop, declaring from outside
+    that it committed nothing before round 0, has the same drafts on shifted contexts, so its
+    first round stands one token before DeepSpec's; the start is named as the schedule finding."""
+    ours = ports.ours().runs["dspark"]
+    port = ports.Port("starts-early", "0", {"dspark": lambda req: {**ours(req), "stream.prefilled": np.array([0])}},
+                      (__file__,))
+    monkeypatch.setitem(ports._SELECTED, "dspark", port)
+    r = harness.evaluate(_case("dspark/loop-gemma4-t0.0"), "golden")
+    assert r.verdict == "FAIL" and "schedule" in r.findings, r.message()
+    assert r.metrics["schedule_start"] == {"ok": False, "port": 0, "ref": 1}
