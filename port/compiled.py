@@ -39,7 +39,7 @@ def position(model, value: int):
     return mx.array(value, mx.int32) if model.compiled else value
 
 
-# ---- the bucketed path (opt-in: `kv_bucket`) -------------------------------------------------
+# ---- the bucketed path (`kv_bucket`; the serve loop's default for DSpark and DFlash) ------------
 #
 # On MLX CUDA an attention with several query rows plans its kernel once per key length (~60 ms of
 # host time on an H200, MLX 0.32.4), and the pieces above split a block at every attention because
@@ -52,10 +52,12 @@ def position(model, value: int):
 # the default path on the CPU backend (fp32 and bf16), not guaranteed on the GPU (another kernel
 # over a padded key range). "two-segment": no copy, more ops, a softmax summed in another order
 # (fp32: within tolerance; bf16: the two PV products round apart, measured up to 0.16 on tiny
-# logits). Held to the default within fp32 tolerance; never the default path itself.
+# logits). Held to the plain path within fp32 tolerance (bit-exact on the CPU with "sdpa").
 
 
 BUCKET_ATTENTIONS = ("sdpa", "two-segment")
+BUCKET = 256   # rows: mlx-lm KVCache's own growth step; the providers' and serve loop's default
+AUTO = "auto"  # a provider's / the serve loop's kv_bucket default: BUCKET wherever the path holds
 
 
 def check_bucket(kv_bucket, attention: str, error) -> int | None:

@@ -35,6 +35,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from . import sampling, targets
+from .compiled import AUTO
 
 
 @dataclass
@@ -72,7 +73,8 @@ class DraftSource(Protocol):
 
 
 class DraftProvider(Protocol):
-    """A loaded drafter, shared by requests."""
+    """A loaded drafter, shared by requests. `kv_bucket` (optional): the verify's bucket its
+    source wants (generate's "auto"); absent, mlx-lm's caches."""
 
     id: str
     weights_bytes: int
@@ -99,6 +101,7 @@ class Stats:
     weights_bytes: int = 0       # the provider's weights (shared by requests)
     target_cache_bytes: int = 0  # peak bytes of this request's target K/V caches
     source_bytes: int = 0        # peak bytes the source holds for this request (its context K/V)
+    kv_bucket: int | None = None  # the verify's bucket (None: mlx-lm's caches)
 
     @property
     def request_bytes(self) -> int:
@@ -124,7 +127,7 @@ class Stats:
                 "accepted_by_position": self.accepted_by_position, "drafted_by_position": self.drafted_by_position,
                 "tokens_per_s": self.tokens_per_s, "stop": self.stop, "trace": [list(r) for r in self.trace],
                 "weights_bytes": self.weights_bytes, "target_cache_bytes": self.target_cache_bytes,
-                "source_bytes": self.source_bytes, "request_bytes": self.request_bytes}
+                "source_bytes": self.source_bytes, "request_bytes": self.request_bytes, "kv_bucket": self.kv_bucket}
 
 
 def trim_caches(caches: list, n: int) -> None:
@@ -178,6 +181,7 @@ class Observed:
     def __init__(self, provider, around):
         self.inner, self.around = provider, around
         self.id, self.weights_bytes, self.trained_gamma = provider.id, provider.weights_bytes, provider.trained_gamma
+        self.kv_bucket = getattr(provider, "kv_bucket", None)
 
     def open(self, view):
         return _ObservedSource(self.inner.open(view), self.around)
@@ -361,7 +365,8 @@ def _request_bytes(caches: list, source) -> tuple[int, int]:
 def generate(target: targets.Target, prompt: list[int], max_tokens: int, provider: DraftProvider | None = None,
              gamma: int = 4, eos: set[int] | None = None, record: bool = False,
              sampler: sampling.Sampler | None = None, processors=(), mode: str = "match",
-             draft_sampler: sampling.Sampler | None = None, kv_bucket: int | None = None) -> tuple[list[int], Stats]:
+             draft_sampler: sampling.Sampler | None = None,
+             kv_bucket: int | str | None = AUTO) -> tuple[list[int], Stats]:
     """Speculative decoding. Returns the content tokens and the stats (with the per-round
     trace). With no source it is plain decoding through the same verify path.
 
@@ -371,10 +376,13 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     ("match" or "rejection") and `draft_sampler` (rejection: what the drafts are drawn from;
     default the request's sampler) select the sampling verify, see port/sampling.py.
 
-    `kv_bucket` (rows, opt-in, default None): the bucketed verify (targets.make_caches; Qwen3 and
-    Gemma-4 targets): the target's caches are buffers a whole number of buckets long that every
-    forward attends over whole, masked, so on MLX CUDA the attention plans a kernel once per bucket,
-    not once per round's key length. Within fp32 tolerance of the default; the same greedy stream.
+    `kv_bucket` (rows, or None): the bucketed verify (targets.make_caches): the target's caches
+    are buffers a whole number of buckets long that every forward attends over whole, masked, so
+    on MLX CUDA the attention plans a kernel once per bucket, not once per round's key length.
+    Bit-exact with mlx-lm's caches on the CPU (tests/test_bucketed.py), within fp32 tolerance on
+    MLX CUDA, the same greedy stream. Default "auto": the provider's own `kv_bucket` (DSpark and
+    DFlash: compiled.BUCKET; the assistant and plain decoding: None) where the target's caches
+    allow it (targets.bucketable); `stats.kv_bucket` says what the request ran with.
 
     Its negative controls (planted bugs) live in spec_parity/controls/serve.py."""
     if mode not in sampling.MODES:
@@ -388,9 +396,11 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
         verifier = _Greedy(eos)
     else:
         verifier = _Sampled(sampler or sampling.Sampler(), processors, mode, draft_sampler, eos)
+    if kv_bucket == AUTO:
+        kv_bucket = getattr(provider, "kv_bucket", None) if targets.bucketable(target) else None
     caches = targets.make_caches(target, kv_bucket)
     source = provider.open(TargetView(target, caches)) if provider is not None else None
-    stats = Stats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma,
+    stats = Stats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma, kv_bucket=kv_bucket,
                   weights_bytes=int(getattr(provider, "weights_bytes", 0) or 0) if provider is not None else 0)
     taps = source.tap_layers if source is not None else None
     t0 = time.perf_counter()

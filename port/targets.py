@@ -237,18 +237,27 @@ def _walk_qwen3(target, ids, layer_inputs, caches):
 
 
 def make_caches(target: Target, kv_bucket: int | None = None) -> list:
-    """The request's caches: mlx-lm's own (default), or with `kv_bucket` one VerifyCache per cache
+    """The request's caches: mlx-lm's own (None), or with `kv_bucket` one VerifyCache per cache
     mlx-lm would make (port/compiled.py: the bucketed verify). A sliding layer's VerifyCache keeps
     every row in time order and masks the window instead of rotating."""
     caches = make_prompt_cache(target.model)
     if check_bucket(kv_bucket, "sdpa", ValueError) is None:
         return caches
     for c in caches:
-        if type(c) not in (KVCache, RotatingKVCache) or getattr(c, "keep", 0):
+        if not _replaceable(c):
             raise ValueError(f"kv_bucket: the bucketed verify replaces mlx-lm's KVCache / RotatingKVCache (keep=0); "
                              f"this target makes a {type(c).__name__}{f' with keep={c.keep}' if getattr(c, 'keep', 0) else ''}: "
                              "use kv_bucket=None")
     return [VerifyCache(kv_bucket) for _ in caches]
+
+
+def bucketable(target: Target) -> bool:
+    """Whether every cache mlx-lm makes for this target is one the bucketed verify replaces."""
+    return all(_replaceable(c) for c in make_prompt_cache(target.model))
+
+
+def _replaceable(cache) -> bool:
+    return type(cache) in (KVCache, RotatingKVCache) and not getattr(cache, "keep", 0)
 
 
 def eos_ids(target: Target) -> set[int]:

@@ -344,7 +344,8 @@ def main(argv=None) -> int:
     bp.add_argument("--sources", default=",".join(("assistant", "dspark", "dflash")),
                     help="comma-separated draft sources (assistant, dspark, dflash)")
     bp.add_argument("--peers", default="auto", help="auto (every other side of a source), none, or a comma list "
-                    "of: port-bucketed, port-bucketed-2seg (our opt-in kv_bucket path), optiq, hf-torch, zlab-mlx, dflash-mlx, "
+                    "of: port-plain (DSpark / DFlash without buckets), port-bucketed (the assistant's bucketed step), "
+                    "port-bucketed-2seg (the two-segment softmax), optiq, hf-torch, zlab-mlx, dflash-mlx, "
                     "zlab-torch, dspark-mlx, deepspec-torch")
     bp.add_argument("--case", help="only these cases (comma-separated names, see bench.md)")
     bp.add_argument("--warmup", type=int, help="untimed runs first (default 3 tiny, 10 real)")

@@ -235,17 +235,19 @@ def test_bench_real_path_runs_scaled_down(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_serve_section_runs_the_port_bucketed_loop(tmp_path):
-    """With port-bucketed among the sides, the serve section has a second row: the bucketed drafter
-    and the bucketed verify (kv_bucket=BUCKET), on the Qwen3 and the Gemma-4 target alike."""
-    doc = _run(tmp_path, "--sources", "dspark", "--peers", "port-bucketed")
+def test_bench_serve_section_runs_the_port_plain_loop(tmp_path):
+    """The serve section's default row is the bucketed drafter and verify (kv_bucket=BUCKET); with
+    port-plain among the sides a second row runs mlx-lm's caches, on the Qwen3 and the Gemma-4
+    target alike."""
+    doc = _run(tmp_path, "--sources", "dspark", "--peers", "port-plain")
     cases = {c["case"]: c for c in doc["cases"]}
     assert set(cases) == {"dspark-qwen3", "dspark-gemma4"}
     md = (tmp_path / "out" / "bench.md").read_text()
     for name, c in cases.items():
-        assert c["serve"]["kv_bucket"] is None and c["serve_bucketed"]["kv_bucket"] == port_sides.BUCKET
-        assert c["serve_bucketed"]["decode_tokens_per_s"]["median"] > 0
-        assert f"| {name} (port-bucketed, verify kv_bucket=256) |" in md
+        assert c["serve"]["kv_bucket"] == port_sides.BUCKET and c["serve_plain"]["kv_bucket"] is None
+        assert c["serve_plain"]["decode_tokens_per_s"]["median"] > 0
+        assert f"| {name} (port, verify kv_bucket=256) |" in md
+        assert f"| {name} (port-plain, verify mlx-lm caches) |" in md
 
 
 def test_kernel_busy_time_counts_overlap_once_and_gaps_not_at_all():
@@ -331,9 +333,37 @@ def test_port_steps_build_no_host_filled_buffers(name, tmp_path):
     docs/benchmarks.md). Control (blocks): the ids built as one host list, as they were, must count."""
     case = next(c for c in shapes.tiny_cases() if c.name == name)
     prep = runner.prepare(shapes.build(case, tmp_path), (None, "off"), 0)
-    for side in (port_sides.port_side, port_sides.port_bucketed_side):
-        assert _host_buffers(prep, side) == 0, side.__name__
+    for side in port_sides.SIDES:
+        if case.module in side.sources:
+            assert _host_buffers(prep, side.build) == 0, side.name
     if case.module == "assistant":
         return
     with controls.planted("bench", "host_filled_block_ids"):
         assert _host_buffers(prep, port_sides.port_side) == 1
+
+
+def test_project_identity_from_a_copy_inside_another_repository(tmp_path, monkeypatch):
+    """A copy of the project without .git, inside some other repository, records no commit of that
+    other repository (the defect: bench.json read the enclosing one's), the commit the copier
+    states, and the same source digest as the checkout it was copied from. Control: inside its own
+    repository the commit is git's."""
+    import shutil
+    import subprocess
+
+    outer = tmp_path / "outer"
+    copy = outer / "copy"
+    subprocess.run(["git", "init", "-q", str(outer)], check=True)
+    subprocess.run(["git", "-C", str(outer), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q",
+                    "--allow-empty", "-m", "other"], check=True)
+    for d in runner.SOURCE_DIRS:
+        shutil.copytree(runner.ROOT / d, copy / d, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(runner.ROOT / "pyproject.toml", copy / "pyproject.toml")
+    monkeypatch.delenv("SPEC_PARITY_COMMIT", raising=False)
+    got = runner.project(copy)
+    assert got["commit"] is None and got["from"] == "unknown"
+    assert got["source_sha256"] == runner.source_sha256(runner.ROOT)
+    monkeypatch.setenv("SPEC_PARITY_COMMIT", "abc123")
+    assert runner.project(copy)["commit"] == "abc123"
+    (copy / "port" / "serve.py").write_text("changed")
+    assert runner.source_sha256(copy) != runner.source_sha256(runner.ROOT)
+    assert runner.project(outer)["from"] == "git"

@@ -27,12 +27,17 @@ from test_bucketed import (
     _outside_fp32,
     _within_fp32,
 )
-from test_speed import PROMPT, SOURCES, _bits_equal
+from test_speed import DFLASH_VARIANTS, PROMPT, SOURCES, _bits_equal
 
-from port import serve, targets
+from port import compiled, serve, targets
 from port.fast import assistant as fast_assistant
+from port.fast import dflash as fast_dflash
+from port.fast import dspark as fast_dspark
 from port.sources.assistant import AssistantProvider
+from port.sources.dflash import DflashProvider
+from port.sources.dspark import DeepspecProvider
 from spec_parity import checkpoints, compare, controls, harness, shared
+from spec_parity.bench import port_sides
 
 TOKENS = 40
 PLAIN = {None: "qwen3-target", "gemma4": "gemma4-target"}   # plain decoding through the loop (one row per verify)
@@ -95,7 +100,7 @@ def _loop(name, kv_bucket, bucketed_drafter=False):
 
 @functools.cache
 def _default(name):
-    """The default loop's run (read only)."""
+    """The loop on mlx-lm's caches (kv_bucket=None), read only."""
     return _loop(name, None)
 
 
@@ -213,3 +218,34 @@ def test_other_caches_and_bad_buckets_are_refused(monkeypatch):
     monkeypatch.setattr(targets, "make_prompt_cache", lambda model: [RotatingKVCache(8, keep=4)])
     with pytest.raises(ValueError, match="keep=4.*kv_bucket=None"):
         serve.generate(qwen, PROMPT, 4, None, kv_bucket=BUCKET)
+
+
+def test_default_path_is_bucketed_where_it_holds():
+    """The providers' default (kv_bucket="auto"): DSpark and DFlash draft on the bucketed block and
+    ask the loop for the bucketed verify (compiled.BUCKET rows), which generate's "auto" follows and
+    `stats.kv_bucket` records; DFlash with window="zlab-mlx" on sliding layers, the assistant and
+    plain decoding keep mlx-lm's caches; the bench's default path is the providers'. Controls:
+    kv_bucket=None, on the provider or the request, turns it off."""
+    dspark_path = checkpoints.build("dspark-drafter", 0, {"target_kind": "qwen3-target"})
+    swa = checkpoints.build("dflash-drafter", 0, DFLASH_VARIANTS["qwen3-swa"])
+    full = checkpoints.build("dflash-drafter", 0, {})
+    made = {"dspark": DeepspecProvider(dspark_path), "dflash": DflashProvider(full),
+            "dflash-zlab-full": DflashProvider(full, window="zlab-mlx"),
+            "dflash-zlab-swa": DflashProvider(swa, window="zlab-mlx"),
+            "dspark-off": DeepspecProvider(dspark_path, kv_bucket=None), "dflash-off": DflashProvider(full, kv_bucket=None),
+            "assistant": AssistantProvider(checkpoints.build("gemma4-assistant", 0, {}))}
+    assert {k: p.kv_bucket for k, p in made.items()} == {
+        "dspark": compiled.BUCKET, "dflash": compiled.BUCKET, "dflash-zlab-full": compiled.BUCKET, "dflash-zlab-swa": None,
+        "dspark-off": None, "dflash-off": None, "assistant": None}
+    assert isinstance(made["dspark"].drafter, fast_dspark.Bucketed)
+    assert isinstance(made["dflash"].drafter, fast_dflash.Bucketed)
+    assert not isinstance(made["dflash-zlab-swa"].drafter, fast_dflash.Bucketed)
+    assert type(fast_dspark.load(dspark_path, **port_sides.PATHS[""]["dspark"])) is type(made["dspark"].drafter)
+    assert type(fast_dflash.load(full, **port_sides.PATHS[""]["dflash"])) is type(made["dflash"].drafter)
+
+    target = targets.load(checkpoints.build("qwen3-target", 0, {}))
+    runs = {"auto": (made["dspark"], "auto"), "request-off": (made["dspark"], None),
+            "provider-off": (made["dspark-off"], "auto"), "plain": (None, "auto")}
+    got = {k: serve.generate(target, PROMPT, 6, p, gamma=4, eos=set(), kv_bucket=b)[1].kv_bucket
+           for k, (p, b) in runs.items()}
+    assert got == {"auto": compiled.BUCKET, "request-off": None, "provider-off": None, "plain": None}

@@ -229,7 +229,7 @@ def _record_rounds(provider, rounds: list):
 def _dspark_rounds(max_tokens: int):
     target = targets.load(checkpoints.build("gemma4-target-agreeing", 0, {}))
     provider, rounds = DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
-        "target_kind": "gemma4-target-agreeing", "agree_frac": 0.8})), []
+        "target_kind": "gemma4-target-agreeing", "agree_frac": 0.8}), kv_bucket=None), []
     serve.generate(target, PROMPT, max_tokens, _record_rounds(provider, rounds), gamma=7, eos=set())
     return provider.drafter, rounds
 
@@ -249,7 +249,7 @@ def _replay_matches(m, rounds) -> list[bool]:
 
 @pytest.mark.slow
 def test_dspark_preallocated_context_equals_concatenation(monkeypatch):
-    """DeepspecSource keeps the context K/V in preallocated buffers (mlx-lm KVCache, grown in
+    """DeepspecSource on the compiled path keeps the context K/V in preallocated buffers (mlx-lm KVCache, grown in
     steps of 256 rows; the block's rows written after the context and trimmed off). Every round's
     block equals, bit for bit, the block drafted from the context concatenated afresh, past two
     buffer growths; with the block rows left in the buffer (the control) it does not."""

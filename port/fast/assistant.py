@@ -73,7 +73,10 @@ class Compiled(assistant.Model):
 
 class Bucketed(Compiled):
     """The whole step as one compiled call over the target's cache buffers (`donors`: donor_buffers);
-    `compiled` off runs the same step function plain (the trace counter's control)."""
+    `compiled` off runs the same step function plain (the trace counter's control). `kv_bucket`:
+    the serve loop's bucketed verify it wants (the buffers it reads)."""
+
+    kv_bucket = pieces.BUCKET
 
     def __init__(self, args: assistant.ModelArgs, compiled: bool = True, repeat_kv: bool = True):
         super().__init__(args, compiled, repeat_kv)

@@ -1,18 +1,17 @@
 """Fast paths of the DFlash port (port/dflash.py), subclasses of its plain Model.
 
-Compiled (the serve loop's default): the block is split where its shapes change: the attention
-over the growing context runs outside mx.compile, the shape-stable pieces between two attentions
-through it (port/compiled.py). Bit for bit the plain forward (tests/test_speed.py).
+Compiled (the plain fast path, `kv_bucket=None`): the block is split where its shapes change: the
+attention over the growing context runs outside mx.compile, the shape-stable pieces between two
+attentions through it (port/compiled.py). Bit for bit the plain forward (tests/test_speed.py).
 
-Bucketed (opt-in, `kv_bucket`): every layer keeps every context row in a buffer a whole number of
-buckets long (port/compiled.py BucketCache; sliding layers mask the window instead of rotating),
-presented whole with the tail masked, and the block (embedding, layers, final norm, the target's
-head) is one compiled call that retraces only when the buffer grows (or the block length
-changes); mx.fast's attention over [context | block] joined with a float mask, or
-(bucket_attention="two-segment") a two-segment softmax. Held to the plain forward within fp32
-tolerance (bit-exact on the CPU backend with "sdpa", measured: tests/test_bucketed.py).
-window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
-"""
+Bucketed (`kv_bucket`; the provider's default, port/sources/dflash.py): every layer keeps every
+context row in a buffer a whole number of buckets long (port/compiled.py BucketCache; sliding layers
+mask the window instead of rotating), presented whole with the tail masked, and the block
+(embedding, layers, final norm, the target's head) is one compiled call that retraces only when the
+buffer grows (or the block length changes); mx.fast's attention over [context | block] joined with a
+float mask, or (bucket_attention="two-segment") a two-segment softmax. Held to the plain forward
+within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured: tests/test_bucketed.py).
+window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it."""
 
 from __future__ import annotations
 
@@ -128,10 +127,16 @@ def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid):
 
 
 def load(path: str | Path, window: str = "positional", embed: str = "scaled", compiled: bool = True,
-         kv_bucket: int | None = None, bucket_attention: str = "sdpa", scales: str = "either") -> Compiled:
-    """The drafter on a fast path: Compiled, or Bucketed with a `kv_bucket`."""
-    pieces.check_bucket(kv_bucket, bucket_attention, dflash.DFlashError)
-    if kv_bucket is None:
-        return dflash.load(path, window, embed, scales, lambda a, w, e: Compiled(a, w, e, compiled))
-    return dflash.load(path, window, embed, scales,
-                       lambda a, w, e: Bucketed(a, w, e, kv_bucket, bucket_attention, compiled))
+         kv_bucket: int | str | None = None, bucket_attention: str = "sdpa", scales: str = "either") -> Compiled:
+    """The drafter on a fast path: Compiled, or Bucketed with a `kv_bucket` (pieces.AUTO:
+    pieces.BUCKET rows unless window="zlab-mlx" meets sliding layers, which only Compiled holds)."""
+
+    def build(a: dflash.ModelArgs, w: str, e: str) -> Compiled:
+        rows = kv_bucket
+        if rows == pieces.AUTO:
+            rows = None if w == "zlab-mlx" and "sliding_attention" in a.layer_types else pieces.BUCKET
+        if pieces.check_bucket(rows, bucket_attention, dflash.DFlashError) is None:
+            return Compiled(a, w, e, compiled)
+        return Bucketed(a, w, e, rows, bucket_attention, compiled)
+
+    return dflash.load(path, window, embed, scales, build)

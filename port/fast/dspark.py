@@ -1,17 +1,17 @@
 """Fast paths of the DSpark port (port/dspark.py), subclasses of its plain Model.
 
-Compiled (the serve loop's default): the block is split where its shapes change: the attention
-over the growing context runs outside mx.compile, the shape-stable pieces between two attentions
-(and the greedy Markov / confidence tail) through it (port/compiled.py). Bit for bit the plain
-forward (tests/test_speed.py).
+Compiled (the plain fast path, `kv_bucket=None`): the block is split where its shapes change: the
+attention over the growing context runs outside mx.compile, the shape-stable pieces between two
+attentions (and the greedy Markov / confidence tail) through it (port/compiled.py). Bit for bit the
+plain forward (tests/test_speed.py).
 
-Bucketed (opt-in, `kv_bucket`): the context K/V is presented at its buffer's length (a multiple of
-the bucket, port/compiled.py BucketCache) with the tail masked, and the whole block (embedding,
-layers, final norm, logits, Markov chain, confidence) is one compiled call that retraces only when
-the buffer grows; the attention is mx.fast's over [context | block] joined with a float mask, or
-(bucket_attention="two-segment") a two-segment softmax. Held to the plain forward within fp32
-tolerance (bit-exact on the CPU backend with "sdpa", measured: tests/test_bucketed.py).
-"""
+Bucketed (`kv_bucket`; the provider's default, port/sources/dspark.py): the context K/V is presented
+at its buffer's length (a multiple of the bucket, port/compiled.py BucketCache) with the tail
+masked, and the whole block (embedding, layers, final norm, logits, Markov chain, confidence) is one
+compiled call that retraces only when the buffer grows; the attention is mx.fast's over [context |
+block] joined with a float mask, or (bucket_attention="two-segment") a two-segment softmax. Held to
+the plain forward within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured:
+tests/test_bucketed.py)."""
 
 from __future__ import annotations
 
@@ -130,9 +130,11 @@ class Bucketed(Compiled):
         return dspark.Block(hidden, base, rows, tokens, conf)
 
 
-def load(path: str | Path, compiled: bool = True, kv_bucket: int | None = None,
+def load(path: str | Path, compiled: bool = True, kv_bucket: int | str | None = None,
          bucket_attention: str = "sdpa") -> Compiled:
-    """The drafter on a fast path: Compiled, or Bucketed with a `kv_bucket`."""
+    """The drafter on a fast path: Compiled, or Bucketed with a `kv_bucket` (pieces.AUTO:
+    pieces.BUCKET rows; every DSpark variant holds it)."""
+    kv_bucket = pieces.BUCKET if kv_bucket == pieces.AUTO else kv_bucket
     pieces.check_bucket(kv_bucket, bucket_attention, dspark.DSparkError)
     if kv_bucket is None:
         return dspark.load(path, lambda a: Compiled(a, compiled))

@@ -73,7 +73,10 @@ class AssistantSource:
 
 class AssistantProvider:
     """A loaded assistant drafter on its compiled path (port/fast/assistant.py; `bucketed`: the
-    bucketed step); `open` binds it to one request's target view."""
+    bucketed step, which reads the serve loop's bucketed verify caches, at compiled.BUCKET rows);
+    `open` binds it to one request's target view. The default stays plain: a one-row step plans
+    no attention kernel per key length on MLX CUDA, and the bucketed step is fp32-close, not
+    bit-exact (tests/test_bucketed.py)."""
 
     trained_gamma = None
 
@@ -81,6 +84,7 @@ class AssistantProvider:
         self.path = Path(path)
         self.id = self.path.name
         self.drafter = fast.load(self.path, bucketed=bucketed)
+        self.kv_bucket = getattr(self.drafter, "kv_bucket", None)
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.options = options
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from .. import checkpoint, heads, targets
 from ..calibration import ConfSample, resolve_thresholds
+from ..compiled import AUTO
 from ..dflash import Block, Model, check_pairing, load_extension
 from ..fast import dflash as fast
 from . import context_bytes
@@ -127,18 +128,24 @@ def _cuts(thresholds: tuple[float, ...], n: int) -> mx.array:
 
 
 class DflashProvider:
-    """The drafter on its compiled path (port/fast/dflash.py). `extras=True` turns on the
+    """The drafter on a fast path (port/fast/dflash.py). `extras=True` turns on the
     DSpark-on-DFlash extension (port/dflash.py docstring); `thresholds` overrides the env var and
     the checkpoint's calibration (port.calibration.resolve_thresholds); `collect_samples` gathers, over every
     request, the (position, sigmoid(confidence), accepted) samples of each verified draft in
-    `self.samples` (what port.calibration.fit_sts_thresholds fits); `kv_bucket`: the bucketed path."""
+    `self.samples` (what port.calibration.fit_sts_thresholds fits).
+
+    `kv_bucket` (default "auto"): the bucketed block, and the serve loop's bucketed verify, at
+    compiled.BUCKET rows, so that a round at a new context length plans no new attention kernel on
+    MLX CUDA; "auto" is the plain compiled path only where the bucketed one cannot hold the window
+    (window="zlab-mlx" with sliding layers). None: the plain compiled path and mlx-lm's caches."""
 
     def __init__(self, path: str | Path, window: str = "positional", max_tokens: int | None = None,
                  embed: str = "scaled", extras: bool = False, thresholds=None, collect_samples: bool = False,
-                 kv_bucket: int | None = None, scales: str = "either"):
+                 kv_bucket: int | str | None = AUTO, scales: str = "either"):
         self.path = Path(path)
         self.id = self.path.name
         self.drafter = fast.load(self.path, window, embed, kv_bucket=kv_bucket, scales=scales)
+        self.kv_bucket = getattr(self.drafter, "kv_bucket", None)
         self.extension = load_extension(self.path) if extras else None
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.trained_gamma = self.drafter.args.block_size - 1

@@ -8,6 +8,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from .. import checkpoint, targets
+from ..compiled import AUTO
 from ..dspark import Block, Model, check_pairing
 from ..fast import dspark as fast
 from . import context_bytes
@@ -70,12 +71,16 @@ class DeepspecSource:
 
 
 class DeepspecProvider:
-    """The drafter on its compiled path (port/fast/dspark.py); `kv_bucket`: the bucketed one."""
+    """The drafter on a fast path (port/fast/dspark.py). `kv_bucket` (default "auto", i.e.
+    compiled.BUCKET rows): the bucketed block, and the serve loop's bucketed verify, so that a
+    round at a new context length plans no new attention kernel on MLX CUDA; None: the plain
+    compiled path and mlx-lm's caches."""
 
-    def __init__(self, path: str | Path, threshold: float = 0.0, kv_bucket: int | None = None):
+    def __init__(self, path: str | Path, threshold: float = 0.0, kv_bucket: int | str | None = AUTO):
         self.path = Path(path)
         self.id = self.path.name
         self.drafter = fast.load(self.path, kv_bucket=kv_bucket)
+        self.kv_bucket = getattr(self.drafter, "kv_bucket", None)
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.trained_gamma = self.drafter.args.block_size
         self.threshold = threshold

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import mlx.core as mx
 
@@ -27,7 +28,7 @@ from .. import third_party
 from . import port_sides
 from .peers import SIDES as PEER_SIDES
 from .peers import _load_state
-from .serve import _probe, _rounds, _timed_forward, bucketed_loop
+from .serve import _probe, _rounds, _timed_forward
 from .shapes import SOURCES, Checkpoints, serve_weights
 from .sides import Side, Skip
 
@@ -96,17 +97,17 @@ def plain_side(ckpt: Checkpoints, env) -> Loop:
     return Loop(generate, keep=model, notes=["mlx_lm.generate.generate_step, argmax"])
 
 
-def port_side(ckpt: Checkpoints, env, bucketed: bool = False) -> Loop:
-    """port.serve.generate, wrapped as the bench's serve section wraps it (bench/serve.py `_probe`):
-    the first draft marks the prefill's end; `split` times one request's rounds (`_timed_forward`,
-    `_rounds`: the drafts evaluated in the draft, the forward in the verify)."""
+def port_side(ckpt: Checkpoints, env, path: str = "") -> Loop:
+    """port.serve.generate on one of the port's paths (port_sides.PATHS), wrapped as the bench's
+    serve section wraps it (bench/serve.py `_probe`): the first draft marks the prefill's end;
+    `split` times one request's rounds (`_timed_forward`, `_rounds`: the drafts evaluated in the
+    draft, the forward in the verify)."""
     target = port_sides.load_target(ckpt)
-    options = bucketed_loop(ckpt) if bucketed else {"provider": port_sides.PortProvider(ckpt), "kv_bucket": None}
+    provider = port_sides.PortProvider(ckpt, path)
     gamma = ckpt.case.shapes.gamma
 
     def request(prompt, n, events, split=False):
-        tokens, stats = port_sides.generate(target, prompt, n, _probe(options["provider"], events, split=split),
-                                            gamma, options["kv_bucket"])
+        tokens, stats = port_sides.generate(target, prompt, n, _probe(provider, events, split=split), gamma)
         return tokens, stats, time.perf_counter()
 
     def generate(prompt, n):
@@ -121,12 +122,10 @@ def port_side(ckpt: Checkpoints, env, bucketed: bool = False) -> Loop:
             _, _, t_end = request(prompt, n, events, split=True)
         return _rounds(events, t_end)
 
-    notes = [f"kv_bucket={options['kv_bucket']}, bucketed drafter"] if bucketed else []
-    return Loop(generate, notes=notes, split=split, keep=(target, options))
-
-
-def port_bucketed_side(ckpt: Checkpoints, env) -> Loop:
-    return port_side(ckpt, env, bucketed=True)
+    verify = f"verify kv_bucket={provider.kv_bucket}" if provider.kv_bucket else "verify mlx-lm caches"
+    options = port_sides.PATHS[path][ckpt.source]
+    notes = [", ".join([f"{k}={v}" for k, v in options.items()] + [verify])]
+    return Loop(generate, notes=notes, split=split, keep=(target, provider))
 
 
 # ---- the peers' own loops ------------------------------------------------------------------------
@@ -264,13 +263,13 @@ def deepspec_side(ckpt: Checkpoints, env) -> Loop:
 _PEERS = {s.name: s for s in PEER_SIDES}
 SIDES: dict[str, Side] = {s.name: s for s in (
     Side("plain", SOURCES, plain_side, peer=False, needs=("mlx_lm",), install="mlx-lm"),
-    Side("port", SOURCES, port_side, peer=False),
-    Side("port-bucketed", SOURCES, port_bucketed_side, peer=False),
+    *(Side(port_sides.path_name(p), tuple(by_source), partial(port_side, path=p), peer=False)
+      for p, by_source in port_sides.PATHS.items() if p != "bucketed-2seg"),
     *(replace(_PEERS[name], build=build) for name, build in (
         ("optiq", optiq_side), ("zlab-mlx", zlab_mlx_side), ("dflash-mlx", dflash_mlx_side),
         ("dspark-mlx", dspark_mlx_side), ("deepspec-torch", deepspec_side))),
 )}
-OURS = ("port", "port-bucketed")
+OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS)
 
 
 def sides_for(source: str, wanted: list[str] | None) -> list[Side]:

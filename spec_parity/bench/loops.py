@@ -44,7 +44,8 @@ import numpy as np
 from ..case import Case
 from . import loop_sides, shapes
 from .loop_sides import Loop
-from .runner import _can_build, _git, _reason, machine, versions
+from .report import _identity
+from .runner import _can_build, _reason, machine, project, versions
 from .shapes import SOURCES
 from .sides import Side, torch_device
 from .timing import _memory, summary
@@ -250,7 +251,7 @@ def run(opts: Options, progress=None) -> dict:
         for condition, case in cases(opts):
             results.append(run_case(condition, case, opts, env, Path(tmp), say))
     return {"command": shlex.join([sys.executable, "-m", "spec_parity.cli", *opts.argv]),
-            "options": {k: v for k, v in vars(opts).items() if k != "argv"}, "git": _git(),
+            "options": {k: v for k, v in vars(opts).items() if k != "argv"}, "project": project(),
             "machine": machine(), "versions": versions(), "torch_sides": torch_dev or torch_reason,
             "cases": results, "wall_s": time.perf_counter() - t0, "what": __doc__.split("\n\n")[1]}
 
@@ -281,7 +282,7 @@ def markdown(doc: dict) -> str:
     m = doc["machine"]
     lines = ["# spec-parity bench --serve", "",
              f"`{doc['command']}`", "",
-             f"git {doc['git']}; {m['platform']}; mlx device {m['mlx_default_device']}; torch sides: {doc['torch_sides']}",
+             f"project {_identity(doc)}; {m['platform']}; mlx device {m['mlx_default_device']}; torch sides: {doc['torch_sides']}",
              "", "Decode tokens/s per fresh request (prompt lengths never repeated), median and p10-p90 over the "
              "runs; x plain = speed-up over the target's plain decode; tau = decode tokens / verify rounds; "
              "split = median ms per round draft / verify / accept+trim; peak = MiB over the timed runs "

@@ -1,5 +1,5 @@
 """Our port in the bench: the target prefill every side starts from, the port's sides (the
-default path and its opt-in bucketed paths), its DraftProvider, and the seams of port.serve the
+default path and its other paths), its DraftProvider, and the seams of port.serve the
 serve-loop figures observe. Every call the bench makes into port/ is here; port/ is imported
 lazily (mlx-lm imports transformers, and the bench imports without it).
 """
@@ -7,13 +7,14 @@ lazily (mlx-lm imports transformers, and the bench imports without it).
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import mlx.core as mx
 
-from .shapes import SOURCES, Checkpoints, serve_weights
+from .shapes import Checkpoints, serve_weights
 from .sides import Prep, Side, Stepper
 
-BUCKET = 256  # mlx-lm KVCache's own growth step
+BUCKET = 256  # mlx-lm KVCache's own growth step (port.compiled.BUCKET; port/ is imported lazily)
 # The port's modules whose host-filled buffers counters.HostBuffers counts (by name: not imported).
 PORT_MODULES = ("port.assistant", "port.compiled", "port.dflash", "port.dspark", "port.heads", "port.sampling",
                 "port.serve", "port.targets", "port.fast.assistant", "port.fast.dflash", "port.fast.dspark",
@@ -67,18 +68,35 @@ def donor_kv(prep: Prep) -> dict[str, tuple[mx.array, mx.array]]:
 
 # ---- the port's sides ----------------------------------------------------------------------------
 
-def port_side(prep: Prep, **bucketed) -> Stepper:
-    """Our port through the serve loop's seam: the source's `draft_device` (what the loop drafts
-    with: the tokens stay on the device until the verify; and `commit` of one row); `bucketed`
-    (kv_bucket, bucket_attention): its opt-in bucketed path (port/fast/). No host read in
-    the step, as in the peers' steps: on MLX CUDA a host read of more than 8 bytes costs the next
-    step 0.1-0.56 ms of unified-memory faults (docs/benchmarks.md)."""
+# The port's paths by side suffix: its drafter loader's options (port/fast/). The serve loop's
+# verify follows the drafter (port.serve.generate's kv_bucket="auto": the drafter's kv_bucket).
+# "" is the providers' default (port/sources/): the bucketed block for DSpark and DFlash, the
+# compiled step for the assistant.
+PATHS = {
+    "": {"assistant": {}, "dspark": {"kv_bucket": "auto"}, "dflash": {"kv_bucket": "auto"}},
+    "plain": {"dspark": {"kv_bucket": None}, "dflash": {"kv_bucket": None}},
+    "bucketed": {"assistant": {"bucketed": True}},
+    "bucketed-2seg": {"dspark": {"kv_bucket": BUCKET, "bucket_attention": "two-segment"},
+                      "dflash": {"kv_bucket": BUCKET, "bucket_attention": "two-segment"}},
+}
+
+
+def path_name(path: str) -> str:
+    return "port-" + path if path else "port"
+
+
+def port_side(prep: Prep, path: str = "") -> Stepper:
+    """Our port on one of its PATHS through the serve loop's seam: the source's `draft_device` (what
+    the loop drafts with: the tokens stay on the device until the verify; and `commit` of one row).
+    No host read in the step, as in the peers' steps: on MLX CUDA a host read of more than 8 bytes
+    costs the next step 0.1-0.56 ms of unified-memory faults (docs/benchmarks.md)."""
     from port import serve
 
+    options = PATHS[path][prep.source]
     view = serve.TargetView(prep.target, prep.caches)
-    src = open_port_source(prep.ckpt, view, **bucketed)
+    src = open_port_source(prep.ckpt, view, **options)
     tok, hid, g = prep.anchor, prep.anchor_hidden, prep.gamma
-    notes = [f"{k}={v}" for k, v in bucketed.items()]
+    notes = [f"{k}={v}" for k, v in options.items()]
     if prep.source == "assistant":
         return Stepper(lambda: src.draft_device([tok], g, hid), keep=src, tokens=_host_list, notes=notes)
     src.prefill(list(range(prep.ctx)), [prep.taps])
@@ -95,44 +113,22 @@ def _host_list(tokens: mx.array) -> list[int]:
     return tokens.tolist()
 
 
-def bucketed_options(ckpt: Checkpoints, attention: str = "sdpa") -> dict:
-    """The port's opt-in bucketed drafter: blocks with kv_bucket=BUCKET (the whole block one compiled
-    call over the context buffer), the assistant with bucketed=True (one compiled step over the
-    target's cache buffers)."""
-    if ckpt.source == "assistant":
-        return {"bucketed": True}
-    return {"kv_bucket": BUCKET, "bucket_attention": attention}
-
-
-def port_bucketed_side(prep: Prep, attention: str = "sdpa") -> Stepper:
-    """Our port's opt-in bucketed path (bucketed_options). Within fp32 tolerance of the port."""
-    return port_side(prep, **bucketed_options(prep.ckpt, attention))
-
-
-def port_bucketed_2seg_side(prep: Prep) -> Stepper:
-    """port-bucketed with the two-segment softmax (no copy of the context, more ops)."""
-    return port_bucketed_side(prep, "two-segment")
-
-
-# Ours, never a peer. The opt-in paths are selected with the peers (--peers), after the port.
-SIDES = (
-    Side("port", SOURCES, port_side, peer=False),
-    Side("port-bucketed", SOURCES, port_bucketed_side, peer=False),
-    Side("port-bucketed-2seg", ("dspark", "dflash"), port_bucketed_2seg_side, peer=False),
-)
+# Ours, never a peer: the default path first; the others are selected with the peers (--peers).
+SIDES = tuple(Side(path_name(path), tuple(by_source), partial(port_side, path=path), peer=False)
+              for path, by_source in PATHS.items())
 
 
 class PortProvider:
-    """A `DraftProvider` over the port's in-memory drafter (the providers themselves read paths
-    only through the port's loaders, which `serve_weights` feeds); `bucketed`: the loader's
-    options (bucketed_options)."""
+    """A `DraftProvider` over the port's in-memory drafter on one of its PATHS (the providers
+    themselves read paths only through the port's loaders, which `serve_weights` feeds)."""
 
     trained_gamma = None
     weights_bytes = 0
 
-    def __init__(self, ckpt: Checkpoints, **bucketed):
+    def __init__(self, ckpt: Checkpoints, path: str = ""):
         self.ckpt, self.id = ckpt, ckpt.case.name
-        self.drafter = load_port_drafter(ckpt, **bucketed)
+        self.drafter = load_port_drafter(ckpt, **PATHS[path][ckpt.source])
+        self.kv_bucket = getattr(self.drafter, "kv_bucket", None)
 
     def open(self, view):
         return _source_class(self.ckpt)(self.drafter, view)
@@ -148,25 +144,25 @@ def _source_class(ckpt: Checkpoints):
             "dflash": dflash.DflashSource}[ckpt.source]
 
 
-def load_port_drafter(ckpt: Checkpoints, **bucketed):
+def load_port_drafter(ckpt: Checkpoints, **options):
     from port.fast import assistant, dflash, dspark
 
     mod = {"assistant": assistant, "dspark": dspark, "dflash": dflash}[ckpt.source]
     with serve_weights(ckpt):
-        return mod.load(ckpt.drafter_dir, **bucketed)
+        return mod.load(ckpt.drafter_dir, **options)
 
 
-def open_port_source(ckpt: Checkpoints, view, **bucketed):
-    return _source_class(ckpt)(load_port_drafter(ckpt, **bucketed), view)
+def open_port_source(ckpt: Checkpoints, view, **options):
+    return _source_class(ckpt)(load_port_drafter(ckpt, **options), view)
 
 
 # ---- port.serve's seams, for the serve-loop figures ---------------------------------------------
 
-def generate(target, prompt: list[int], max_tokens: int, provider, gamma: int, kv_bucket: int | None):
-    """port.serve.generate at T=0 with EOS off: (tokens, stats)."""
+def generate(target, prompt: list[int], max_tokens: int, provider, gamma: int):
+    """port.serve.generate at T=0 with EOS off, its verify as the provider's path wants: (tokens, stats)."""
     from port import serve
 
-    return serve.generate(target, prompt, max_tokens, provider, gamma=gamma, eos=set(), kv_bucket=kv_bucket)
+    return serve.generate(target, prompt, max_tokens, provider, gamma=gamma, eos=set())
 
 
 def observed(provider, around):

@@ -52,7 +52,7 @@ def header(doc: dict) -> str:
     bw = doc["bandwidth"]
     load = f", load average {m['loadavg'][0]:.1f} on {m['cpu_count']} CPUs" if m.get("loadavg") else ""
     return (f"`{doc['command']}`\n\n"
-            f"git {doc['git']}; MLX {v.get('mlx', '?')} on {dev} ({name}){load}; python {m['python']}; "
+            f"project {_identity(doc)}; MLX {v.get('mlx', '?')} on {dev} ({name}){load}; python {m['python']}; "
             f"shapes {o['shapes']}{' /' + str(o['scale']) if o['scale'] > 1 else ''}, {o['dtype']}, "
             f"{o['warmup']} warm-up + {o['iters']} timed runs; torch sides: {doc['torch_sides']}; "
             f"whole run {doc['wall_s']:.0f} s.\n\n"
@@ -109,18 +109,13 @@ def _cold_round(sv: dict) -> str:
 
 
 def _serve_rows(doc: dict):
-    """(row name, serve-loop figures) per case: the port's loop, then the port-bucketed one (bucketed
-    drafter and verify) if the run has it."""
+    """(row name, serve-loop figures) per case: the port's loop on each path the run has, the
+    default first, each named with its verify (kv_bucket or mlx-lm's caches)."""
     for c in doc["cases"]:
-        for key in ("serve", "serve_bucketed"):
-            sv = c.get(key)
-            if not sv:
-                continue
-            if key == "serve":
-                yield c["case"], sv
-            else:
-                verify = f"verify kv_bucket={sv['kv_bucket']}" if sv.get("kv_bucket") else "verify default"
-                yield f"{c['case']} (port-bucketed, {verify})", sv
+        for key in sorted((k for k in c if k == "serve" or k.startswith("serve_")), key=lambda k: k != "serve"):
+            sv = c[key]
+            verify = f"verify kv_bucket={sv['kv_bucket']}" if sv.get("kv_bucket") else "verify mlx-lm caches"
+            yield f"{c['case']} ({sv.get('path', 'port')}, {verify})", sv
 
 
 def serve_table(doc: dict) -> list[str]:
@@ -301,3 +296,10 @@ def write(doc: dict, out: Path, matplotlib: bool | None = None) -> list[Path]:
     finally:
         Path(tmp).unlink(missing_ok=True)
     return paths
+
+
+def _identity(doc: dict) -> str:
+    """The project's commit (and how it is known) and its source digest, for a report's header."""
+    p = doc.get("project") or {}
+    commit = (p.get("commit") or "unknown")[:12] + ("+dirty" if p.get("dirty") else "")
+    return f"{commit} ({p.get('from', 'unknown')}; source sha256 {str(p.get('source_sha256', '?'))[:12]})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import importlib
 import os
 import platform
@@ -24,7 +25,7 @@ import numpy as np
 from ..case import Case
 from . import peers, port_sides, shapes
 from .counters import HostSyncs, count_step
-from .serve import bucketed_loop, serve_loop
+from .serve import serve_loop
 from .shapes import SOURCES, Checkpoints
 from .sides import Prep, Side, Skip, torch_device
 from .timing import COLD_SPACING, bandwidth, cold, kernel_profile, launch_cost, pre_pass, time_loop
@@ -171,14 +172,17 @@ def run_case(case: Case, opts: Options, torch: tuple[str | None, str], bw: dict,
     out["sides"] = [run_side(SIDES["port"], prep, opts)] + [run_side(side, prep, opts, i)
                                                              for i, side in enumerate(others, start=1)]
     _ratios(out)
-    bucketed = SIDES["port-bucketed"] in others
-    for key in ("serve", "serve_bucketed") if bucketed else ("serve",):
+    # The serve loop on the default path, and on each other path of ours the run selected.
+    paths = [""] + [p for p in port_sides.PATHS if p and SIDES[port_sides.path_name(p)] in others]
+    for path in paths:
+        key = "serve_" + path if path else "serve"
         try:
-            loop = bucketed_loop(ckpt) if key == "serve_bucketed" else {}
             out[key] = serve_loop(ckpt, prep.target, prompt(ckpt, opts.seed), opts.max_tokens, opts.serve_runs,
-                                  cold=opts.shapes == "real" and s.ctx > COLD_SPACING * 16, **loop)
+                                  port_sides.PortProvider(ckpt, path),
+                                  cold=opts.shapes == "real" and s.ctx > COLD_SPACING * 16)
+            out[key]["path"] = port_sides.path_name(path)
         except Exception as e:
-            out[key] = {"status": "failed", "reason": _reason(e)}
+            out[key] = {"status": "failed", "reason": _reason(e), "path": port_sides.path_name(path)}
     out["status"] = "ok"
     out["wall_s"] = time.perf_counter() - t0
     del prep, ckpt
@@ -233,16 +237,39 @@ def versions() -> dict:
     return out
 
 
-def _git() -> str:
-    here = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[2]
+SOURCE_DIRS = ("port", "spec_parity", "oracles")
+
+
+def source_sha256(root: Path = ROOT) -> str:
+    """sha256 over the project's code as files (path and bytes of every .py under SOURCE_DIRS, and
+    pyproject.toml): the same in a clone at a commit and in a copy of it without .git, so a run
+    from a copy can be matched to its commit."""
+    h = hashlib.sha256()
+    files = [root / "pyproject.toml"] + sorted(f for d in SOURCE_DIRS for f in (root / d).rglob("*.py"))
+    for f in files:
+        if f.is_file():
+            h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def project(root: Path = ROOT) -> dict:
+    """The project's own identity: its commit from git only when `root` is the top of its own
+    repository (a copy inside another repository would read that one's); otherwise the commit the
+    copier stated in SPEC_PARITY_COMMIT, or none. Always the source digest."""
+    out = {"commit": None, "dirty": None, "from": "unknown", "source_sha256": source_sha256(root)}
     with contextlib.suppress(Exception):
-        r = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                           timeout=10)
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        if r.returncode == 0:
-            return r.stdout.strip() + ("+dirty" if dirty else "")
-    return "unknown"
+        def git(*args):
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode == 0 and Path(top.stdout.strip()).resolve() == root.resolve():
+            out.update({"commit": git("rev-parse", "HEAD").stdout.strip(), "from": "git",
+                        "dirty": bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip())})
+            return out
+    if os.environ.get("SPEC_PARITY_COMMIT"):
+        out.update({"commit": os.environ["SPEC_PARITY_COMMIT"], "from": "SPEC_PARITY_COMMIT (stated, not checked)"})
+    return out
 
 
 def run(opts: Options, progress=None) -> dict:
@@ -267,7 +294,7 @@ def run(opts: Options, progress=None) -> dict:
     cmd = shlex.join([sys.executable, "-m", "spec_parity.cli", *opts.argv])
     process = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
     return {"command": cmd, "process": process, "cwd": os.getcwd(), "argv": opts.argv, "options": {k: v for k, v in vars(opts).items() if k != "argv"},
-            "git": _git(), "machine": machine(), "versions": versions(), "torch_sides": torch[0] or torch[1],
+            "project": project(), "machine": machine(), "versions": versions(), "torch_sides": torch[0] or torch[1],
             "bandwidth": bw, "launch": launch, "cases": results, "wall_s": time.perf_counter() - t0,
             "what": {"a": "one draft call: assistant = gamma chained steps, blocks = one block after one "
                           "committed row; per_step_s = a / steps_per_call",

@@ -64,18 +64,17 @@ def _rounds(events: list, t_end: float) -> list[dict]:
 
 
 def serve_loop(ckpt: Checkpoints, target, prompt: list[int], max_tokens: int, runs: int,
-               provider=None, cold: bool = False, kv_bucket: int | None = None) -> dict:
+               provider=None, cold: bool = False) -> dict:
     """Our port in port.serve.generate on `prompt`: tokens/s (decode only: from the first draft on,
     and the loop's own figure with the prefill), the round split, host syncs and graph ops per round.
-    `provider` (default: the port's drafter of the case) is what the loop drafts with; `kv_bucket`
-    the loop's bucketed verify (None: the default one)."""
+    `provider` (default: the port's drafter of the case on its default path) is what the loop
+    drafts with; the verify follows it (its kv_bucket)."""
     provider = provider or port_sides.PortProvider(ckpt)
     gamma = ckpt.case.shapes.gamma
 
     def run(events, hook=None, split=False, ids=prompt):
         t0 = time.perf_counter()
-        _, stats = port_sides.generate(target, ids, max_tokens, _probe(provider, events, hook, split), gamma,
-                                       kv_bucket)
+        _, stats = port_sides.generate(target, ids, max_tokens, _probe(provider, events, hook, split), gamma)
         return stats, t0, time.perf_counter()
 
     def medians(rounds: list[dict]) -> dict:
@@ -116,17 +115,10 @@ def serve_loop(ckpt: Checkpoints, target, prompt: list[int], max_tokens: int, ru
         first = next(e[1] for e in events if e[0] == "draft")
         cold_out = {"cold": {"prompt_len": len(short), "decode_tokens_per_s": (cstats.emitted - 1) / (t_end - first),
                              "round_median_s": medians(_rounds(events, t_end)[1:])}}
-    return {**cold_out, "kv_bucket": kv_bucket, "gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
+    return {**cold_out, "kv_bucket": stats.kv_bucket, "gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
             "tau": stats.tau, "acceptance": stats.acceptance,
             "decode_tokens_per_s": summary(decode), "loop_tokens_per_s": summary(looped),
             "round_median_s": med, "first_round_s": split[0] if split else {},
             "host_syncs_per_round": (syncs1 - syncs0) / n, "graph_ops_per_round": (ops1 - ops0) / n,
             "host_read_max_bytes_per_round": hs.largest_read(syncs0, syncs1), "host_syncs_at_end": hs.syncs - syncs1,
             "sync_calls": dict(hs.calls), "memory": {"active_before_bytes": int(active), "peak_bytes": int(peak)}}
-
-
-def bucketed_loop(ckpt: Checkpoints) -> dict:
-    """serve_loop's options for the port-bucketed row: the bucketed drafter and the bucketed verify
-    (kv_bucket=BUCKET)."""
-    return {"provider": port_sides.PortProvider(ckpt, **port_sides.bucketed_options(ckpt)),
-            "kv_bucket": port_sides.BUCKET}
