@@ -345,8 +345,8 @@ def test_port_steps_build_no_host_filled_buffers(name, tmp_path):
 def test_project_identity_from_a_copy_inside_another_repository(tmp_path, monkeypatch):
     """A copy of the project without .git, inside some other repository, records no commit of that
     other repository (the defect: bench.json read the enclosing one's), the commit the copier
-    states, and the same source digest as the checkout it was copied from. Control: inside its own
-    repository the commit is git's."""
+    states (over a stale .git too), and the same source digest as the checkout it was copied
+    from. Control: inside its own repository, nothing stated, the commit is git's."""
     import shutil
     import subprocess
 
@@ -362,8 +362,10 @@ def test_project_identity_from_a_copy_inside_another_repository(tmp_path, monkey
     got = runner.project(copy)
     assert got["commit"] is None and got["from"] == "unknown"
     assert got["source_sha256"] == runner.source_sha256(runner.ROOT)
+    assert runner.project(outer)["from"] == "git"
     monkeypatch.setenv("SPEC_PARITY_COMMIT", "abc123")
     assert runner.project(copy)["commit"] == "abc123"
+    stated = runner.project(outer)   # a stale .git: the stated commit, git's view beside it
+    assert stated["commit"] == "abc123" and stated["git"]["commit"] != "abc123"
     (copy / "port" / "serve.py").write_text("changed")
     assert runner.source_sha256(copy) != runner.source_sha256(runner.ROOT)
-    assert runner.project(outer)["from"] == "git"

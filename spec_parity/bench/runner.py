@@ -254,22 +254,31 @@ def source_sha256(root: Path = ROOT) -> str:
 
 
 def project(root: Path = ROOT) -> dict:
-    """The project's own identity: its commit from git only when `root` is the top of its own
-    repository (a copy inside another repository would read that one's); otherwise the commit the
-    copier stated in SPEC_PARITY_COMMIT, or none. Always the source digest."""
+    """The project's own identity: the commit its copier states in SPEC_PARITY_COMMIT (a device run
+    over a copy of the working tree may carry a stale .git, or sit inside another repository), else
+    git's HEAD and dirtiness only when `root` is the top of its own repository, else none; git's
+    view beside a stated commit; always the source digest, which matches a run to its commit."""
     out = {"commit": None, "dirty": None, "from": "unknown", "source_sha256": source_sha256(root)}
+    seen = _own_git(root)
+    if os.environ.get("SPEC_PARITY_COMMIT"):
+        out.update({"commit": os.environ["SPEC_PARITY_COMMIT"], "from": "SPEC_PARITY_COMMIT (stated, not checked)",
+                    "git": seen})
+    elif seen:
+        out.update(seen, **{"from": "git"})
+    return out
+
+
+def _own_git(root: Path) -> dict | None:
+    """HEAD and dirtiness of the repository whose top is `root`, or None."""
     with contextlib.suppress(Exception):
         def git(*args):
             return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
 
         top = git("rev-parse", "--show-toplevel")
         if top.returncode == 0 and Path(top.stdout.strip()).resolve() == root.resolve():
-            out.update({"commit": git("rev-parse", "HEAD").stdout.strip(), "from": "git",
-                        "dirty": bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip())})
-            return out
-    if os.environ.get("SPEC_PARITY_COMMIT"):
-        out.update({"commit": os.environ["SPEC_PARITY_COMMIT"], "from": "SPEC_PARITY_COMMIT (stated, not checked)"})
-    return out
+            return {"commit": git("rev-parse", "HEAD").stdout.strip(),
+                    "dirty": bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip())}
+    return None
 
 
 def run(opts: Options, progress=None) -> dict:
