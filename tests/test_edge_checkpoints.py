@@ -2,13 +2,14 @@
 computed some other way (issue 18). Each is a factory checkpoint edited in tmp_path."""
 
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from port import assistant, dflash
+from port import assistant, dflash, dspark
 from spec_parity import checkpoints, harness
 
 
@@ -24,6 +25,19 @@ def _edit(src, dst, config=None, tensors=None, drop=()):
         del t[k]
     save_file(t, str(dst / "model.safetensors"))
     return dst
+
+
+@pytest.mark.parametrize("kind, load, tensor, error", [
+    ("gemma4-assistant", assistant.load, "model.layers.2.self_attn.q_norm.weight", assistant.DrafterError),
+    ("dflash-drafter", dflash.load, "layers.1.self_attn.k_norm.weight", dflash.DFlashError),
+    ("dspark-drafter", dspark.load, "markov_head.markov_w2.weight", dspark.DSparkError),
+], ids=["assistant", "dflash", "dspark"])
+def test_missing_tensor_is_named(kind, load, tensor, error, tmp_path):
+    """A checkpoint one tensor short is refused naming the tensor; control: the full one loads."""
+    src = checkpoints.build(kind, 0, {})
+    load(src)
+    with pytest.raises(error, match=rf"missing tensor\(s\) \['{re.escape(tensor)}'\]"):
+        load(_edit(src, tmp_path / "short", drop=[tensor]))
 
 
 def _untied(tmp_path):

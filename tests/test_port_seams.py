@@ -1,7 +1,9 @@
 """The two plug-in seams: a port in process (`--port MODULE=pkg.module:make_port`) and a port in
 any language through the file protocol (`--port-cmd`, `export`). Our own port through either
 seam gets exactly the verdicts it gets in process; a port that returns perturbed arrays (a
-wrapper outside product code, the controls of these tests) is caught through both."""
+wrapper outside product code, the controls of these tests) is caught through both. Each test here
+spawns Python processes (about 3 s of CPU each on the 2-core machine): the dev loop keeps one
+verdict through the file protocol and its perturbed control; the rest run under --slow (CI)."""
 
 import json
 import subprocess
@@ -14,8 +16,8 @@ from safetensors.numpy import load_file
 from spec_parity import exchange, harness, ports
 
 OURS_CMD = f"{sys.executable} -m spec_parity.exchange {{case}} {{out}}"
-FAST = ["targets/qwen3", "dflash/mod-qwen3"]
-SLOW = ["assistant/step-gemma4-centroid-optiq", "assistant/step-gemma4-centroid-transformers",
+FAST = ["targets/qwen3"]
+SLOW = ["dflash/mod-qwen3", "assistant/step-gemma4-centroid-optiq", "assistant/step-gemma4-centroid-transformers",
         "assistant/loop-random-centroid-g2", "dspark/mod-gemma4", "dspark/loop-gemma4-t0.5", "dflash/loop-qwen3-eos"]
 
 
@@ -109,6 +111,7 @@ def _cli(tmp_path, *args):
                           cwd=tmp_path)
 
 
+@pytest.mark.slow
 def test_in_process_port_option_through_the_cli(tmp_path):
     (tmp_path / "myport.py").write_text(MYPORT)
     run = ["run", "--module", "targets", "--case", "qwen3", "--source", "golden"]
@@ -124,6 +127,7 @@ def test_in_process_port_option_through_the_cli(tmp_path):
     assert missing.returncode != 0 and "cannot be imported" in missing.stderr
 
 
+@pytest.mark.slow
 def test_export_writes_a_case_folder(tmp_path):
     done = _cli(tmp_path, "export", "--module", "dflash", "--case", "mod-qwen3", "--out", "cases")
     assert done.returncode == 0, done.stdout + done.stderr
