@@ -312,3 +312,12 @@ def loop_sampled(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_ne
         rounds.append(len(res.accepted_draft_lengths))
     return {"tokens": tokens, "accepted": np.array(accepted, np.int32), "proposed": np.array(proposed, np.int32),
             "rounds": np.array(rounds, np.int32)}
+
+
+def loop_sampled_statistics(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_new_tokens: int,
+                            threshold: float, temperature: float, seeds: list[int]) -> dict:
+    """`loop_sampled`, per request the first round's accepted length and its rounds (the arrays
+    spec_parity.sampled compares)."""
+    ref = loop_sampled(target_dir, drafter_dir, prompt, max_new_tokens, threshold, temperature, seeds)
+    starts = np.cumsum(np.r_[0, ref["rounds"][:-1]])
+    return {"sampled.first": ref["accepted"][starts].astype(np.int32), "sampled.rounds": ref["rounds"].astype(np.int32)}

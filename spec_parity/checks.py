@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import attended
+from . import attended, sampled
 from .attended import Rows, Window
 from .compare import Result, check_tensor, kl, stream_metrics, teacher_forced, trace_metrics
 from .layers import localize
@@ -486,5 +486,5 @@ def layer_feeds(ref: dict) -> dict:
     return {k: v for k, v in ref.items() if k.startswith("layer.")}
 
 
-_JUDGES = {Window: attended.judge, Drafts: _drafts, Shift: _shift, Pruning: _pruning, FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,
+_JUDGES = {Window: attended.judge, sampled.Distribution: sampled.judge, Drafts: _drafts, Shift: _shift, Pruning: _pruning, FirstRound: _first_round, Tensor: _tensor, Tokens: _tokens, Same: _same, Trace: _trace, Mean: _mean, Layers: _layers,
            Scored: _scored}

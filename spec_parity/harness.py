@@ -133,7 +133,8 @@ def params(cases: list[Case]) -> list:
     """`cases` as pytest params (id: the case name) for a module's golden and live tests. The dev
     loop (plain `pytest`) runs every module case, every control and its base case, and the first
     serve-loop case of each checkpoint kind; the module's other serve-loop cases (the same loop on
-    another gamma, EOS, window, head or torch twin) are `slow`: `pytest --slow` and CI run them."""
+    another gamma, EOS, window, head or torch twin) and the sampled (T > 0) cases are `slow`:
+    `pytest --slow` and CI run them."""
     import pytest
 
     loops = [c for c in cases if c.params.KIND == "loop" and not c.control]
@@ -141,6 +142,7 @@ def params(cases: list[Case]) -> list:
     for c in loops:
         first.setdefault(c.kind, c.name)
     slow = {c.name for c in loops} - set(first.values()) - {c.control["base"] for c in cases if c.control}
+    slow |= {c.name for c in cases if c.params.KIND == "sampled"}   # hundreds of requests each
     return [pytest.param(c, id=c.name, marks=pytest.mark.slow if c.name in slow else ()) for c in cases]
 
 

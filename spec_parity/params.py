@@ -141,3 +141,18 @@ class DsparkLoop(Params, kind="loop"):
     max_new_tokens: int = 24
     threshold: float
 
+
+
+@dataclass(frozen=True, kw_only=True)
+class DsparkSampled(Params, kind="sampled"):
+    """dspark: the serve loop at `temperature` (rejection sampling) to `max_new_tokens`, pruning at
+    `threshold`, once per seed: `runs` requests from `seed0` on our side, from `ref_seed0` on the
+    reference's (independent draws)."""
+
+    prompt_len: int = 12
+    max_new_tokens: int = 5
+    threshold: float
+    temperature: float
+    runs: int
+    seed0: int = 10_000
+    ref_seed0: int = 0

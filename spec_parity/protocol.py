@@ -88,6 +88,18 @@ LAYER_RETURNS = (
 )
 
 
+SAMPLED_OPTIONS = {"temperature": "the sampler's temperature", "runs": "requests to run, one seed each",
+                   "seed0": "the first seed (seeds seed0 .. seed0 + runs - 1)",
+                   "max_new_tokens / max_tokens": "tokens a request generates (as the module's loop counts them)",
+                   "threshold / gamma": "the module's loop option (DSpark confidence threshold, assistant drafts per round)"}
+
+
+def _sampled(module: str, returns: tuple[Quantity, ...]) -> Protocol:
+    return Protocol(module, "sampled", "the serve loop at T > 0, once per seed: per request a few small integers, "
+                    "compared as distributions with the reference's sampled loop (two-sample chi-square)",
+                    SAMPLED_OPTIONS, {}, returns)
+
+
 def _loop(module: str) -> Protocol:
     return Protocol(module, "loop", "the serve loop: draft, one batched verify, accept, trim, at T=0",
                     LOOP_OPTIONS, {}, LOOP_RETURNS)
@@ -143,6 +155,8 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
                            "in position order, the newest last)"))
              + LAYER_RETURNS),
     _loop("assistant"), _loop("dspark"), _loop("dflash"),
+    _sampled("dspark", (Quantity("sampled.first", "[runs]", "int32", "each request's first-round accepted length", True),
+                        Quantity("sampled.rounds", "[runs]", "int32", "each request's verify rounds", True))),
     Protocol("dflash", "extension", "the DSpark-on-DFlash extension (no reference: L3), extras on, at T=0",
              {"thresholds": "confidence thresholds (one for every position, or one per position)",
               "max_tokens": "tokens to generate"}, {},

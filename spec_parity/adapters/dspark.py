@@ -1,4 +1,4 @@
-"""Our DSpark port (port/dspark.py) behind protocols dspark/modules and dspark/loop."""
+"""Our DSpark port (port/dspark.py) behind protocols dspark/modules, dspark/loop and dspark/sampled."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from oracles.layers import as_numpy, mlx_recorded
 
 from ..checks import layer_feeds
 from ..protocol import Request
+from ..sampled import first_and_rounds
 from . import loop
 
 
@@ -19,6 +20,8 @@ def run(req: Request) -> dict:
 
     target = targets.load(req.target)
     p = req.prompt
+    if req.kind == "sampled":
+        return sampled(target, req)
     if req.kind == "loop":
         provider = DeepspecProvider(req.drafter, req.options["threshold"])
         n = req.options["max_new_tokens"]
@@ -49,3 +52,21 @@ def run(req: Request) -> dict:
         out[f"prefix@{t}"] = np.array([n], np.int32)
         out[f"proposal@{t}"] = np.array(block.tokens[:n], np.int32)
     return {**{k: np.array(v) for k, v in out.items()}, **as_numpy(recorded)}
+
+
+def sampled(target, req: Request) -> dict:
+    """Our loop in rejection mode at the temperature, once per seed: per request the first round's
+    accepted length and its rounds (spec_parity.sampled)."""
+    from port import sampling, serve
+    from port.sources.dspark import DeepspecProvider
+
+    o = req.options
+    provider = DeepspecProvider(req.drafter, o["threshold"])
+    accepted = []
+    for seed in range(o["seed0"], o["seed0"] + o["runs"]):
+        # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
+        _, st = serve.generate(target, req.prompt[0].tolist(), o["max_new_tokens"] + 1, provider,
+                               gamma=provider.trained_gamma, eos=set(), mode="rejection",
+                               sampler=sampling.Sampler(o["temperature"], seed=seed))
+        accepted.append([a for _, a, _ in st.trace])
+    return first_and_rounds(accepted)

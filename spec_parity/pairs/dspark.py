@@ -5,7 +5,8 @@ context, per-layer context K/V, block hidden, base logits, Markov-corrected logi
 confidence logits, the prefix length at several thresholds (0 tokens included) and the proposal.
 Loop cases run our serve loop with the DeepspecSource against DeepSpec's own T=0 decoding loop:
 token stream, per-round proposal sizes, accepted lengths and draft tokens, and tau; and hold our
-stream to the target's plain greedy one. DeepSpec's DFlash variant (Markov rank 0, no confidence
+stream to the target's plain greedy one. The sampled case holds the distribution of our loop's
+accepted lengths and rounds at T > 0 to DeepSpec's sampled loop (spec_parity/sampled.py). DeepSpec's DFlash variant (Markov rank 0, no confidence
 head) runs through the same port by config.
 """
 
@@ -30,7 +31,8 @@ from ..checks import (
     layer_feeds,
     serve_loop,
 )
-from ..params import DsparkLoop, DsparkRounds
+from ..params import DsparkLoop, DsparkRounds, DsparkSampled
+from ..sampled import Distribution
 
 NAME = "dspark"
 ORACLE = "deepspec"
@@ -52,6 +54,14 @@ LOOPS = [("gemma4", 0.0), ("gemma4", 0.5), ("gemma4-keqv", 0.5), ("qwen3", 0.0),
 # share `agree_frac` of the vocabulary; 1.0 accepts every draft (tau = block size + 1 = 8).
 AGREEING = [("gemma4", 1.0, 0.0), ("gemma4", 0.8, 0.0), ("gemma4-keqv", 0.8, 0.5), ("qwen3", 0.8, 0.0),
             ("qwen3", 0.6, 0.5), ("gemma4-rnn", 0.8, 0.0)]
+
+# T > 0 against DeepSpec's rejection-sampling loop (`generate_decoding_sample`): the agreeing pair at
+# T = 2, confidence threshold 0.5, 5 tokens a request, 600 requests a side. Every statistic is one
+# test of a family of 6 (this one's 2, the assistant pair's 3 against optiq, optiq's softcap delta
+# in tests/test_sampling_reference.py), Bonferroni at 1e-3. The control: our verify sampling the
+# target at T = 1 (spec_parity/controls/sampling.py).
+SAMPLED = DsparkSampled(prompt_len=12, max_new_tokens=5, threshold=0.5, temperature=2.0, runs=600)
+SAMPLED_ALPHA = 1e-3 / 6
 
 # Planted bugs (spec_parity/controls/dspark.py) and the case that must catch each.
 CONTROLS = {
@@ -81,6 +91,9 @@ def cases() -> list[Case]:
     out += [_case(f"loop-{v}-t{t}", v, DsparkLoop(prompt_len=12, max_new_tokens=24, threshold=t)) for v, t in LOOPS]
     out += [_case(f"loop-agree{f}-{v}-t{t}", v, DsparkLoop(prompt_len=12, max_new_tokens=32, threshold=t), f)
             for v, f, t in AGREEING]
+    sampled = _case(f"sampled-agree0.8-gemma4-T{SAMPLED.temperature}", "gemma4", SAMPLED, 0.8)
+    out += [sampled, replace(sampled, name=f"{sampled.name}-control-target_no_temperature",
+                             control=controls.case_control("sampling", "target_no_temperature", sampled.name))]
     by_name = {c.name: c for c in out}
     for bug, base in CONTROLS.items():
         b = by_name[base]
@@ -104,7 +117,11 @@ def run_oracle(case: Case):
     from oracles import dspark as oracle
 
     p, o = case.prompt(*PROMPT), case.params
-    if isinstance(o, DsparkLoop):
+    if isinstance(o, DsparkSampled):
+        arrays = oracle.loop_sampled_statistics(case.checkpoint_dir(), case.drafter_dir(), p, o.max_new_tokens,
+                                                o.threshold, o.temperature,
+                                                list(range(o.ref_seed0, o.ref_seed0 + o.runs)))
+    elif isinstance(o, DsparkLoop):
         arrays = oracle.loop(case.checkpoint_dir(), case.drafter_dir(), p, o.max_new_tokens, o.threshold)
     else:
         arrays = oracle.modules(case.checkpoint_dir(), case.drafter_dir(), p, o.thresholds)
@@ -128,6 +145,9 @@ MODULE_TENSORS = [("taps", "taps"), ("context", "context"), ("block_hidden", "bl
 
 
 def plan(case: Case, ref: dict) -> Plan:
+    if isinstance(case.params, DsparkSampled):
+        return Plan([Distribution(stat, P(f"sampled.{stat}"), R(f"sampled.{stat}"), SAMPLED_ALPHA)
+                     for stat in ("first", "rounds")])
     if isinstance(case.params, DsparkLoop):
         # DeepSpec decodes while fewer than n + 1 tokens are committed, then trims to n.
         return serve_loop("DeepSpec", case.params.max_new_tokens + 1, set(), greedy_prefix=True,
@@ -146,6 +166,8 @@ def plan(case: Case, ref: dict) -> Plan:
 
 
 def quantities(port: dict, ref: dict) -> dict[str, float]:
+    if "sampled.first" in port:
+        return {}
     if "greedy.logits" in port:
         m = min(len(port["stream.logits"]), len(port["greedy.logits"]))
         return {"path_logits": float(np.abs(port["stream.logits"][:m] - port["greedy.logits"][:m]).max())}

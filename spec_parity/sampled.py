@@ -1,0 +1,57 @@
+"""Sampled (T > 0) cases: a loop at a temperature run once per seed, per request a few small
+integers (the first round's accepted length, the rounds a request needs), and the check that
+holds the port's samples to the reference's by the two-sample chi-square (spec_parity.stats).
+
+The streams of two samplers never match token for token, so these cases compare distributions:
+the same checkpoint pair, prompt, temperature and request length on both sides, independent
+seeds, every statistic tested at `alpha` (a family's level, stated by the pair), its power
+stated and, with `max_bias`, held: a pass that could not have seen a bias that large fails."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .stats import POWER, two_sample
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """The port's samples and the reference's drawn from one distribution (p >= alpha), with the
+    power to see a planted bias of `max_bias` (None: power reported, not held)."""
+
+    name: str
+    port: object     # checks.Src
+    ref: object
+    alpha: float
+    max_bias: float | None = None
+    finding: str = "sampling"
+
+
+def judge(c: Distribution, sides, module, dtype, result):
+    p, r = c.port.get(sides), c.ref.get(sides)
+    if p is None or r is None:
+        return result.missing(c, "missing")
+    p, r = np.asarray(p), np.asarray(r)
+    if p.size == 0 or r.size == 0 or (p < 0).any() or (r < 0).any() or p.dtype.kind not in "iu" or r.dtype.kind not in "iu":
+        return result.missing(c, "expected non-empty samples of non-negative integers")
+    t = two_sample(r, p, c.alpha)
+    powered = c.max_bias is None or t["power_delta"] <= c.max_bias
+    ok = t["p"] >= c.alpha and powered
+    result.metrics[c.name] = {"ok": ok, "p": t["p"], "df": t["df"], "alpha": c.alpha, "power": POWER,
+                              "detectable_bias": t["power_delta"], "max_bias": c.max_bias, "n": [int(r.size), int(p.size)],
+                              "ref_counts": np.bincount(r).tolist(), "port_counts": np.bincount(p).tolist()}
+    if t["p"] < c.alpha:
+        result.fail(f"{c.name}: the port's distribution differs from the reference's (two-sample chi-square p="
+                    f"{t['p']:.3g} < {c.alpha:.3g}; reference {np.bincount(r).tolist()}, port {np.bincount(p).tolist()})",
+                    c.finding)
+    elif not powered:
+        result.fail(f"{c.name}: too few samples to see a bias of {c.max_bias} (detects {t['power_delta']:.3f} at "
+                    f"power {POWER})", c.finding)
+
+
+def first_and_rounds(accepted_per_round: list[list[int]]) -> dict[str, np.ndarray]:
+    """Per request: the first round's accepted length and the number of rounds."""
+    return {"sampled.first": np.array([rs[0] for rs in accepted_per_round], np.int32),
+            "sampled.rounds": np.array([len(rs) for rs in accepted_per_round], np.int32)}
