@@ -209,6 +209,15 @@ def optiq_generate_step_sampled(target_dir: Path, drafter_dir: Path, prompt: np.
             "drafted": np.array(drafted, np.int32), "target_calls": np.array(calls, np.int32), "rounds": rounds}
 
 
+def optiq_sampled_statistics(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int, max_tokens: int,
+                             temperature: float, seeds: list[int]) -> dict:
+    """`optiq_generate_step_sampled`, per request spec_parity.sampled's token-match statistics."""
+    from spec_parity.sampled import match_statistics
+
+    ref = optiq_generate_step_sampled(target_dir, drafter_dir, prompt, gamma, max_tokens, temperature, seeds)
+    return match_statistics(ref["rounds"], gamma, max_tokens)
+
+
 # ---- transformers (torch) ---------------------------------------------------------------------
 
 def hf_drafter_from_config(drafter_dir: Path, dtype, device):

@@ -42,7 +42,9 @@ def all_cases(modules: Iterable[str] = PAIRS) -> list[Case]:
 
 
 def prompt(case: Case) -> np.ndarray:
-    return case.prompt(*pair(case.module).PROMPT)
+    """The case's own fixed prompt (a sampled case chooses its conditionals), else Case.prompt."""
+    fixed = getattr(case.params, "prompt", None)
+    return np.array([fixed], np.int32) if fixed else case.prompt(*pair(case.module).PROMPT)
 
 
 def request(case: Case, ref: dict) -> protocol.Request:

@@ -156,3 +156,18 @@ class DsparkSampled(Params, kind="sampled"):
     runs: int
     seed0: int = 10_000
     ref_seed0: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class AssistantSampled(Params, kind="sampled"):
+    """assistant: the serve loop at `temperature` (token match, greedy drafts) on the fixed
+    `prompt`, `gamma` drafts a round, to `max_tokens`, once per seed: `runs` requests from `seed0`
+    on our side, from `ref_seed0` on the reference's."""
+
+    prompt: tuple[int, ...]
+    gamma: int
+    max_tokens: int
+    temperature: float
+    runs: int
+    seed0: int = 10_000
+    ref_seed0: int = 0

@@ -155,6 +155,11 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
                            "in position order, the newest last)"))
              + LAYER_RETURNS),
     _loop("assistant"), _loop("dspark"), _loop("dflash"),
+    _sampled("assistant", (Quantity("sampled.first", "[runs]", "int32", "each request's first drafting round's "
+                                    "accepted length", True),
+                           Quantity("sampled.second", "[runs]", "int32", "the second round's accepted length", True),
+                           Quantity("sampled.rounds_to_M", "[runs]", "int32", "rounds to commit max_tokens - gamma - 1 "
+                                    "tokens (the prefill's counts)", True))),
     _sampled("dspark", (Quantity("sampled.first", "[runs]", "int32", "each request's first-round accepted length", True),
                         Quantity("sampled.rounds", "[runs]", "int32", "each request's verify rounds", True))),
     Protocol("dflash", "extension", "the DSpark-on-DFlash extension (no reference: L3), extras on, at T=0",

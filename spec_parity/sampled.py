@@ -15,6 +15,10 @@ import numpy as np
 
 from .stats import POWER, two_sample
 
+# The family of the T > 0 parity tests: 6 (DeepSpec 2, optiq 3, optiq's softcap delta 1 in
+# tests/test_sampling_reference.py), Bonferroni at 1e-3.
+FAMILY_ALPHA = 1e-3 / 6
+
 
 @dataclass(frozen=True)
 class Distribution:
@@ -55,3 +59,25 @@ def first_and_rounds(accepted_per_round: list[list[int]]) -> dict[str, np.ndarra
     """Per request: the first round's accepted length and the number of rounds."""
     return {"sampled.first": np.array([rs[0] for rs in accepted_per_round], np.int32),
             "sampled.rounds": np.array([len(rs) for rs in accepted_per_round], np.int32)}
+
+
+def match_statistics(rounds: list[list[tuple[int, int]]], gamma: int, max_tokens: int) -> dict[str, np.ndarray]:
+    """Per request, from its rounds (drafted, accepted): the accepted length of the first and of
+    the second drafting round, and the rounds needed to commit M = max_tokens - gamma - 1 tokens
+    (the prefill's token counts). Every round before that point drafts a full gamma in a token-match
+    loop (optiq shrinks its last drafts to what is left; the serve loop drafts gamma and drops the
+    excess), so no statistic sees the end of a request."""
+    M = max_tokens - gamma - 1
+    first, second, to_m = [], [], []
+    for rs in rounds:
+        committed, n = 1, 0
+        while committed < M:
+            drafted, accepted = rs[n]
+            if drafted != gamma:
+                raise ValueError(f"round {n} drafted {drafted}, not gamma={gamma}, before M={M} tokens")
+            committed, n = committed + accepted + 1, n + 1
+        first.append(rs[0][1])
+        second.append(rs[1][1])
+        to_m.append(n)
+    return {"sampled.first": np.array(first, np.int32), "sampled.second": np.array(second, np.int32),
+            "sampled.rounds_to_M": np.array(to_m, np.int32)}

@@ -8,6 +8,7 @@ from oracles.layers import as_numpy, mlx_recorded
 
 from ..checks import layer_feeds
 from ..protocol import Request
+from ..sampled import match_statistics
 from . import loop
 
 CONVENTIONS = {
@@ -44,7 +45,7 @@ def step_inputs(target_dir, prompt: np.ndarray, dtype: str, target=None) -> dict
 
 
 def run(req: Request) -> dict:
-    return run_loop(req) if req.kind == "loop" else run_steps(req)
+    return {"loop": run_loop, "sampled": run_sampled}.get(req.kind, run_steps)(req)
 
 
 def run_steps(req: Request) -> dict:
@@ -91,3 +92,18 @@ def run_loop(req: Request) -> dict:
 
     return loop.run(targets.load(req.target), req.prompt, req.options["max_tokens"],
                     AssistantProvider(req.drafter), req.options["gamma"], {req.options["eos"]})
+
+
+def run_sampled(req: Request) -> dict:
+    """Our loop (token match) at the temperature, once per seed: spec_parity.sampled's statistics."""
+    from port import sampling, serve, targets
+    from port.sources.assistant import AssistantProvider
+
+    o = req.options
+    target, provider = targets.load(req.target), AssistantProvider(req.drafter)
+    rounds = []
+    for seed in range(o["seed0"], o["seed0"] + o["runs"]):
+        _, st = serve.generate(target, req.prompt[0].tolist(), o["max_tokens"], provider, gamma=o["gamma"], eos=set(),
+                               sampler=sampling.Sampler(o["temperature"], seed=seed))
+        rounds.append([(d, a) for d, a, _ in st.trace])
+    return match_statistics(rounds, o["gamma"], o["max_tokens"])

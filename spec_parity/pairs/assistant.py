@@ -20,7 +20,8 @@ from ..adapters.assistant import CONVENTIONS, step_inputs
 from ..case import Case
 from ..checkpoints import GEMMA4_VARIANTS
 from ..checks import P, Plan, R, Round, Tensor, Tokens, drafter_layers, layer_feeds, serve_loop
-from ..params import AssistantLoop, AssistantStep
+from ..params import AssistantLoop, AssistantSampled, AssistantStep
+from ..sampled import FAMILY_ALPHA, Distribution
 
 NAME = "assistant"
 ORACLE = "optiq"
@@ -87,6 +88,28 @@ def loop_case(head: str, gamma: int, drafter: str = "random", control: str | Non
     return Case(NAME, name, "L2", target, 0, {}, params, control=ctl, oracle="optiq")
 
 
+# T > 0 against optiq's sampled loop (`assistant_generate_step` with mlx-lm's sampler: greedy drafts,
+# token match): the agreeing pair at vocab 64 with the target's final softcap off (optiq samples the
+# raw logits, docs/references.md), T = 3, 2 drafts a round, 10 tokens, 1000 requests a side, on the
+# prompt whose first token is the flattest; each statistic at sampled.FAMILY_ALPHA with the power to
+# see a bias of 0.33. Control: the verify sampling the target at T = 1 (p ~1e-139). The bonus token
+# dropped is not one here: it moves these statistics too little at 1000 requests (measured p 0.18,
+# 0.20, 0.54 on the seeds of the case); the T = 0 loop control `...-control-bonus` catches it.
+SMALL = {"vocab_size": 64, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
+SAMPLED_TARGET = {**SMALL, "vocab_size_per_layer_input": 64, "hidden_size": 64, "final_logit_softcapping": None}
+SAMPLED_DRAFTER = {"agree_frac": 0.8, "backbone_hidden_size": 64, "text_config": {**SMALL, "hidden_size": 16}}
+SAMPLED_CONTROLS = {"target_no_temperature": "sampling"}
+
+
+def sampled_cases() -> list[Case]:
+    params = AssistantSampled(prompt=(3, 4, 17), gamma=2, max_tokens=10, temperature=3.0, runs=1000,
+                              drafter=("gemma4-assistant-agreeing", 0, SAMPLED_DRAFTER))
+    base = Case(NAME, "sampled-agreeing-T3.0", "L2", "gemma4-target-agreeing", 0, SAMPLED_TARGET, params,
+                oracle="optiq")
+    return [base] + [replace(base, name=f"{base.name}-control-{bug}", control=controls.case_control(m, bug, base.name))
+                     for bug, m in SAMPLED_CONTROLS.items()]
+
+
 def cases() -> list[Case]:
     out = [step_case(t, h, o) for o in ("optiq", "transformers") for t, h in STEP_PAIRS]
     out += [step_case("gemma4", "centroid", "transformers", convention=c) for c in ("hfpos", "hfwin")]
@@ -105,7 +128,7 @@ def cases() -> list[Case]:
     out.append(loop_case("centroid", 2, control="eos", eos=EOS))
     out.append(loop_case("centroid", 3, "agreeing", control="bonus"))
     out.append(loop_case("centroid", 2, control="scale"))
-    return out
+    return out + sampled_cases()
 
 
 def oracle_status(oracle: str = ORACLE) -> str | None:
@@ -121,7 +144,13 @@ EOS = 1
 def run_oracle(case: Case):
     from oracles import assistant as oracle
 
-    name, p, o = case.oracle, case.prompt(*PROMPT), case.params
+    name, o = case.oracle, case.params
+    if isinstance(o, AssistantSampled):
+        arrays = oracle.optiq_sampled_statistics(case.checkpoint_dir(), case.drafter_dir(), np.array([o.prompt], np.int32),
+                                                 o.gamma, o.max_tokens, o.temperature,
+                                                 list(range(o.ref_seed0, o.ref_seed0 + o.runs)))
+        return arrays, {"reference": {"name": name, "versions": oracle.versions(name)}}
+    p = case.prompt(*PROMPT)
     if isinstance(o, AssistantLoop):
         arrays = oracle.optiq_spec_generate(case.checkpoint_dir(), case.drafter_dir(), p, o.gamma, o.max_tokens, o.eos)
     elif name == "optiq":
@@ -156,6 +185,9 @@ def feeds(case: Case, ref: dict) -> dict:
 
 
 def plan(case: Case, ref: dict) -> Plan:
+    if isinstance(case.params, AssistantSampled):
+        return Plan([Distribution(stat, P(f"sampled.{stat}"), R(f"sampled.{stat}"), FAMILY_ALPHA, max_bias=0.33)
+                     for stat in ("first", "second", "rounds_to_M")])
     if isinstance(case.params, AssistantLoop):
         eos = {case.params.eos}
         return serve_loop("optiq", case.params.max_tokens, eos, ref_drop=eos, greedy_drop=eos,
@@ -179,6 +211,8 @@ def plan(case: Case, ref: dict) -> Plan:
 
 
 def quantities(port: dict, ref: dict) -> dict[str, float]:
+    if "sampled.first" in port:
+        return {}
     if "greedy.logits" in port:
         n = min(len(port["stream.logits"]), len(port["greedy.logits"]))
         return {"path_logits": float(np.abs(port["stream.logits"][:n] - port["greedy.logits"][:n]).max())}

@@ -32,7 +32,7 @@ from ..checks import (
     serve_loop,
 )
 from ..params import DsparkLoop, DsparkRounds, DsparkSampled
-from ..sampled import Distribution
+from ..sampled import FAMILY_ALPHA, Distribution
 
 NAME = "dspark"
 ORACLE = "deepspec"
@@ -56,12 +56,10 @@ AGREEING = [("gemma4", 1.0, 0.0), ("gemma4", 0.8, 0.0), ("gemma4-keqv", 0.8, 0.5
             ("qwen3", 0.6, 0.5), ("gemma4-rnn", 0.8, 0.0)]
 
 # T > 0 against DeepSpec's rejection-sampling loop (`generate_decoding_sample`): the agreeing pair at
-# T = 2, confidence threshold 0.5, 5 tokens a request, 600 requests a side. Every statistic is one
-# test of a family of 6 (this one's 2, the assistant pair's 3 against optiq, optiq's softcap delta
-# in tests/test_sampling_reference.py), Bonferroni at 1e-3. The control: our verify sampling the
-# target at T = 1 (spec_parity/controls/sampling.py).
+# T = 2, confidence threshold 0.5, 5 tokens a request, 600 requests a side, each statistic at
+# sampled.FAMILY_ALPHA. The control: our verify sampling the target at T = 1
+# (spec_parity/controls/sampling.py).
 SAMPLED = DsparkSampled(prompt_len=12, max_new_tokens=5, threshold=0.5, temperature=2.0, runs=600)
-SAMPLED_ALPHA = 1e-3 / 6
 
 # Planted bugs (spec_parity/controls/dspark.py) and the case that must catch each.
 CONTROLS = {
@@ -146,7 +144,7 @@ MODULE_TENSORS = [("taps", "taps"), ("context", "context"), ("block_hidden", "bl
 
 def plan(case: Case, ref: dict) -> Plan:
     if isinstance(case.params, DsparkSampled):
-        return Plan([Distribution(stat, P(f"sampled.{stat}"), R(f"sampled.{stat}"), SAMPLED_ALPHA)
+        return Plan([Distribution(stat, P(f"sampled.{stat}"), R(f"sampled.{stat}"), FAMILY_ALPHA)
                      for stat in ("first", "rounds")])
     if isinstance(case.params, DsparkLoop):
         # DeepSpec decodes while fewer than n + 1 tokens are committed, then trims to n.
