@@ -35,7 +35,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
 
 from . import sampling, targets
-from .compiled import AUTO
+from .compiled import AUTO, VerifyCache
 
 
 @dataclass
@@ -382,7 +382,7 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     Bit-exact with mlx-lm's caches on the CPU (tests/test_bucketed.py), within fp32 tolerance on
     MLX CUDA, the same greedy stream. Default "auto": the provider's own `kv_bucket` (DSpark and
     DFlash: compiled.BUCKET; the assistant and plain decoding: None) where the target's caches
-    allow it (targets.bucketable); `stats.kv_bucket` says what the request ran with.
+    allow it (targets.make_caches); `stats.kv_bucket` says what the request ran with.
 
     Its negative controls (planted bugs) live in spec_parity/controls/serve.py."""
     if mode not in sampling.MODES:
@@ -396,9 +396,9 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
         verifier = _Greedy(eos)
     else:
         verifier = _Sampled(sampler or sampling.Sampler(), processors, mode, draft_sampler, eos)
-    if kv_bucket == AUTO:
-        kv_bucket = getattr(provider, "kv_bucket", None) if targets.bucketable(target) else None
-    caches = targets.make_caches(target, kv_bucket)
+    auto = kv_bucket == AUTO
+    caches = targets.make_caches(target, getattr(provider, "kv_bucket", None) if auto else kv_bucket, strict=not auto)
+    kv_bucket = caches[0].step if caches and isinstance(caches[0], VerifyCache) else None
     source = provider.open(TargetView(target, caches)) if provider is not None else None
     stats = Stats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma, kv_bucket=kv_bucket,
                   weights_bytes=int(getattr(provider, "weights_bytes", 0) or 0) if provider is not None else 0)

@@ -236,28 +236,23 @@ def _walk_qwen3(target, ids, layer_inputs, caches):
     return hidden, {}
 
 
-def make_caches(target: Target, kv_bucket: int | None = None) -> list:
+def make_caches(target: Target, kv_bucket: int | None = None, strict: bool = True) -> list:
     """The request's caches: mlx-lm's own (None), or with `kv_bucket` one VerifyCache per cache
     mlx-lm would make (port/compiled.py: the bucketed verify). A sliding layer's VerifyCache keeps
-    every row in time order and masks the window instead of rotating."""
+    every row in time order and masks the window instead of rotating. A target whose caches the
+    bucketed verify cannot replace is refused, or with `strict` off keeps mlx-lm's (the same
+    computation, unbucketed: port.serve.generate's "auto")."""
     caches = make_prompt_cache(target.model)
     if check_bucket(kv_bucket, "sdpa", ValueError) is None:
         return caches
     for c in caches:
-        if not _replaceable(c):
+        if type(c) not in (KVCache, RotatingKVCache) or getattr(c, "keep", 0):
+            if not strict:
+                return caches
             raise ValueError(f"kv_bucket: the bucketed verify replaces mlx-lm's KVCache / RotatingKVCache (keep=0); "
                              f"this target makes a {type(c).__name__}{f' with keep={c.keep}' if getattr(c, 'keep', 0) else ''}: "
                              "use kv_bucket=None")
     return [VerifyCache(kv_bucket) for _ in caches]
-
-
-def bucketable(target: Target) -> bool:
-    """Whether every cache mlx-lm makes for this target is one the bucketed verify replaces."""
-    return all(_replaceable(c) for c in make_prompt_cache(target.model))
-
-
-def _replaceable(cache) -> bool:
-    return type(cache) in (KVCache, RotatingKVCache) and not getattr(cache, "keep", 0)
 
 
 def eos_ids(target: Target) -> set[int]:

@@ -218,6 +218,8 @@ def test_other_caches_and_bad_buckets_are_refused(monkeypatch):
     monkeypatch.setattr(targets, "make_prompt_cache", lambda model: [RotatingKVCache(8, keep=4)])
     with pytest.raises(ValueError, match="keep=4.*kv_bucket=None"):
         serve.generate(qwen, PROMPT, 4, None, kv_bucket=BUCKET)
+    kept = targets.make_caches(qwen, BUCKET, strict=False)    # generate's "auto": mlx-lm's caches stay
+    assert isinstance(kept[0], RotatingKVCache) and kept[0].keep == 4
 
 
 def test_default_path_is_bucketed_where_it_holds():

@@ -96,14 +96,10 @@ def run_loop(req: Request) -> dict:
 
 def run_sampled(req: Request) -> dict:
     """Our loop (token match) at the temperature, once per seed: spec_parity.sampled's statistics."""
-    from port import sampling, serve, targets
+    from port import targets
     from port.sources.assistant import AssistantProvider
 
     o = req.options
-    target, provider = targets.load(req.target), AssistantProvider(req.drafter)
-    rounds = []
-    for seed in range(o["seed0"], o["seed0"] + o["runs"]):
-        _, st = serve.generate(target, req.prompt[0].tolist(), o["max_tokens"], provider, gamma=o["gamma"], eos=set(),
-                               sampler=sampling.Sampler(o["temperature"], seed=seed))
-        rounds.append([(d, a) for d, a, _ in st.trace])
-    return match_statistics(rounds, o["gamma"], o["max_tokens"])
+    traces = loop.seeded_traces(targets.load(req.target), req.prompt, o["max_tokens"], AssistantProvider(req.drafter),
+                                o["gamma"], o)
+    return match_statistics([[(d, a) for d, a, _ in t] for t in traces], o["gamma"], o["max_tokens"])

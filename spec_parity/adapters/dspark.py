@@ -57,16 +57,11 @@ def run(req: Request) -> dict:
 def sampled(target, req: Request) -> dict:
     """Our loop in rejection mode at the temperature, once per seed: per request the first round's
     accepted length and its rounds (spec_parity.sampled)."""
-    from port import sampling, serve
     from port.sources.dspark import DeepspecProvider
 
     o = req.options
     provider = DeepspecProvider(req.drafter, o["threshold"])
-    accepted = []
-    for seed in range(o["seed0"], o["seed0"] + o["runs"]):
-        # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
-        _, st = serve.generate(target, req.prompt[0].tolist(), o["max_new_tokens"] + 1, provider,
-                               gamma=provider.trained_gamma, eos=set(), mode="rejection",
-                               sampler=sampling.Sampler(o["temperature"], seed=seed))
-        accepted.append([a for _, a, _ in st.trace])
-    return first_and_rounds(accepted)
+    # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
+    traces = loop.seeded_traces(target, req.prompt, o["max_new_tokens"] + 1, provider, provider.trained_gamma, o,
+                                mode="rejection")
+    return first_and_rounds([[a for _, a, _ in t] for t in traces])

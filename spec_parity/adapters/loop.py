@@ -57,3 +57,14 @@ def run(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, eos: 
     if blocks or not stats.drafted:
         out.update(_blocks(blocks, target.config["vocab_size"]))
     return out
+
+
+def seeded_traces(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, options: dict,
+                  mode: str = "match") -> list[list[tuple[int, int, int]]]:
+    """A sampled case's requests: our loop at options["temperature"], EOS off, once per seed from
+    options["seed0"] (options["runs"] of them); each request's trace (drafted, accepted, emitted)."""
+    from port import sampling, serve
+
+    seeds = range(options["seed0"], options["seed0"] + options["runs"])
+    return [serve.generate(target, prompt[0].tolist(), max_tokens, provider, gamma=gamma, eos=set(), mode=mode,
+                           sampler=sampling.Sampler(options["temperature"], seed=seed))[1].trace for seed in seeds]
