@@ -125,8 +125,33 @@ def test_centroid_floor_reads_only_the_selected_rows(tmp_path):
 def test_a_peer_that_cannot_be_imported_is_a_reason(monkeypatch):
     for name in [m for m in sys.modules if m == "optiq" or m.startswith("optiq.")] + ["optiq"]:
         monkeypatch.setitem(sys.modules, name, None)
-    out = runner.run_side(bench.SIDES["optiq"], prep=None, opts=bench.Options())
+    out, stepper = runner.build_side(bench.SIDES["optiq"], prep=None, opts=bench.Options())
+    assert stepper is None
     assert out["status"] == "not run" and "optiq" in out["reason"] and "install: pip install" in out["reason"]
+
+
+def test_sides_are_timed_in_rotation_and_a_failing_side_stops_alone():
+    """Every side runs once per round, round r starting at side r mod n (the order recorded by the
+    steps themselves); a side that raises mid-loop is failed with its error, the others finish."""
+    from spec_parity.bench.sides import Stepper
+    from spec_parity.bench.timing import time_sides
+
+    calls: list[str] = []
+
+    def step(name, fail_at=None):
+        def run():
+            calls.append(name)
+            if fail_at is not None and calls.count(name) == fail_at:
+                raise RuntimeError(f"{name} broke")
+            return mx.array([1])
+        return Stepper(run, tokens=lambda out: out.tolist())
+
+    outs = time_sides([step("a"), step("b"), step("c", fail_at=5)], warmup=1, iters=4)
+    timed = calls[6:]   # after each side's first + 1 warm-up run, in order
+    assert calls[:6] == ["a", "a", "b", "b", "c", "c"]
+    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b"], timed
+    assert [o["wall_s"]["n"] for o in outs[:2]] == [4, 4] and outs[0]["timing"] == "3 sides in rotation"
+    assert "wall_s" not in outs[2] and "c broke" in str(outs[2]["error"])
 
 
 def test_bench_imports_without_the_peers_or_torch():

@@ -1,4 +1,4 @@
-"""The bench's run: its options, each case (`run_case`) and each side of it (`run_side`), the
+"""The bench's run: its options, each case (`run_case`) and its sides (`run_sides`), the
 ratios between the sides, and the facts about the run that bench.json records (`run`)."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from . import peers, port_sides, shapes
 from .counters import HostSyncs, count_step
 from .serve import serve_loop
 from .shapes import SOURCES, Checkpoints
-from .sides import Prep, Side, Skip, torch_device
-from .timing import COLD_SPACING, bandwidth, cold, kernel_profile, launch_cost, pre_pass, time_loop
+from .sides import Prep, Side, Skip, Stepper, torch_device
+from .timing import COLD_SPACING, bandwidth, cold, kernel_profile, launch_cost, pre_pass, time_sides
 
 PACKAGES = ("mlx", "mlx-cuda-13", "mlx-cuda", "mlx-metal", "mlx-cpu", "mlx-lm", "numpy", "safetensors", "torch",
             "transformers", "huggingface_hub", "mlx-optiq", "dflash", "dspark-mlx", "dflash-mlx", "scipy")
@@ -109,10 +109,10 @@ def _can_build(side: Side, prep: Prep) -> None:
         importlib.import_module(module)
 
 
-def run_side(side: Side, prep: Prep, opts: Options, index: int = 0) -> dict:
-    """Build one side and measure it; any failure is the side's reason. Block sources at real
-    shapes: first `cold` (own never-seen lengths), then a pre-pass over the timed lengths on a
-    side built for it, then the timed loop on a freshly built side."""
+def build_side(side: Side, prep: Prep, opts: Options, index: int = 0) -> tuple[dict, Stepper | None]:
+    """Build one side for the timed loop; any failure is the side's reason (no stepper). Block
+    sources at real shapes: first `cold` (own never-seen lengths), then a pre-pass over the timed
+    lengths on a side built for it, then the side for the timed loop, built fresh."""
     t0 = time.perf_counter()
     cold_out = {}
     try:
@@ -127,27 +127,46 @@ def run_side(side: Side, prep: Prep, opts: Options, index: int = 0) -> dict:
         if stepper.framework != side.framework:
             raise RuntimeError(f"side {side.name!r} runs on {stepper.framework}, its Side says {side.framework}")
     except Exception as e:
-        return {"side": side.name, "status": "not run", "reason": _reason(e, side.install)}
-    out = {"side": side.name, "status": "ok", "framework": stepper.framework, "notes": stepper.notes,
-           "build_s": time.perf_counter() - t0, **cold_out}
+        return {"side": side.name, "status": "not run", "reason": _reason(e, side.install)}, None
+    return {"side": side.name, "status": "ok", "framework": stepper.framework, "notes": stepper.notes,
+            "build_s": time.perf_counter() - t0, **cold_out}, stepper
+
+
+def finish_side(out: dict, stepper: Stepper, timed: dict, opts: Options, peer: bool) -> None:
+    """A built side's timed loop result (`time_sides`), then its counts and kernels; the stepper
+    is released."""
     try:
-        out.update(time_loop(stepper, opts.warmup, opts.iters))
+        if "error" in timed:
+            raise timed.pop("error")
+        out.update(timed)
         if stepper.framework == "mlx":
-            out.update(count_step(stepper, port=not side.peer))
+            out.update(count_step(stepper, port=not peer))
         else:
             out["count_note"] = "host syncs / graph ops are counted on MLX sides only"
         if opts.kernels:
             out["kernels"] = kernel_profile(stepper)
     except Exception as e:
         out.update(status="failed", reason=_reason(e))
-    torch_cuda = stepper.framework == "torch" and stepper.device.startswith("cuda")
-    del stepper
+
+
+def run_sides(sides: list[Side], prep: Prep, opts: Options) -> list[dict]:
+    """Every side built (side i's cold range its own), timed together in rotation (`time_sides`),
+    then counted one by one; the results in the sides' order."""
+    built = [build_side(side, prep, opts, i) for i, side in enumerate(sides)]
+    outs = [out for out, _ in built]
+    ready = [(side, out, stepper) for side, (out, stepper) in zip(sides, built) if stepper is not None]
+    del built
+    timed = time_sides([stepper for _, _, stepper in ready], opts.warmup, opts.iters)
+    for (side, out, stepper), t in zip(ready, timed):
+        finish_side(out, stepper, t, opts, side.peer)
+    torch_cuda = any(s.framework == "torch" and s.device.startswith("cuda") for _, _, s in ready)
+    del ready
     gc.collect()
-    if torch_cuda:  # hand the torch side's cached blocks back before the next side
+    if torch_cuda:  # hand the torch sides' cached blocks back before the serve loops
         import torch
 
         torch.cuda.empty_cache()
-    return out
+    return outs
 
 
 def run_case(case: Case, opts: Options, torch: tuple[str | None, str], bw: dict, root: Path) -> dict:
@@ -169,8 +188,7 @@ def run_case(case: Case, opts: Options, torch: tuple[str | None, str], bw: dict,
     out["floor"] = floor
     out["steps_per_call"] = per_call
     others = others_for(case.module, opts.peers)
-    out["sides"] = [run_side(SIDES["port"], prep, opts)] + [run_side(side, prep, opts, i)
-                                                             for i, side in enumerate(others, start=1)]
+    out["sides"] = run_sides([SIDES["port"], *others], prep, opts)
     _ratios(out)
     # The serve loop on the default path, and on each other path of ours the run selected.
     paths = [""] + [p for p in port_sides.PATHS if p and SIDES[port_sides.path_name(p)] in others]

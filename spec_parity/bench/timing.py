@@ -1,4 +1,4 @@
-"""Timing a side: the one timing loop (`time_loop`), the cold and pre-pass calls of block sources
+"""Timing the sides: the one timing loop (`time_sides`), the cold and pre-pass calls of block sources
 at real shapes, the GPU kernels per step (`kernel_profile`), and the two floors measured in the
 same run: the copy / read bandwidth and the cost of one launch."""
 
@@ -49,34 +49,57 @@ def summary(samples: list[float]) -> dict:
             "n": int(a.size)}
 
 
-def time_loop(stepper: Stepper, warmup: int, iters: int) -> dict:
-    """One first run (its draft tokens are kept: every side's first step sees the same state), then
-    `warmup` synchronized runs, then `iters` timed ones (wall and CPU seconds each, and `graph_build_s`:
-    the wall time until `step()` returns, before the sync: for MLX the Python that builds the lazy
-    graph, for torch its eager launches; the rest of the wall is MLX's eval / the wait)."""
-    sync = sync_fn(stepper)
-    first = stepper.step()
-    sync(first)
-    tokens = [int(t) for t in stepper.tokens(first)]
-    for _ in range(warmup):
-        sync(stepper.step())
-    mem = _memory(stepper)
-    if mem:
-        mem[0]()
-        active = int(mem[1]())
-    wall, cpu, graph = [], [], []
-    for _ in range(iters):
-        t0, c0 = time.perf_counter(), time.process_time()
-        out = stepper.step()
-        graph.append(time.perf_counter() - t0)
-        sync(out)
-        wall.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    out = {"wall_s": summary(wall), "cpu_s": summary(cpu), "graph_build_s": summary(graph), "samples_s": wall,
-           "first_tokens": tokens}
-    if mem:
-        out["memory"] = {"active_before_bytes": active, "peak_bytes": int(mem[2]())}
-    return out
+def time_sides(steppers: list[Stepper], warmup: int, iters: int) -> list[dict]:
+    """The one timing loop, over every side of a case at once. Per side one first run (its draft
+    tokens are kept: every side's first step sees the same state), then `warmup` synchronized
+    runs (memory: the peak over them, with the active memory before). Then `iters` rounds in
+    which each side runs once, timed, the sides in rotation (round r starts at side r mod n), so
+    the ratios between sides are measured side by side in time, as a serving loop interleaves a
+    drafter with the verify, not one side's minute against another's. Per timed run: wall and
+    CPU seconds, and `graph_build_s` (the wall until `step()` returns, before the sync: for MLX
+    the Python that builds the lazy graph, for torch its eager launches). A side whose call
+    raises is "failed" with its reason; the others go on."""
+    outs: list[dict] = [{} for _ in steppers]
+    syncs = [sync_fn(s) for s in steppers]
+    for stepper, sync, out in zip(steppers, syncs, outs):
+        try:
+            first = stepper.step()
+            sync(first)
+            out["first_tokens"] = [int(t) for t in stepper.tokens(first)]
+            mem = _memory(stepper)
+            if mem:
+                mem[0]()
+                active = int(mem[1]())
+            for _ in range(warmup):
+                sync(stepper.step())
+            if mem:
+                out["memory"] = {"active_before_bytes": active, "peak_bytes": int(mem[2]())}
+        except Exception as e:
+            out["error"] = e
+    samples = [{"wall": [], "cpu": [], "graph": []} for _ in steppers]
+    n = len(steppers)
+    for r in range(iters):
+        for j in range(n):
+            i = (r + j) % n
+            if "error" in outs[i]:
+                continue
+            t0, c0 = time.perf_counter(), time.process_time()
+            try:
+                out = steppers[i].step()
+                graph = time.perf_counter() - t0
+                syncs[i](out)
+            except Exception as e:
+                outs[i]["error"] = e
+                continue
+            samples[i]["wall"].append(time.perf_counter() - t0)
+            samples[i]["cpu"].append(time.process_time() - c0)
+            samples[i]["graph"].append(graph)
+    for out, got in zip(outs, samples):
+        if "error" not in out:
+            out.update({"wall_s": summary(got["wall"]), "cpu_s": summary(got["cpu"]),
+                        "graph_build_s": summary(got["graph"]), "samples_s": got["wall"],
+                        "timing": f"{n} sides in rotation" if n > 1 else "alone"})
+    return outs
 
 
 COLD_CALLS = 8          # block sources: calls timed at never-seen context lengths (per side)
