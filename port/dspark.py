@@ -117,9 +117,13 @@ class Attention(nn.Module):
 
     def kv(self, x, offset: int):
         """K/V of rows x [1, T, H] at positions offset..offset+T-1, as [1, n_kv, T, D]."""
-        B, T, _ = x.shape
-        k_raw = self.k_proj(x).reshape(B, T, self.n_kv, self.head_dim)
-        v = k_raw if self.a.attention_k_eq_v else self.v_proj(x).reshape(B, T, self.n_kv, self.head_dim)
+        return self.heads_kv(self.k_proj(x), None if self.a.attention_k_eq_v else self.v_proj(x), offset)
+
+    def heads_kv(self, k, v, offset):
+        """kv from the projected rows k, v [1, T, n_kv * D] (v None: attention_k_eq_v)."""
+        B, T, _ = k.shape
+        k_raw = k.reshape(B, T, self.n_kv, self.head_dim)
+        v = k_raw if v is None else v.reshape(B, T, self.n_kv, self.head_dim)
         k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset=offset)
         if self.a.family == "gemma4":
             v = rms_norm(v, None, self.a.rms_norm_eps)
@@ -164,8 +168,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(a.intermediate_size, a.hidden_size, bias=False)
 
     def __call__(self, x):
-        g = self.gate_proj(x)
-        return self.down_proj((nn.gelu_approx(g) if self.gemma else nn.silu(g)) * self.up_proj(x))
+        return self.combine(self.gate_proj(x), self.up_proj(x))
+
+    def combine(self, g, u):
+        """down(act(gate) * up) from the gate and up projections."""
+        return self.down_proj((nn.gelu_approx(g) if self.gemma else nn.silu(g)) * u)
 
 
 class DecoderLayer(nn.Module):
@@ -189,13 +196,15 @@ class DecoderLayer(nn.Module):
         """The attention's Q, K, V of the layer input x (the fast paths split the layer here)."""
         return self.self_attn.block_qkv(self.input_layernorm(x), offset)
 
-    def finish(self, x, attn):
-        """The layer's output from its input x and the attention's output attn."""
+    def finish(self, x, attn, mlp=None):
+        """The layer's output from its input x and the attention's output attn (`mlp`: what runs
+        as the MLP, default self.mlp; a fast path's fused projections)."""
+        mlp = mlp or self.mlp
         if not self.gemma:
             h = x + attn
-            return h + self.mlp(self.post_attention_layernorm(h))
+            return h + mlp(self.post_attention_layernorm(h))
         h = x + self.post_attention_layernorm(attn)
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(h)))
         return h * self.layer_scalar
 
 

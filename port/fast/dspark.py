@@ -11,7 +11,11 @@ masked, and the whole block (embedding, layers, final norm, logits, Markov chain
 compiled call that retraces only when the buffer grows; the attention is mx.fast's over [context |
 block] joined with a float mask, or (bucket_attention="two-segment") a two-segment softmax. Held to
 the plain forward within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured:
-tests/test_bucketed.py)."""
+tests/test_bucketed.py).
+
+Fused (the provider's default; `fused=False` is Bucketed): the bucketed block on stacked projections
+(port/fast/fusion.py), fewer matmul launches for the same products; bit for bit Bucketed on the CPU
+backend (tests/test_fused.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import mlx.core as mx
 
 from .. import compiled as pieces
 from .. import dspark, targets
+from . import fusion
 
 
 def enter(m: dspark.Model, ids, start):
@@ -94,22 +99,31 @@ class Bucketed(Compiled):
     def make_cache(self) -> pieces.BucketCache:
         return pieces.BucketCache(self.kv_bucket)
 
-    def block(self, greedy: bool, ids, start, valid, keys, values):
+    def block(self, greedy: bool, ids, start, valid, keys, values, weights):
         """The whole block over the bucketed context buffers keys / values (per layer, rows past
         `valid` masked); greedy: with the Markov chain and confidence, else up to the base logits
         (a host `pick` chains the tail after)."""
         self._bucketed.traces += 1
         h, q, k, v = enter(self, ids, start)
-        for i, layer in enumerate(self.layers):
-            seen = pieces.valid_rows(valid, keys[i].shape[2])
-            o = pieces.bucketed_attention(self.bucket_attention, q, keys[i], values[i], seen, k, v, None,
-                                          layer.self_attn.scale)
+        for i in range(len(self.layers)):
+            o = self.attend(i, q, keys[i], values[i], valid, k, v)
             if i < len(self.layers) - 1:
                 h, q, k, v = between(self, i, h, o, start)
-        hidden, base = leave(self, h, o)
+        return self.outputs(greedy, ids, *leave(self, h, o))
+
+    def attend(self, i: int, q, keys, values, valid, k, v):
+        seen = pieces.valid_rows(valid, keys.shape[2])
+        return pieces.bucketed_attention(self.bucket_attention, q, keys, values, seen, k, v, None,
+                                         self.layers[i].self_attn.scale)
+
+    def outputs(self, greedy: bool, ids, hidden, base):
         if not greedy:
             return hidden, base
         return (hidden, base) + greedy_tail(self, hidden, base, ids[0, :1].astype(mx.uint32))
+
+    def weights(self) -> dict:
+        """Arrays the block reads besides the module's state (Fused: its stacks)."""
+        return {}
 
     def draft_block(self, anchor: int, ctx, start: int, pick=None) -> dspark.Block:
         if not all(isinstance(c, pieces.BucketCache) for c in ctx):
@@ -120,7 +134,8 @@ class Bucketed(Compiled):
         keys, values = zip(*(c.buffers() for c in ctx))
         greedy = pick is None
         fn = self._bucketed.get(self, (greedy, self.bucket_attention), partial(self.block, greedy), [self.state])
-        out = fn(ids, mx.array(start, mx.int32), mx.array(ctx[0].offset, mx.int32), list(keys), list(values))
+        out = fn(ids, mx.array(start, mx.int32), mx.array(ctx[0].offset, mx.int32), list(keys), list(values),
+                 self.weights())
         hidden, base = out[:2]
         if greedy:
             rows, tokens, *conf = out[2:]
@@ -130,12 +145,70 @@ class Bucketed(Compiled):
         return dspark.Block(hidden, base, rows, tokens, conf)
 
 
+class Fused(Bucketed):
+    """The bucketed block on stacked projections (port/fast/fusion.py): one batched matmul for
+    every layer's context K and one for their V (on commit); per layer one for the block's K and
+    V and one for the MLP's gate and up: on Qwen3-4B's 5 layers 18 fewer matmuls a round."""
+
+    def __init__(self, a: dspark.ModelArgs, kv_bucket: int, attention: str = "sdpa", compiled: bool = True):
+        super().__init__(a, kv_bucket, attention, compiled)
+        self._stacks = fusion.Stacks()
+
+    def weights(self) -> dict:
+        """The stacks, built at load (`load`) and rebuilt when a weight is replaced; as DFlash's
+        (port/fast/dflash.py Fused). attention_k_eq_v: K alone (V is K)."""
+        s, attn = self._stacks, [layer.self_attn for layer in self.layers]
+        out = {"gate_up": [s.get(f"gate_up{i}", [layer.mlp.gate_proj, layer.mlp.up_proj], adopt=True)
+                           for i, layer in enumerate(self.layers)],
+               "ctx_k": s.get("ctx_k", [a.k_proj for a in attn], adopt=True)}
+        if not self.args.attention_k_eq_v:
+            out["ctx_v"] = s.get("ctx_v", [a.v_proj for a in attn], adopt=True)
+            out["kv"] = [s.get(f"kv{i}", [a.k_proj, a.v_proj]) for i, a in enumerate(attn)]
+        return out
+
+    def draft_block(self, anchor: int, ctx, start: int, pick=None) -> dspark.Block:
+        out = super().draft_block(anchor, ctx, start, pick)
+        self._stacks.seen()
+        return out
+
+    def context_kv(self, c, offset: int) -> list:
+        w = self.weights()
+        k = fusion.project(c, w["ctx_k"])
+        v = fusion.project(c, w["ctx_v"]) if "ctx_v" in w else None
+        return [layer.self_attn.heads_kv(k[i:i + 1], None if v is None else v[i:i + 1], offset)
+                for i, layer in enumerate(self.layers)]
+
+    def block(self, greedy: bool, ids, start, valid, keys, values, weights):
+        self._bucketed.traces += 1
+        h = self.embed(ids)
+        for i, layer in enumerate(self.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.rope(a.q_norm(a.q_proj(x).reshape(1, -1, a.n_heads, a.head_dim)).transpose(0, 2, 1, 3),
+                       offset=start)
+            if "kv" in weights:
+                kr, vr = fusion.project(x, weights["kv"][i])
+                k, v = a.heads_kv(kr[None], vr[None], start)
+            else:
+                k, v = a.heads_kv(a.k_proj(x), None, start)
+            o = self.attend(i, q, keys[i], values[i], valid, k, v)
+            h = layer.finish(h, a.output(o), partial(fused_mlp, layer.mlp, weights["gate_up"][i]))
+        return self.outputs(greedy, ids, *self.final(h))
+
+
+def fused_mlp(mlp: dspark.MLP, gate_up, x):
+    g, u = fusion.project(x, gate_up)
+    return mlp.combine(g[None], u[None])
+
+
 def load(path: str | Path, compiled: bool = True, kv_bucket: int | str | None = None,
-         bucket_attention: str = "sdpa") -> Compiled:
-    """The drafter on a fast path: Compiled, or Bucketed with a `kv_bucket` (pieces.AUTO:
-    pieces.BUCKET rows; every DSpark variant holds it)."""
+         bucket_attention: str = "sdpa", fused: bool = True) -> Compiled:
+    """The drafter on a fast path: Compiled, or with a `kv_bucket` Fused (Bucketed with `fused`
+    off); pieces.AUTO: pieces.BUCKET rows (every DSpark variant holds it)."""
     kv_bucket = pieces.BUCKET if kv_bucket == pieces.AUTO else kv_bucket
     pieces.check_bucket(kv_bucket, bucket_attention, dspark.DSparkError)
     if kv_bucket is None:
         return dspark.load(path, lambda a: Compiled(a, compiled))
-    return dspark.load(path, lambda a: Bucketed(a, kv_bucket, bucket_attention, compiled))
+    m = dspark.load(path, lambda a: (Fused if fused else Bucketed)(a, kv_bucket, bucket_attention, compiled))
+    m.weights()   # Fused: the stacks, built here rather than on the first round
+    return m

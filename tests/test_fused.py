@@ -1,0 +1,99 @@
+"""The fused paths of DSpark and DFlash (port/fast/*.py Fused, the providers' default): the bucketed
+block on stacked projections (port/fast/fusion.py). Held to the unfused bucketed block (and through
+it to the plain forward) bit for bit on the CPU backend, where MLX's batched matmul gives each
+stacked part the bits of its own product (measured over every variant here); on another backend
+within the fp32 budget with the same greedy tokens (the H200's tier: docs/benchmarks.md). A planted
+fault in the stacks (two parts swapped, from outside the port) must fail the same comparison."""
+
+import mlx.core as mx
+import pytest
+from test_bucketed import BUCKET, ROUNDS, _bits_same, _within_fp32
+from test_speed import DFLASH_VARIANTS, DSPARK_VARIANTS
+
+from port.fast import dflash as fast_dflash
+from port.fast import dspark as fast_dspark
+from port.fast import fusion
+from spec_parity import checkpoints
+
+CASES = [("dspark", v) for v in DSPARK_VARIANTS] + [("dflash", v) for v in DFLASH_VARIANTS]
+
+ON_CPU = mx.default_device().type == mx.DeviceType.cpu
+
+
+def _held(fused, unfused) -> tuple[bool, object]:
+    """The tier: bit for bit on the CPU backend, else within fp32 with the same tokens."""
+    if ON_CPU:
+        return _bits_same(fused, unfused), "bits differ"
+    return _within_fp32(fused, unfused)
+
+
+@pytest.mark.parametrize("source,variant", CASES, ids=[f"{s}-{v}" for s, v in CASES])
+def test_fused_block_holds_the_unfused_one(source, variant):
+    """Six rounds over buffers of 8, 16, 24 context rows: the fused block is the unfused one (its
+    tier), traced once per buffer length like it."""
+    unfused, _ = ROUNDS[source](variant, BUCKET, model=_load(source, variant, fused=False))
+    m = _load(source, variant)
+    fused, _ = ROUNDS[source](variant, BUCKET, model=m)
+    assert type(m).__name__ == "Fused"
+    ok, bad = _held(fused, unfused)
+    assert ok, bad
+    assert m._bucketed.traces == 3
+
+
+@pytest.mark.parametrize("source", ROUNDS)
+@pytest.mark.parametrize("swap", ["gate_up0", "ctx_k", "kv1"])
+def test_swapped_stack_parts_fail_the_comparison(source, swap, monkeypatch):
+    """Negative control: one stack built with two of its parts in the wrong order (layer 0's gate
+    and up; layers 0 and 1 of the context K; layer 1's block K and V) is caught."""
+    unfused, _ = ROUNDS[source]("qwen3", BUCKET, model=_load(source, "qwen3", fused=False))
+    get = fusion.Stacks.get
+
+    def swapped(self, name, owners, attr="weight", adopt=False):
+        if name == swap:
+            owners = [owners[1], owners[0], *owners[2:]]
+        return get(self, name, owners, attr, adopt)
+
+    monkeypatch.setattr(fusion.Stacks, "get", swapped)
+    planted, _ = ROUNDS[source]("qwen3", BUCKET, model=_load(source, "qwen3"))
+    assert not _held(planted, unfused)[0]
+
+
+@pytest.mark.parametrize("source", ROUNDS)
+def test_a_weight_replaced_after_load_is_seen(source):
+    """The stacks are rebuilt when a weight they were built from is replaced: the fused block
+    then equals the unfused one with the same replacement, and differs from before it."""
+    def grow(model):
+        mlp = model.layers[1].mlp
+        mlp.up_proj.weight = mlp.up_proj.weight * 1.5
+        attn = model.layers[0].self_attn
+        attn.k_proj.weight = attn.k_proj.weight * 0.5
+
+    fused, unfused = _load(source, "qwen3"), _load(source, "qwen3", fused=False)
+    before, _ = ROUNDS[source]("qwen3", BUCKET, model=_load(source, "qwen3"))
+    for model in (fused, unfused):
+        grow(model)
+    after_fused, _ = ROUNDS[source]("qwen3", BUCKET, model=fused)
+    after_unfused, _ = ROUNDS[source]("qwen3", BUCKET, model=unfused)
+    assert _held(after_fused, after_unfused)[0]
+    assert not _held(after_fused, before)[0]
+
+
+def test_adopted_weights_stay_the_loaded_ones():
+    """Adopting (the module's weights become views of their stacks) changes no weight, and a
+    stack is not rebuilt while nothing changed."""
+    m, loaded = _load("dflash", "qwen3"), _load("dflash", "qwen3", fused=False)
+    stacks = m.weights()
+    for i, (layer, ref) in enumerate(zip(m.layers, loaded.layers)):
+        mlp = layer.mlp
+        assert mx.array_equal(mlp.gate_proj.weight, ref.mlp.gate_proj.weight)
+        assert mx.array_equal(stacks["gate_up"][i][1], ref.mlp.up_proj.weight)
+        assert mx.array_equal(stacks["ctx"]["k"][i], ref.self_attn.k_proj.weight)
+    assert m.weights()["gate_up"][0] is stacks["gate_up"][0]   # not rebuilt while nothing changed
+
+
+def _load(source: str, variant: str, fused: bool = True):
+    if source == "dspark":
+        path = checkpoints.build("dspark-drafter", 0, DSPARK_VARIANTS[variant])
+        return fast_dspark.load(path, kv_bucket=BUCKET, fused=fused)
+    return fast_dflash.load(checkpoints.build("dflash-drafter", 0, DFLASH_VARIANTS[variant]), kv_bucket=BUCKET,
+                            fused=fused)
