@@ -46,14 +46,14 @@ def test_swapped_stack_parts_fail_the_comparison(source, swap, monkeypatch):
     """Negative control: one stack built with two of its parts in the wrong order (layer 0's gate
     and up; layers 0 and 1 of the context K; layer 1's block K and V) is caught."""
     unfused, _ = ROUNDS[source]("qwen3", BUCKET, model=_load(source, "qwen3", fused=False))
-    get = fusion.Stacks.get
+    add = fusion.Stacks.add
 
-    def swapped(self, name, owners, attr="weight", adopt=False):
+    def swapped(self, name, owners, adopt=False):
         if name == swap:
             owners = [owners[1], owners[0], *owners[2:]]
-        return get(self, name, owners, attr, adopt)
+        return add(self, name, owners, adopt)
 
-    monkeypatch.setattr(fusion.Stacks, "get", swapped)
+    monkeypatch.setattr(fusion.Stacks, "add", swapped)
     planted, _ = ROUNDS[source]("qwen3", BUCKET, model=_load(source, "qwen3"))
     assert not _held(planted, unfused)[0]
 
@@ -86,9 +86,9 @@ def test_adopted_weights_stay_the_loaded_ones():
     for i, (layer, ref) in enumerate(zip(m.layers, loaded.layers)):
         mlp = layer.mlp
         assert mx.array_equal(mlp.gate_proj.weight, ref.mlp.gate_proj.weight)
-        assert mx.array_equal(stacks["gate_up"][i][1], ref.mlp.up_proj.weight)
-        assert mx.array_equal(stacks["ctx"]["k"][i], ref.self_attn.k_proj.weight)
-    assert m.weights()["gate_up"][0] is stacks["gate_up"][0]   # not rebuilt while nothing changed
+        assert mx.array_equal(stacks[f"gate_up{i}"][1], ref.mlp.up_proj.weight)
+        assert mx.array_equal(stacks["ctx_k"][i], ref.self_attn.k_proj.weight)
+    assert m.weights()["gate_up0"] is stacks["gate_up0"]   # not rebuilt while nothing changed
 
 
 def _load(source: str, variant: str, fused: bool = True):

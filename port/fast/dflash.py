@@ -102,7 +102,7 @@ class Bucketed(Compiled):
             cache.update_and_fetch(*kv)
         keys, values = zip(*(cache.buffers() for cache in caches))
         fn = self._bucketed.get(self, (id(target), self.bucket_attention), partial(self.bucketed, target),
-                                [self.state, target.model.state])
+                                [self.state, self.borrowed(target)])
         return dflash.Block(*fn(ids, mx.array(caches[0].offset, mx.int32), list(keys), list(values), weights))
 
     def weights(self) -> dict:
@@ -142,24 +142,28 @@ class Fused(Bucketed):
         self._stacks = fusion.Stacks()
 
     def block(self, target: targets.Target, anchor: int, n: int, ctx_rows, caches: list) -> dflash.Block:
+        traces = self._bucketed.traces
         out = super().block(target, anchor, n, ctx_rows, caches)
-        self._stacks.seen()
+        if self._bucketed.traces != traces:
+            self._stacks.seen()
         return out
 
     def weights(self) -> dict:
         """The stacks, built at load (`load`) and rebuilt when a weight is replaced. The context
         K / V and gate / up stacks adopt their weights (views); the block's K/V stacks are copies
-        (the context stacks own those weights): 2 x the K and V weights held twice."""
-        s, attn = self._stacks, [layer.self_attn for layer in self.layers]
-        ctx = {"k": s.get("ctx_k", [a.k_proj for a in attn], adopt=True),
-               "v": s.get("ctx_v", [a.v_proj for a in attn], adopt=True)}
-        return {"ctx": ctx, "kv": [s.get(f"kv{i}", [a.k_proj, a.v_proj]) for i, a in enumerate(attn)],
-                "gate_up": [s.get(f"gate_up{i}", [layer.mlp.gate_proj, layer.mlp.up_proj], adopt=True)
-                            for i, layer in enumerate(self.layers)]}
+        (the context stacks own those weights): the K and V weights are held twice."""
+        if not self._stacks.entries:
+            attn = [layer.self_attn for layer in self.layers]
+            self._stacks.add("ctx_k", [a.k_proj for a in attn], adopt=True)
+            self._stacks.add("ctx_v", [a.v_proj for a in attn], adopt=True)
+            for i, (layer, a) in enumerate(zip(self.layers, attn)):
+                self._stacks.add(f"kv{i}", [a.k_proj, a.v_proj])
+                self._stacks.add(f"gate_up{i}", [layer.mlp.gate_proj, layer.mlp.up_proj], adopt=True)
+        return self._stacks.current()
 
     def context_kv(self, c, offset: int, weights: dict) -> list:
         attn = [layer.self_attn for layer in self.layers]
-        k, v = fusion.project(c, weights["ctx"]["k"]), fusion.project(c, weights["ctx"]["v"])
+        k, v = fusion.project(c, weights["ctx_k"]), fusion.project(c, weights["ctx_v"])
         n = attn[0].n_kv
         keys = mx.concatenate([a._heads(k[i:i + 1], n, a.k_norm) for i, a in enumerate(attn)], axis=1)
         keys = attn[0].rope(keys, offset=offset)
@@ -171,12 +175,12 @@ class Fused(Bucketed):
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             x = layer.input_layernorm(h)
-            k, v = fusion.project(x, weights["kv"][i])
+            k, v = fusion.project(x, weights[f"kv{i}"])
             q = a.rope(a._heads(a.q_proj(x), a.n_heads, a.q_norm), offset=valid)
             bk = a.rope(a._heads(k[None], a.n_kv, a.k_norm), offset=valid)
             o = attend(a, self.bucket_attention, q, bk, a._heads(v[None], a.n_kv), keys[i], values[i], valid)
             h = h + a.output(o)
-            gate, up = fusion.project(layer.post_attention_layernorm(h), weights["gate_up"][i])
+            gate, up = fusion.project(layer.post_attention_layernorm(h), weights[f"gate_up{i}"])
             h = h + layer.mlp.down_proj(swiglu(gate[None], up[None]))
         return self.outputs(target, self.norm(h[:, 1:]))
 

@@ -157,18 +157,22 @@ class Fused(Bucketed):
     def weights(self) -> dict:
         """The stacks, built at load (`load`) and rebuilt when a weight is replaced; as DFlash's
         (port/fast/dflash.py Fused). attention_k_eq_v: K alone (V is K)."""
-        s, attn = self._stacks, [layer.self_attn for layer in self.layers]
-        out = {"gate_up": [s.get(f"gate_up{i}", [layer.mlp.gate_proj, layer.mlp.up_proj], adopt=True)
-                           for i, layer in enumerate(self.layers)],
-               "ctx_k": s.get("ctx_k", [a.k_proj for a in attn], adopt=True)}
-        if not self.args.attention_k_eq_v:
-            out["ctx_v"] = s.get("ctx_v", [a.v_proj for a in attn], adopt=True)
-            out["kv"] = [s.get(f"kv{i}", [a.k_proj, a.v_proj]) for i, a in enumerate(attn)]
-        return out
+        if not self._stacks.entries:
+            attn = [layer.self_attn for layer in self.layers]
+            self._stacks.add("ctx_k", [a.k_proj for a in attn], adopt=True)
+            if not self.args.attention_k_eq_v:
+                self._stacks.add("ctx_v", [a.v_proj for a in attn], adopt=True)
+            for i, (layer, a) in enumerate(zip(self.layers, attn)):
+                if not self.args.attention_k_eq_v:
+                    self._stacks.add(f"kv{i}", [a.k_proj, a.v_proj])
+                self._stacks.add(f"gate_up{i}", [layer.mlp.gate_proj, layer.mlp.up_proj], adopt=True)
+        return self._stacks.current()
 
     def draft_block(self, anchor: int, ctx, start: int, pick=None) -> dspark.Block:
+        traces = self._bucketed.traces
         out = super().draft_block(anchor, ctx, start, pick)
-        self._stacks.seen()
+        if self._bucketed.traces != traces:
+            self._stacks.seen()
         return out
 
     def context_kv(self, c, offset: int) -> list:
@@ -186,13 +190,13 @@ class Fused(Bucketed):
             x = layer.input_layernorm(h)
             q = a.rope(a.q_norm(a.q_proj(x).reshape(1, -1, a.n_heads, a.head_dim)).transpose(0, 2, 1, 3),
                        offset=start)
-            if "kv" in weights:
-                kr, vr = fusion.project(x, weights["kv"][i])
+            if f"kv{i}" in weights:
+                kr, vr = fusion.project(x, weights[f"kv{i}"])
                 k, v = a.heads_kv(kr[None], vr[None], start)
             else:
                 k, v = a.heads_kv(a.k_proj(x), None, start)
             o = self.attend(i, q, keys[i], values[i], valid, k, v)
-            h = layer.finish(h, a.output(o), partial(fused_mlp, layer.mlp, weights["gate_up"][i]))
+            h = layer.finish(h, a.output(o), partial(fused_mlp, layer.mlp, weights[f"gate_up{i}"]))
         return self.outputs(greedy, ids, *self.final(h))
 
 

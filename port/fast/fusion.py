@@ -9,7 +9,7 @@ docs/benchmarks.md states the tier measured on the H200.
 A stack is built from the module's current weights and rebuilt when one of them is replaced (a
 weight swapped after load is seen, as the compiled pieces see it). mx.compile, when it traces with
 the module's state as an input, hands the module new array objects for the same weights: `seen`
-records them after each compiled call, so a trace is not taken for a replacement. `adopt` hands the
+records them after a call that traced, so a trace is not taken for a replacement. `adopt` hands the
 module views into the stack in place of its own weights, so the weights are not held twice."""
 
 from __future__ import annotations
@@ -18,33 +18,37 @@ import mlx.core as mx
 
 
 class Stacks:
-    """A model's stacked weights by name. A plain object: not part of the module's state."""
+    """A model's stacked weights by name, in the order they were added (a stack built from another
+    one's adopted views comes after it). A plain object: not part of the module's state."""
 
     def __init__(self):
-        self.built: dict = {}
+        self.entries: dict = {}   # name -> [owners, adopt, parts, stack]
 
-    def get(self, name: str, owners: list, attr: str = "weight", adopt: bool = False) -> mx.array:
-        """[len(owners), ...]: `owner.<attr>` stacked (every one the same shape), rebuilt when one
-        of them is no longer the array it was built from. `adopt`: each owner's attr becomes its
-        view into the stack."""
-        parts = [getattr(o, attr) for o in owners]
-        hit = self.built.get(name)
-        if hit is not None and len(hit[2]) == len(parts) and all(a is b for a, b in zip(hit[2], parts)):
-            return hit[3]
-        stack = mx.stack(parts)
-        mx.eval(stack)
-        if adopt:
-            for i, o in enumerate(owners):
-                setattr(o, attr, stack[i])
-        # the parts stay referenced: no other array can take their identity
-        self.built[name] = (owners, attr, [getattr(o, attr) for o in owners], stack)
-        return stack
+    def add(self, name: str, owners: list, adopt: bool = False) -> None:
+        """Stack `owner["weight"]` over `owners` (every one the same shape). `adopt`: each owner's
+        weight becomes its view into the stack."""
+        self.entries[name] = [owners, adopt, None, None]
+
+    def current(self) -> dict:
+        """name -> stack, each rebuilt if one of its weights is no longer the array it was built
+        from (a dict lookup and an identity test per weight: no sync, no copy)."""
+        for entry in self.entries.values():
+            owners, adopt, parts, _ = entry
+            if parts is None or any(o["weight"] is not p for o, p in zip(owners, parts)):
+                stack = mx.stack([o["weight"] for o in owners])
+                mx.eval(stack)
+                if adopt:
+                    for i, o in enumerate(owners):
+                        o["weight"] = stack[i]
+                # the parts stay referenced: no other array can take their identity
+                entry[2:] = [[o["weight"] for o in owners], stack]
+        return {name: entry[3] for name, entry in self.entries.items()}
 
     def seen(self) -> None:
         """The weights as they are now are the ones the stacks were built from (after a compiled
-        call: its trace re-wrapped them, it replaced none)."""
-        for name, (owners, attr, _, stack) in self.built.items():
-            self.built[name] = (owners, attr, [getattr(o, attr) for o in owners], stack)
+        call that traced: the trace re-wrapped them, it replaced none)."""
+        for entry in self.entries.values():
+            entry[2] = [o["weight"] for o in entry[0]]
 
 
 def project(x: mx.array, stack: mx.array) -> mx.array:

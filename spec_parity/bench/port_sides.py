@@ -77,6 +77,7 @@ PATHS = {
     "plain": {"dspark": {"kv_bucket": None}, "dflash": {"kv_bucket": None}},
     "bucketed": {"assistant": {"bucketed": True}},
     "unfused": {"dspark": {"kv_bucket": BUCKET, "fused": False}, "dflash": {"kv_bucket": BUCKET, "fused": False}},
+    "eager": {"dspark": {"kv_bucket": BUCKET, "compiled": False}, "dflash": {"kv_bucket": BUCKET, "compiled": False}},
     "bucketed-2seg": {"dspark": {"kv_bucket": BUCKET, "bucket_attention": "two-segment"},
                       "dflash": {"kv_bucket": BUCKET, "bucket_attention": "two-segment"}},
 }
