@@ -1,21 +1,18 @@
-"""The fused paths of DSpark and DFlash (port/fast/*.py Fused, the providers' default): the bucketed
-block on stacked projections (port/fast/fusion.py). Held to the unfused bucketed block (and through
-it to the plain forward) bit for bit on the CPU backend, where MLX's batched matmul gives each
-stacked part the bits of its own product (measured over every variant here); on another backend
-within the fp32 budget with the same greedy tokens (the H200's tier: docs/benchmarks.md). A planted
-fault in the stacks (two parts swapped, from outside the port) must fail the same comparison."""
+"""DSpark's fused path (port/fast/dspark.py Fused, the provider's default): the bucketed block on
+stacked projections (port/fast/fusion.py). Held to the unfused bucketed block (and through it to
+the plain forward) bit for bit on the CPU backend, where MLX's batched matmul gives each stacked
+part the bits of its own product (measured over every variant here); on another backend within
+the fp32 budget with the same greedy tokens (the H200's tier: docs/benchmarks.md). A planted fault
+in the stacks (two parts swapped, from outside the port) must fail the same comparison."""
 
 import mlx.core as mx
 import pytest
-from test_bucketed import BUCKET, ROUNDS, _bits_same, _within_fp32
-from test_speed import DFLASH_VARIANTS, DSPARK_VARIANTS
+from test_bucketed import BUCKET, _bits_same, _dspark_rounds, _within_fp32
+from test_speed import DSPARK_VARIANTS
 
-from port.fast import dflash as fast_dflash
 from port.fast import dspark as fast_dspark
 from port.fast import fusion
 from spec_parity import checkpoints
-
-CASES = [("dspark", v) for v in DSPARK_VARIANTS] + [("dflash", v) for v in DFLASH_VARIANTS]
 
 ON_CPU = mx.default_device().type == mx.DeviceType.cpu
 
@@ -27,25 +24,24 @@ def _held(fused, unfused) -> tuple[bool, object]:
     return _within_fp32(fused, unfused)
 
 
-@pytest.mark.parametrize("source,variant", CASES, ids=[f"{s}-{v}" for s, v in CASES])
-def test_fused_block_holds_the_unfused_one(source, variant):
+@pytest.mark.parametrize("variant", DSPARK_VARIANTS)
+def test_fused_block_holds_the_unfused_one(variant):
     """Six rounds over buffers of 8, 16, 24 context rows: the fused block is the unfused one (its
     tier), traced once per buffer length like it."""
-    unfused, _ = ROUNDS[source](variant, BUCKET, model=_load(source, variant, fused=False))
-    m = _load(source, variant)
-    fused, _ = ROUNDS[source](variant, BUCKET, model=m)
-    assert type(m).__name__ == "Fused"
+    unfused, _ = _dspark_rounds(variant, BUCKET, model=_load(variant, fused=False))
+    m = _load(variant)
+    fused, _ = _dspark_rounds(variant, BUCKET, model=m)
+    assert type(m) is fast_dspark.Fused
     ok, bad = _held(fused, unfused)
     assert ok, bad
     assert m._bucketed.traces == 3
 
 
-@pytest.mark.parametrize("source", ROUNDS)
 @pytest.mark.parametrize("swap", ["gate_up0", "ctx_k", "kv1"])
-def test_swapped_stack_parts_fail_the_comparison(source, swap, monkeypatch):
+def test_swapped_stack_parts_fail_the_comparison(swap, monkeypatch):
     """Negative control: one stack built with two of its parts in the wrong order (layer 0's gate
     and up; layers 0 and 1 of the context K; layer 1's block K and V) is caught."""
-    unfused, _ = ROUNDS[source]("qwen3", BUCKET, model=_load(source, "qwen3", fused=False))
+    unfused, _ = _dspark_rounds("qwen3", BUCKET, model=_load("qwen3", fused=False))
     add = fusion.Stacks.add
 
     def swapped(self, name, owners, adopt=False):
@@ -54,12 +50,11 @@ def test_swapped_stack_parts_fail_the_comparison(source, swap, monkeypatch):
         return add(self, name, owners, adopt)
 
     monkeypatch.setattr(fusion.Stacks, "add", swapped)
-    planted, _ = ROUNDS[source]("qwen3", BUCKET, model=_load(source, "qwen3"))
+    planted, _ = _dspark_rounds("qwen3", BUCKET, model=_load("qwen3"))
     assert not _held(planted, unfused)[0]
 
 
-@pytest.mark.parametrize("source", ROUNDS)
-def test_a_weight_replaced_after_load_is_seen(source):
+def test_a_weight_replaced_after_load_is_seen():
     """The stacks are rebuilt when a weight they were built from is replaced: the fused block
     then equals the unfused one with the same replacement, and differs from before it."""
     def grow(model):
@@ -68,12 +63,12 @@ def test_a_weight_replaced_after_load_is_seen(source):
         attn = model.layers[0].self_attn
         attn.k_proj.weight = attn.k_proj.weight * 0.5
 
-    fused, unfused = _load(source, "qwen3"), _load(source, "qwen3", fused=False)
-    before, _ = ROUNDS[source]("qwen3", BUCKET, model=_load(source, "qwen3"))
+    fused, unfused = _load("qwen3"), _load("qwen3", fused=False)
+    before, _ = _dspark_rounds("qwen3", BUCKET, model=_load("qwen3"))
     for model in (fused, unfused):
         grow(model)
-    after_fused, _ = ROUNDS[source]("qwen3", BUCKET, model=fused)
-    after_unfused, _ = ROUNDS[source]("qwen3", BUCKET, model=unfused)
+    after_fused, _ = _dspark_rounds("qwen3", BUCKET, model=fused)
+    after_unfused, _ = _dspark_rounds("qwen3", BUCKET, model=unfused)
     assert _held(after_fused, after_unfused)[0]
     assert not _held(after_fused, before)[0]
 
@@ -81,7 +76,7 @@ def test_a_weight_replaced_after_load_is_seen(source):
 def test_adopted_weights_stay_the_loaded_ones():
     """Adopting (the module's weights become views of their stacks) changes no weight, and a
     stack is not rebuilt while nothing changed."""
-    m, loaded = _load("dflash", "qwen3"), _load("dflash", "qwen3", fused=False)
+    m, loaded = _load("qwen3"), _load("qwen3", fused=False)
     stacks = m.weights()
     for i, (layer, ref) in enumerate(zip(m.layers, loaded.layers)):
         mlp = layer.mlp
@@ -91,9 +86,6 @@ def test_adopted_weights_stay_the_loaded_ones():
     assert m.weights()["gate_up0"] is stacks["gate_up0"]   # not rebuilt while nothing changed
 
 
-def _load(source: str, variant: str, fused: bool = True):
-    if source == "dspark":
-        path = checkpoints.build("dspark-drafter", 0, DSPARK_VARIANTS[variant])
-        return fast_dspark.load(path, kv_bucket=BUCKET, fused=fused)
-    return fast_dflash.load(checkpoints.build("dflash-drafter", 0, DFLASH_VARIANTS[variant]), kv_bucket=BUCKET,
+def _load(variant: str, fused: bool = True):
+    return fast_dspark.load(checkpoints.build("dspark-drafter", 0, DSPARK_VARIANTS[variant]), kv_bucket=BUCKET,
                             fused=fused)

@@ -11,11 +11,7 @@ mask the window instead of rotating), presented whole with the tail masked, and 
 buffer grows (or the block length changes); mx.fast's attention over [context | block] joined with a
 float mask, or (bucket_attention="two-segment") a two-segment softmax. Held to the plain forward
 within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured: tests/test_bucketed.py).
-window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
-
-Fused (the provider's default; `fused=False` is Bucketed): the bucketed block on stacked projections
-(port/fast/fusion.py), fewer matmul launches for the same products; bit for bit Bucketed on the CPU
-backend (tests/test_fused.py)."""
+window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it."""
 
 from __future__ import annotations
 
@@ -23,11 +19,9 @@ from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.activations import swiglu
 
 from .. import compiled as pieces
 from .. import dflash, targets
-from . import fusion
 
 
 def enter(m: dflash.Model, h, block_at):
@@ -97,23 +91,14 @@ class Bucketed(Compiled):
         ids, c = self.block_inputs(anchor, n, ctx_rows)
         if not all(isinstance(cache, pieces.BucketCache) for cache in caches):
             raise dflash.DFlashError("kv_bucket: the caches must be BucketCaches (Model.make_caches makes them)")
-        weights = self.weights()
-        for cache, kv in zip(caches, self.context_kv(c, caches[0].offset, weights)):
-            cache.update_and_fetch(*kv)
+        for layer, cache in zip(self.layers, caches):
+            cache.update_and_fetch(*layer.self_attn.context_kv(c, cache.offset))
         keys, values = zip(*(cache.buffers() for cache in caches))
         fn = self._bucketed.get(self, (id(target), self.bucket_attention), partial(self.bucketed, target),
                                 [self.state, self.borrowed(target)])
-        return dflash.Block(*fn(ids, mx.array(caches[0].offset, mx.int32), list(keys), list(values), weights))
+        return dflash.Block(*fn(ids, mx.array(caches[0].offset, mx.int32), list(keys), list(values)))
 
-    def weights(self) -> dict:
-        """Arrays the block reads besides the module's state (Fused: its stacks)."""
-        return {}
-
-    def context_kv(self, c, offset: int, weights: dict) -> list:
-        """Per layer the K and V of the projected context rows c (every layer keeps every row)."""
-        return [layer.self_attn.context_kv(c, offset) for layer in self.layers]
-
-    def bucketed(self, target: targets.Target, ids, valid, keys, values, weights):
+    def bucketed(self, target: targets.Target, ids, valid, keys, values):
         """The whole block over the bucketed buffers (rows from `valid` masked), as arrays:
         hidden, logits, tokens."""
         self._bucketed.traces += 1
@@ -123,66 +108,9 @@ class Bucketed(Compiled):
             o = attend(layer.self_attn, self.bucket_attention, q, bk, bv, keys[i], values[i], valid)
             if i < len(self.layers) - 1:
                 h, q, bk, bv = between(self, i, h, o, valid)
-        return self.outputs(target, leave(self, h, o))
-
-    def outputs(self, target: targets.Target, hidden):
+        hidden = leave(self, h, o)
         logits = self.logits(target, hidden)
         return hidden[0, ...], logits[0, ...], mx.argmax(logits[0, ...], axis=-1)
-
-
-class Fused(Bucketed):
-    """The bucketed block on stacked projections (port/fast/fusion.py): one batched matmul for
-    every layer's context K, one for their V and one RoPE over all those keys; per layer one for
-    the block's K and V and one for the MLP's gate and up: on Qwen3-4B's 5 layers 18 fewer matmuls
-    a block, and one RoPE (and one join) where there were five."""
-
-    def __init__(self, a: dflash.ModelArgs, window: str = "positional", embed: str = "scaled",
-                 kv_bucket: int = 256, attention: str = "sdpa", compiled: bool = True):
-        super().__init__(a, window, embed, kv_bucket, attention, compiled)
-        self._stacks = fusion.Stacks()
-
-    def block(self, target: targets.Target, anchor: int, n: int, ctx_rows, caches: list) -> dflash.Block:
-        traces = self._bucketed.traces
-        out = super().block(target, anchor, n, ctx_rows, caches)
-        if self._bucketed.traces != traces:
-            self._stacks.seen()
-        return out
-
-    def weights(self) -> dict:
-        """The stacks, built at load (`load`) and rebuilt when a weight is replaced. The context
-        K / V and gate / up stacks adopt their weights (views); the block's K/V stacks are copies
-        (the context stacks own those weights): the K and V weights are held twice."""
-        if not self._stacks.entries:
-            attn = [layer.self_attn for layer in self.layers]
-            self._stacks.add("ctx_k", [a.k_proj for a in attn], adopt=True)
-            self._stacks.add("ctx_v", [a.v_proj for a in attn], adopt=True)
-            for i, (layer, a) in enumerate(zip(self.layers, attn)):
-                self._stacks.add(f"kv{i}", [a.k_proj, a.v_proj])
-                self._stacks.add(f"gate_up{i}", [layer.mlp.gate_proj, layer.mlp.up_proj], adopt=True)
-        return self._stacks.current()
-
-    def context_kv(self, c, offset: int, weights: dict) -> list:
-        attn = [layer.self_attn for layer in self.layers]
-        k, v = fusion.project(c, weights["ctx_k"]), fusion.project(c, weights["ctx_v"])
-        n = attn[0].n_kv
-        keys = mx.concatenate([a._heads(k[i:i + 1], n, a.k_norm) for i, a in enumerate(attn)], axis=1)
-        keys = attn[0].rope(keys, offset=offset)
-        return [(keys[:, i * n:(i + 1) * n], a._heads(v[i:i + 1], n)) for i, a in enumerate(attn)]
-
-    def bucketed(self, target: targets.Target, ids, valid, keys, values, weights):
-        self._bucketed.traces += 1
-        h = self.embed(target, ids)
-        for i, layer in enumerate(self.layers):
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
-            k, v = fusion.project(x, weights[f"kv{i}"])
-            q = a.rope(a._heads(a.q_proj(x), a.n_heads, a.q_norm), offset=valid)
-            bk = a.rope(a._heads(k[None], a.n_kv, a.k_norm), offset=valid)
-            o = attend(a, self.bucket_attention, q, bk, a._heads(v[None], a.n_kv), keys[i], values[i], valid)
-            h = h + a.output(o)
-            gate, up = fusion.project(layer.post_attention_layernorm(h), weights[f"gate_up{i}"])
-            h = h + layer.mlp.down_proj(swiglu(gate[None], up[None]))
-        return self.outputs(target, self.norm(h[:, 1:]))
 
 
 def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid):
@@ -199,11 +127,9 @@ def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid):
 
 
 def load(path: str | Path, window: str = "positional", embed: str = "scaled", compiled: bool = True,
-         kv_bucket: int | str | None = None, bucket_attention: str = "sdpa", scales: str = "either",
-         fused: bool = True) -> Compiled:
-    """The drafter on a fast path: Compiled, or with a `kv_bucket` Fused (Bucketed with `fused`
-    off); pieces.AUTO: pieces.BUCKET rows unless window="zlab-mlx" meets sliding layers, which
-    only Compiled holds."""
+         kv_bucket: int | str | None = None, bucket_attention: str = "sdpa", scales: str = "either") -> Compiled:
+    """The drafter on a fast path: Compiled, or Bucketed with a `kv_bucket` (pieces.AUTO:
+    pieces.BUCKET rows unless window="zlab-mlx" meets sliding layers, which only Compiled holds)."""
 
     def build(a: dflash.ModelArgs, w: str, e: str) -> Compiled:
         rows = kv_bucket
@@ -211,9 +137,6 @@ def load(path: str | Path, window: str = "positional", embed: str = "scaled", co
             rows = None if w == "zlab-mlx" and "sliding_attention" in a.layer_types else pieces.BUCKET
         if pieces.check_bucket(rows, bucket_attention, dflash.DFlashError) is None:
             return Compiled(a, w, e, compiled)
-        return (Fused if fused else Bucketed)(a, w, e, rows, bucket_attention, compiled)
+        return Bucketed(a, w, e, rows, bucket_attention, compiled)
 
-    m = dflash.load(path, window, embed, scales, build)
-    if isinstance(m, Fused):
-        m.weights()   # the stacks, built here rather than on the first block
-    return m
+    return dflash.load(path, window, embed, scales, build)

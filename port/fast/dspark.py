@@ -155,8 +155,10 @@ class Fused(Bucketed):
         self._stacks = fusion.Stacks()
 
     def weights(self) -> dict:
-        """The stacks, built at load (`load`) and rebuilt when a weight is replaced; as DFlash's
-        (port/fast/dflash.py Fused). attention_k_eq_v: K alone (V is K)."""
+        """The stacks, built at load (`load`) and rebuilt when a weight is replaced. The context
+        K / V and gate / up stacks adopt their weights (views); the block's K/V stacks are copies
+        (the context stacks own those weights): the K and V weights are held twice.
+        attention_k_eq_v: K alone (V is K)."""
         if not self._stacks.entries:
             attn = [layer.self_attn for layer in self.layers]
             self._stacks.add("ctx_k", [a.k_proj for a in attn], adopt=True)

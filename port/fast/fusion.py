@@ -1,5 +1,6 @@
-"""Stacked projections for the fast paths: one batched matmul where the plain model runs several
-of the same size over one input (a layer's K and V, an MLP's gate and up, every layer's context K).
+"""Stacked projections for a fast path (DSpark's Fused, port/fast/dspark.py): one batched matmul
+where the plain model runs several of the same size over one input (a layer's K and V, an MLP's
+gate and up, every layer's context K).
 
 `x @ stack.swapaxes(-1, -2)` with `stack` = [W_0, W_1, ...] of one shape gives [x @ W_0.T, ...],
 each part a contiguous view (no copy before a norm), in one launch. On the CPU backend the parts

@@ -70,13 +70,13 @@ def donor_kv(prep: Prep) -> dict[str, tuple[mx.array, mx.array]]:
 
 # The port's paths by side suffix: its drafter loader's options (port/fast/). The serve loop's
 # verify follows the drafter (port.serve.generate's kv_bucket="auto": the drafter's kv_bucket).
-# "" is the providers' default (port/sources/): the bucketed block on stacked projections for DSpark
-# and DFlash ("unfused": without them), the compiled step for the assistant.
+# "" is the providers' default (port/sources/): the bucketed block for DSpark (on stacked projections;
+# "unfused": without them) and DFlash, the compiled step for the assistant.
 PATHS = {
     "": {"assistant": {}, "dspark": {"kv_bucket": "auto"}, "dflash": {"kv_bucket": "auto"}},
     "plain": {"dspark": {"kv_bucket": None}, "dflash": {"kv_bucket": None}},
     "bucketed": {"assistant": {"bucketed": True}},
-    "unfused": {"dspark": {"kv_bucket": BUCKET, "fused": False}, "dflash": {"kv_bucket": BUCKET, "fused": False}},
+    "unfused": {"dspark": {"kv_bucket": BUCKET, "fused": False}},
     "eager": {"dspark": {"kv_bucket": BUCKET, "compiled": False}, "dflash": {"kv_bucket": BUCKET, "compiled": False}},
     "bucketed-2seg": {"dspark": {"kv_bucket": BUCKET, "bucket_attention": "two-segment"},
                       "dflash": {"kv_bucket": BUCKET, "bucket_attention": "two-segment"}},
