@@ -240,7 +240,7 @@ _FIELD = (1 << _BITS) - 1
 def _verdict(drafts: mx.array, greedy: mx.array, eos: mx.array | None) -> mx.array:
     """A greedy round's outcome as ONE int64 scalar: on MLX CUDA a host read of more than 8 bytes
     puts the buffer in managed memory and the next round's kernels page-fault on it (0.1-0.56 ms,
-    docs/benchmarks.md "Unified memory"); an 8-byte scalar costs nothing. Fields: k, the accepted
+    docs/benchmarks-history.md "Unified memory"); an 8-byte scalar costs nothing. Fields: k, the accepted
     drafts (the prefix where drafts == greedy); the index of the first EOS in greedy (n + 1: none);
     the round's last new token, greedy[k]. The round's new tokens are greedy[:k + 1]: the accepted
     drafts equal the target's."""

@@ -140,7 +140,7 @@ def block_ids(first: int, fill: int, n: int) -> mx.array:
     """[[first, fill x n]] (int32), a draft block's input ids, built by the device: `first` as a 4-byte
     scalar and the constant fill once per (fill, n). Not `mx.array` of the list: on MLX CUDA a
     host-filled buffer over 8 bytes is managed memory the GPU page-faults on when the embedding Gather
-    reads it (H200: 100-280 us of device time per block instead of 3, docs/benchmarks.md); scalars
+    reads it (H200: 100-280 us of device time per block instead of 3, docs/benchmarks-history.md); scalars
     live in MLX's GPU-mapped scalar pool."""
     return mx.concatenate([mx.array([[first]], mx.int32), _filled(fill, n, str(mx.default_device()))], axis=1)
 

@@ -337,7 +337,7 @@ def test_bench_kernels_on_cpu_says_why_not(tmp_path):
 
 def test_port_blocks_index_without_gathers(tmp_path):
     """MLX makes a lone integer index (`logits[0]`) a Gather; on MLX CUDA one over a block's logits
-    costs 22-257 us of device time (H200, docs/benchmarks.md), a slice (`logits[0, ...]`) is free. The
+    costs 22-257 us of device time (H200, docs/benchmarks-history.md), a slice (`logits[0, ...]`) is free. The
     DFlash block's one Gather is its embedding lookup. Control: a planted `[0]` on the logits adds one."""
     case = next(c for c in shapes.tiny_cases() if c.name == "dflash-qwen3")
     prep = runner.prepare(shapes.build(case, tmp_path), (None, "off"), 0)
@@ -355,7 +355,7 @@ def _host_buffers(prep, side) -> int:
 def test_port_steps_build_no_host_filled_buffers(name, tmp_path):
     """A draft step / block (plain and bucketed) builds no array from host data over 8 bytes: on MLX
     CUDA the GPU page-faults on such a buffer (H200: a block's embedding Gather 100-280 us instead of 3,
-    docs/benchmarks.md). Control (blocks): the ids built as one host list, as they were, must count."""
+    docs/benchmarks-history.md). Control (blocks): the ids built as one host list, as they were, must count."""
     case = next(c for c in shapes.tiny_cases() if c.name == name)
     prep = runner.prepare(shapes.build(case, tmp_path), (None, "off"), 0)
     for side in port_sides.SIDES:

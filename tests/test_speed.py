@@ -86,7 +86,7 @@ def test_syncs_per_round_at_t0(name, kind, overrides, make, gamma, bound, monkey
     assert max(per_round) <= bound <= 2, per_round
     assert end == 1, f"the request's tokens and proposals must reach the host in one read, not {end}"
     # on MLX CUDA a buffer over 8 bytes the host read is managed memory the next round's kernels
-    # fault on (docs/benchmarks.md "Unified memory"); the control is test_planted_extra_sync_is_counted
+    # fault on (docs/benchmarks-history.md "Unified memory"); the control is test_planted_extra_sync_is_counted
     assert max(largest) <= 8, f"a round read a {max(largest)}-byte buffer: {largest}"
 
 
