@@ -99,3 +99,12 @@ def test_the_command_runs_every_side_at_tiny_shapes(tmp_path):
             assert (s["status"] == "ok" and s["decode_tokens_per_s"]["median"] > 0) or s.get("reason"), s
             if s["side"] in loop_sides.OURS:
                 assert s["stream"]["lossless"] is True, (c["case"], s["side"])
+
+
+def test_plain_and_our_default_are_in_every_selection():
+    """--peers names the extra sides; plain decode (the baseline) and our default loop run in every
+    --serve case, as `port` does in the step bench (a run without them has no figure to compare)."""
+    for source in ("assistant", "dspark", "dflash"):
+        names = [s.name for s in loop_sides.sides_for(source, ["zlab-mlx"])]
+        assert names[:2] == ["plain", "port"] and set(names) <= {"plain", "port", "zlab-mlx"}
+        assert [s.name for s in loop_sides.sides_for(source, [])][:2] == ["plain", "port"]

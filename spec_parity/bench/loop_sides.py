@@ -272,7 +272,10 @@ SIDES: dict[str, Side] = {s.name: s for s in (
 OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS)
 
 
+ALWAYS = ("plain", "port")   # the baseline and our default path: in every --serve run, as in the step bench
+
+
 def sides_for(source: str, wanted: list[str] | None) -> list[Side]:
-    """plain first, then those of `wanted` (None: every side) that serve the source."""
-    return [s for s in SIDES.values() if source in s.sources and (s.name == "plain" or wanted is None
+    """plain and our default first, then those of `wanted` (None: every side) that serve the source."""
+    return [s for s in SIDES.values() if source in s.sources and (s.name in ALWAYS or wanted is None
                                                                    or s.name in wanted)]

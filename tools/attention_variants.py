@@ -1,0 +1,65 @@
+"""The DFlash block's attention, five layers' worth, in the forms the port and z-lab MLX use, timed
+on one device: where the bucketed block's extra evaluation time goes (docs/benchmarks.md, session 10).
+
+    python3 tools/attention_variants.py          # Qwen3-4B DFlash shapes, bf16 (on MLX CUDA)
+    python3 tools/attention_variants.py tiny     # tiny shapes: that the script runs (CPU)
+
+"exact": the keys at the context's exact length, no mask (z-lab MLX, the port's plain path: one
+attention plan per length on MLX CUDA). "joined": the bucketed block's, the whole context buffer
+joined to the block's K/V (a copy per layer) with the padded rows masked (float or bool), and the
+join without a mask (what the copies cost alone). Each median [p10, p90] of 200 calls after 20."""
+
+import sys
+import time
+
+import mlx.core as mx
+
+HQ, HK, D, L, S, BUF = (32, 8, 128, 16, 2048, 2304) if sys.argv[1:] != ["tiny"] else (4, 2, 16, 4, 40, 64)
+LAYERS, DT, SCALE = 5, mx.bfloat16, D ** -0.5
+
+
+def rand(*shape):
+    return mx.random.normal(shape).astype(DT)
+
+
+q, buf_k, buf_v, bk, bv = rand(1, HQ, L, D), rand(1, HK, BUF, D), rand(1, HK, BUF, D), rand(1, HK, L, D), rand(1, HK, L, D)
+exact_k = mx.concatenate([buf_k[:, :, :S], bk], axis=2)
+exact_v = mx.concatenate([buf_v[:, :, :S], bv], axis=2)
+valid = mx.array(S, mx.int32)
+mx.eval(q, buf_k, buf_v, bk, bv, exact_k, exact_v)
+
+
+def exact():
+    return [mx.fast.scaled_dot_product_attention(q, exact_k, exact_v, scale=SCALE) for _ in range(LAYERS)]
+
+
+def joined(mask: str):
+    def run():
+        out = []
+        for _ in range(LAYERS):
+            keys, values = mx.concatenate([buf_k, bk], axis=2), mx.concatenate([buf_v, bv], axis=2)
+            seen = mx.concatenate([mx.broadcast_to(mx.arange(BUF) < valid, (L, BUF)), mx.ones((L, L), mx.bool_)], -1)
+            m = None if mask == "none" else seen if mask == "bool" else mx.where(seen, mx.array(0, DT),
+                                                                                     mx.array(-mx.inf, DT))
+            out.append(mx.fast.scaled_dot_product_attention(q, keys, values, scale=SCALE, mask=m))
+        return out
+    return run
+
+
+def timed(name: str, fn, n: int = 200) -> None:
+    for _ in range(20):
+        mx.eval(fn())
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    print(f"{name:28s} {ts[n // 2] * 1e3:.3f} ms  [p10 {ts[n // 10] * 1e3:.3f} p90 {ts[9 * n // 10] * 1e3:.3f}]")
+
+
+VARIANTS = [("exact, no mask", exact), ("joined, float mask", joined("float")), ("joined, bool mask", joined("bool")),
+            ("joined, no mask", joined("none")), ("joined float, compiled", mx.compile(joined("float"))),
+            ("joined bool, compiled", mx.compile(joined("bool"))), ("exact, compiled", mx.compile(exact))]
+for name, fn in VARIANTS + [(name + " (again)", fn) for name, fn in VARIANTS[:2]]:
+    timed(name, fn)
