@@ -131,9 +131,13 @@ class Attention(nn.Module):
 
     def block_qkv(self, x, offset):
         """Q, K, V of the block rows x [1, T, H] at offset.. (an int or a scalar array)."""
+        return (self.block_q(x, offset),) + self.kv(x, offset)
+
+    def block_q(self, x, offset):
+        """Q of the block rows x [1, T, H] at offset.. (q_norm, RoPE), as [1, n_heads, T, D]."""
         B, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
-        return (self.rope(q, offset=offset),) + self.kv(x, offset)
+        return self.rope(q, offset=offset)
 
     @staticmethod
     def join(ctx, k, v):

@@ -190,8 +190,7 @@ class Fused(Bucketed):
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             x = layer.input_layernorm(h)
-            q = a.rope(a.q_norm(a.q_proj(x).reshape(1, -1, a.n_heads, a.head_dim)).transpose(0, 2, 1, 3),
-                       offset=start)
+            q = a.block_q(x, start)
             if f"kv{i}" in weights:
                 kr, vr = fusion.project(x, weights[f"kv{i}"])
                 k, v = a.heads_kv(kr[None], vr[None], start)

@@ -133,8 +133,8 @@ def build_side(side: Side, prep: Prep, opts: Options, index: int = 0) -> tuple[d
 
 
 def finish_side(out: dict, stepper: Stepper, timed: dict, opts: Options, peer: bool) -> None:
-    """A built side's timed loop result (`time_sides`), then its counts and kernels; the stepper
-    is released."""
+    """A built side's timed loop result (`time_sides`), then its counts and kernels (run_sides
+    releases the stepper after)."""
     try:
         if "error" in timed:
             raise timed.pop("error")
