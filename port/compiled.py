@@ -50,12 +50,15 @@ def position(model, value: int):
 # mx.fast.scaled_dot_product_attention over [context buffer | block] joined with a float mask: one
 # fused kernel on the GPU, but a copy of the context per layer and call; measured bit-exact with
 # the default path on the CPU backend (fp32 and bf16), not guaranteed on the GPU (another kernel
-# over a padded key range). "two-segment": no copy, more ops, a softmax summed in another order
-# (fp32: within tolerance; bf16: the two PV products round apart, measured up to 0.16 on tiny
-# logits). Held to the plain path within fp32 tolerance (bit-exact on the CPU with "sdpa").
+# over a padded key range). "in-place": the block's K/V written into the buffer after the valid
+# rows, where the plain path puts them (the buffer is donated to the write: no copy of the
+# context), and mx.fast's attention over the buffer with every row past the block masked.
+# "two-segment": no copy, more ops, a softmax summed in another order (fp32: within tolerance;
+# bf16: the two PV products round apart, measured up to 0.16 on tiny logits). Held to the plain
+# path within fp32 tolerance (bit-exact on the CPU with "sdpa" and "in-place").
 
 
-BUCKET_ATTENTIONS = ("sdpa", "two-segment")
+BUCKET_ATTENTIONS = ("sdpa", "two-segment", "in-place")
 BUCKET = 256   # rows: mlx-lm KVCache's own growth step; the providers' and serve loop's default
 AUTO = "auto"  # a provider's / the serve loop's kv_bucket default: BUCKET wherever the path holds
 
@@ -87,26 +90,40 @@ class BucketCache(KVCache):
         have = 0 if self.keys is None else self.keys.shape[2]
         return max(have, -(-(self.offset + n) // self.step) * self.step)
 
-    def update_and_fetch(self, keys, values):
-        prev, n = self.offset, keys.shape[2]
+    def reserve(self, n: int, keys, values):
+        """Room for n rows past offset shaped as keys / values are (zeros appended a bucket at a
+        time); offset stays."""
         have = 0 if self.keys is None else self.keys.shape[2]
-        if prev + n > have:
-            grow = self.length_after(n) - have
-            B, h, _, dk = keys.shape
-            new_k = mx.zeros((B, h, grow, dk), keys.dtype)
-            new_v = mx.zeros((B, h, grow, values.shape[3]), values.dtype)
-            if self.keys is None:
-                self.keys, self.values = new_k, new_v
-            else:
-                self.keys = mx.concatenate([self.keys, new_k], axis=2)
-                self.values = mx.concatenate([self.values, new_v], axis=2)
-        self.offset += n
+        if self.offset + n <= have:
+            return
+        grow = self.length_after(n) - have
+        B, h, _, dk = keys.shape
+        new_k = mx.zeros((B, h, grow, dk), keys.dtype)
+        new_v = mx.zeros((B, h, grow, values.shape[3]), values.dtype)
+        if self.keys is None:
+            self.keys, self.values = new_k, new_v
+        else:
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
+
+    def update_and_fetch(self, keys, values):
+        self.reserve(keys.shape[2], keys, values)
+        prev = self.offset
+        self.offset += keys.shape[2]
         self.keys[..., prev:self.offset, :] = keys
         self.values[..., prev:self.offset, :] = values
         return self.keys_and_values()
 
     def buffers(self):
-        return self.keys, self.values
+        """The whole buffers, handed over: the cache lets go of them (a write into one inside the
+        block is then done in place), and `take` gets them back."""
+        keys, values = self.keys, self.values
+        self.keys = self.values = None
+        return keys, values
+
+    def take(self, keys, values):
+        """The buffers back from the block (the same arrays, or written to after offset)."""
+        self.keys, self.values = keys, values
 
 
 class VerifyCache(BucketCache):
@@ -127,6 +144,22 @@ class VerifyCache(BucketCache):
         j, pos = mx.arange(self.length_after(n))[None], mx.arange(self.offset, end)[:, None]
         seen = (j <= pos) if window is None else (j <= pos) & (j > pos - window)
         return additive_mask(seen, dtype)[None, None]
+
+
+def over_buffers(caches: list, room: int, fn, *args):
+    """fn(*args, keys, values) over the caches' whole buffers, handed over (BucketCache.buffers)
+    and taken back from fn's last two outputs (lists per cache), or as they were if fn raises;
+    `room`: rows reserved past offset first (the "in-place" block's). fn's other outputs."""
+    for cache in caches:
+        if room and cache.keys is not None:
+            cache.reserve(room, cache.keys, cache.values)
+    keys, values = zip(*(cache.buffers() for cache in caches))
+    try:
+        *out, keys, values = fn(*args, list(keys), list(values))
+    finally:
+        for cache, k, v in zip(caches, keys, values, strict=True):
+            cache.take(k, v)
+    return out
 
 
 def additive_mask(seen, dtype: mx.Dtype) -> mx.array:
@@ -158,6 +191,25 @@ def two_segment_attention(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, sca
     return o.reshape(B, Hq, L, -1)
 
 
+def in_place_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float, valid):
+    """The same attention with the block's K/V written into the context buffers at rows valid..
+    valid+L (in place when the buffers are donated: `BucketCache.buffers`), the plain path's
+    layout; the mask keeps `ctx_seen` below valid, the block's rows as `blk_seen` (None: all)
+    and nothing from valid+L on. The buffers need L rows of room past valid
+    (`BucketCache.reserve`). Returns the attention and the written buffers."""
+    L, S = q.shape[2], ctx_k.shape[2]
+    at = valid.reshape(1)
+    keys = mx.slice_update(ctx_k, blk_k, at, axes=(2,))
+    values = mx.slice_update(ctx_v, blk_v, at, axes=(2,))
+    in_block = ~valid_rows(valid, S) & valid_rows(valid + L, S)
+    if blk_seen is not None:
+        column = mx.clip(mx.arange(S) - valid, 0, L - 1)
+        in_block = in_block & mx.take(mx.broadcast_to(blk_seen, (L, L)), column, axis=1)
+    seen = ctx_seen | in_block
+    mask = additive_mask(mx.broadcast_to(seen, (L, S)), q.dtype)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask), keys, values
+
+
 def joined_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float):
     """The same attention as two_segment_attention through mx.fast.scaled_dot_product_attention
     over the keys joined (a copy of the context per call) with an additive float mask: one fused
@@ -171,9 +223,13 @@ def joined_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
-def bucketed_attention(how: str, *args):
-    """joined_sdpa or two_segment_attention (BUCKET_ATTENTIONS), same arguments."""
-    return (joined_sdpa if how == "sdpa" else two_segment_attention)(*args)
+def bucketed_attention(how: str, q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float, valid):
+    """joined_sdpa, two_segment_attention or in_place_sdpa (BUCKET_ATTENTIONS): the attention and
+    the context buffers after it (written to by "in-place" only)."""
+    if how == "in-place":
+        return in_place_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale, valid)
+    attend = joined_sdpa if how == "sdpa" else two_segment_attention
+    return attend(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale), ctx_k, ctx_v
 
 
 def valid_rows(valid, S: int):

@@ -41,7 +41,12 @@ BUCKET = 8
 FP32 = budgets.DTYPE_DEFAULTS["float32"]
 # context rows fed per round: 5 (the prompt's), then 3 per round: 5, 8, ..., 20 (buffers 8, 16, 24)
 FEEDS = [(0, 5)] + [(5 + 3 * r, 8 + 3 * r) for r in range(5)]
-BUFFERS = sorted({-(-hi // BUCKET) * BUCKET for _, hi in FEEDS})
+
+
+def _buffers(room: int) -> list:
+    """The buffer lengths the rounds go through with `room` rows reserved past the context (the
+    "in-place" design's block)."""
+    return sorted({-(-(hi + room) // BUCKET) * BUCKET for _, hi in FEEDS})
 
 
 @functools.cache
@@ -121,12 +126,12 @@ CASES = [("dspark", v) for v in ("gemma4", "qwen3", "gemma4-keqv", "gemma4-rnn")
 def test_bucketed_block_within_fp32_of_default(source, variant, attention):
     """Six rounds, the context 5 -> 20 rows over buffers of 8, 16, 24: every block tensor within
     the fp32 budget of the default path, the same greedy tokens; the compiled block traced once
-    per buffer length, not once per round. Both attention designs."""
+    per buffer length, not once per round. Every attention design."""
     plain, _ = ROUNDS[source](variant, None)
     fast, m = ROUNDS[source](variant, BUCKET, attention=attention)
     ok, bad = _within_fp32(fast, plain)
     assert ok, bad
-    assert m._bucketed.traces == len(BUFFERS) < len(FEEDS)
+    assert m._bucketed.traces == len(_buffers(m.args.block_size if attention == "in-place" else 0)) < len(FEEDS)
 
 
 @pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu, reason="a CPU-backend fact")
@@ -134,12 +139,38 @@ def test_bucketed_block_within_fp32_of_default(source, variant, attention):
                                             ("dflash", "qwen3-causal")])
 def test_sdpa_design_is_bit_exact_on_cpu(source, variant):
     """Measured, and held: on the CPU backend (mx.fast's attention there is its unfused fallback,
-    where the masked padded keys add exact zeros) the "sdpa" design equals the default path bit for
-    bit; the two-segment one does not (its products sum in another order)."""
+    where the masked padded keys add exact zeros) the "sdpa" and "in-place" designs equal the
+    default path bit for bit; the two-segment one does not (its products sum in another order)."""
     plain, _ = ROUNDS[source](variant, None)
 
     assert _bits_same(ROUNDS[source](variant, BUCKET, attention="sdpa")[0], plain)
+    assert _bits_same(ROUNDS[source](variant, BUCKET, attention="in-place")[0], plain)
     assert not _bits_same(ROUNDS[source](variant, BUCKET, attention="two-segment")[0], plain)
+
+
+def _block_peak(attention: str) -> tuple[int, int]:
+    """Bytes the second round's DFlash block adds at its peak (context 5 -> 8 rows, buffers of
+    16 384 rows of head_dim 128: its scores and mask are small beside them), and the bytes of the
+    buffers."""
+    path = checkpoints.build("dflash-drafter", 0, {"head_dim": 128})
+    m = fast_dflash.load(path, kv_bucket=1 << 14, bucket_attention=attention)
+    target, rows, caches = _target("qwen3-target"), _taps("qwen3-target", path), m.make_caches()
+    for r, (lo, hi) in enumerate(FEEDS[:2]):
+        mx.eval(caches[0].keys if r else [])
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        b = m.block(target, 7 + r, m.args.block_size - 1, rows[:, lo:hi], caches)
+        mx.eval(b.logits, [(c.keys, c.values) for c in caches])
+    return mx.get_peak_memory() - base, sum(c.keys.nbytes + c.values.nbytes for c in caches)
+
+
+def test_in_place_design_writes_the_buffers_without_copying_them():
+    """The "in-place" block's writes reuse the buffers (the cache hands them over): its peak adds
+    less than one layer's K buffer (an eighth of them all: 2 layers, K and V); the joined "sdpa"
+    design (a copy of a layer's K and V per attention) is the control."""
+    in_place, size = _block_peak("in-place")
+    joined, _ = _block_peak("sdpa")
+    assert in_place < size / 8 < size / 2 <= joined, (in_place, joined, size)
 
 
 @pytest.mark.parametrize("source,variant", [("dspark", "gemma4"), ("dflash", "qwen3-swa")])
@@ -151,7 +182,8 @@ def test_trace_counter_counts_every_call_uncompiled(source, variant):
 
 @pytest.mark.parametrize("source,variant,attention", [
     ("dspark", "gemma4", "two-segment"), ("dspark", "qwen3", "two-segment"), ("dflash", "qwen3", "two-segment"),
-    ("dflash", "qwen3-swa", "two-segment"), ("dspark", "qwen3", "sdpa"), ("dflash", "qwen3-causal", "sdpa")])
+    ("dflash", "qwen3-swa", "two-segment"), ("dspark", "qwen3", "sdpa"), ("dflash", "qwen3-causal", "sdpa"),
+    ("dspark", "gemma4", "in-place"), ("dflash", "qwen3-swa", "in-place"), ("dflash", "qwen3-causal", "in-place")])
 def test_planted_mask_off_by_one_fails_the_comparison(source, variant, attention):
     """Negative control: the context mask letting the first padded row through is caught."""
     plain, _ = ROUNDS[source](variant, None)

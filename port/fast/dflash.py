@@ -93,37 +93,40 @@ class Bucketed(Compiled):
             raise dflash.DFlashError("kv_bucket: the caches must be BucketCaches (Model.make_caches makes them)")
         for layer, cache in zip(self.layers, caches):
             cache.update_and_fetch(*layer.self_attn.context_kv(c, cache.offset))
-        keys, values = zip(*(cache.buffers() for cache in caches))
         fn = self._bucketed.get(self, (id(target), self.bucket_attention), partial(self.bucketed, target),
                                 [self.state, self.borrowed(target)])
-        return dflash.Block(*fn(ids, mx.array(caches[0].offset, mx.int32), list(keys), list(values)))
+        room = ids.shape[1] if self.bucket_attention == "in-place" else 0
+        return dflash.Block(*pieces.over_buffers(caches, room, fn, ids, mx.array(caches[0].offset, mx.int32)))
 
     def bucketed(self, target: targets.Target, ids, valid, keys, values):
         """The whole block over the bucketed buffers (rows from `valid` masked), as arrays:
-        hidden, logits, tokens."""
+        hidden, logits, tokens, and the buffers after it."""
         self._bucketed.traces += 1
         h = self.embed(target, ids)
         q, bk, bv = enter(self, h, valid)
+        keys, values = list(keys), list(values)
         for i, layer in enumerate(self.layers):
-            o = attend(layer.self_attn, self.bucket_attention, q, bk, bv, keys[i], values[i], valid)
+            o, keys[i], values[i] = attend(layer.self_attn, self.bucket_attention, q, bk, bv, keys[i], values[i],
+                                           valid)
             if i < len(self.layers) - 1:
                 h, q, bk, bv = between(self, i, h, o, valid)
         hidden = leave(self, h, o)
         logits = self.logits(target, hidden)
-        return hidden[0, ...], logits[0, ...], mx.argmax(logits[0, ...], axis=-1)
+        return hidden[0, ...], logits[0, ...], mx.argmax(logits[0, ...], axis=-1), keys, values
 
 
 def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid):
     """Attention.attend over a bucketed context buffer (every context row kept, in time order: row
     j is position j; rows from `valid` on masked; the block sits at valid..): full layers see every
     valid row, sliding layers those within the window of each block row (window="positional");
-    the block rows see each other (causal: the earlier ones only)."""
+    the block rows see each other (causal: the earlier ones only). The attention and the buffers
+    after it (pieces.bucketed_attention)."""
     L = q.shape[2]
     seen = pieces.valid_rows(valid, keys.shape[2])
     if attn.sliding:
         seen = seen & (valid + mx.arange(L)[:, None] - mx.arange(keys.shape[2]) < attn.a.sliding_window)
     causal = mx.arange(L)[None] <= mx.arange(L)[:, None] if attn.causal else None
-    return pieces.bucketed_attention(how, q, keys, values, seen, bk, bv, causal, attn.scale)
+    return pieces.bucketed_attention(how, q, keys, values, seen, bk, bv, causal, attn.scale, valid)
 
 
 def load(path: str | Path, window: str = "positional", embed: str = "scaled", compiled: bool = True,
