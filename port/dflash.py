@@ -198,7 +198,13 @@ class Attention(nn.Module):
     def attend(self, q, bk, bv, ctx, cache):
         """The block rows' attention heads over [context ; block]. ctx: the new projected context
         rows [1, S, H]; they join `cache` first, at their absolute positions."""
-        L, S = q.shape[2], ctx.shape[1]
+        keys, values, n_ctx = self.join(bk, bv, ctx, cache)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale,
+                                                    mask=self.mask(n_ctx, q.shape[2]))
+
+    def join(self, bk, bv, ctx, cache):
+        """Keys and values [context ; block] (ctx joins `cache` first) and the context's length."""
+        L, S = bk.shape[2], ctx.shape[1]
         if self.sliding and S > self.a.sliding_window - 1:
             # Only the newest W-1 context rows can be seen by any block row; the dropped ones still
             # count for the positions (mlx-lm's cache offset is the number of rows seen).
@@ -210,14 +216,15 @@ class Attention(nn.Module):
         if isinstance(cache, RotatingKVCache):
             if self.sliding and self.window == "positional":
                 keys, values = cache._temporal_order(keys), cache._temporal_order(values)
-            keys = mx.concatenate([keys, bk], axis=2)
-            values = mx.concatenate([values, bv], axis=2)
-        else:
-            # The block's rows go after the context in the preallocated buffer and are trimmed off
-            # again: the same keys as the concatenation, without copying the context.
-            keys, values = cache.update_and_fetch(bk, bv)
-            cache.trim(L)
-        mask = None
+            return mx.concatenate([keys, bk], axis=2), mx.concatenate([values, bv], axis=2), n_ctx
+        # The block's rows go after the context in the preallocated buffer and are trimmed off
+        # again: the same keys as the concatenation, without copying the context.
+        keys, values = cache.update_and_fetch(bk, bv)
+        cache.trim(L)
+        return keys, values, n_ctx
+
+    def mask(self, n_ctx: int, L: int):
+        """The block rows' mask over [context (n_ctx rows) ; block (L)]; None: every row sees all."""
         if self.sliding:
             qpos = n_ctx + mx.arange(L)[:, None]
             kpos = mx.arange(n_ctx + L)[None]
@@ -225,10 +232,8 @@ class Attention(nn.Module):
             seen_block = kpos >= n_ctx
             if self.causal:
                 seen_block = seen_block & (kpos <= qpos)
-            mask = seen_ctx | seen_block
-        elif self.causal:
-            mask = create_causal_mask(L, offset=n_ctx)
-        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+            return seen_ctx | seen_block
+        return create_causal_mask(L, offset=n_ctx) if self.causal else None
 
     def output(self, o):
         return self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, o.shape[2], -1))

@@ -19,7 +19,7 @@ from port.fast import dspark as fast_dspark
 from port.sources.assistant import AssistantProvider, AssistantSource
 from port.sources.dflash import DflashProvider
 from port.sources.dspark import DeepspecProvider, DeepspecSource
-from spec_parity import bench, checkpoints, harness
+from spec_parity import bench, checkpoints, controls, harness
 from spec_parity.pairs import dspark as dspark_pair
 
 PROMPT = list(range(3, 15))
@@ -447,6 +447,37 @@ def test_dflash_compiled_block_equals_plain(variant, dtype):
         return out
 
     _compiled_matches_plain(m, run, _scale(m.layers[-1].mlp.down_proj, "weight"))
+
+
+def _dflash_block_rounds(variant: str, dtype: str, **options) -> list:
+    """Three rounds of the DFlash drafter on fast_dflash.load(**options), past the sliding window."""
+    ov = DFLASH_VARIANTS[variant]
+    target = targets.load(checkpoints.build(ov.get("target_kind", "qwen3-target"), 0, {}), getattr(mx, dtype))
+    m = fast_dflash.load(checkpoints.build("dflash-drafter", 0, ov), **options)
+    m.set_dtype(getattr(mx, dtype))
+    rows, caches, out = m.taps(targets.forward(target, mx.array([LONG_PROMPT])).hidden), m.make_caches(), []
+    for r in range(3):
+        ctx = rows[:, : len(LONG_PROMPT) - 4] if r == 0 else rows[:, -2:]
+        b = m.block(target, 7 + r, m.args.block_size - 1, ctx, caches)
+        out += [b.hidden, b.logits, b.token_ids]
+    return out
+
+
+@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu, reason="a CPU-backend fact")
+@pytest.mark.parametrize("variant,dtype", [(v, "float32") for v in ("qwen3", "qwen3-causal", "qwen3-swa", "gemma4")]
+                         + [("qwen3", "bfloat16")])
+def test_dflash_rows_as_heads_equals_compiled_on_cpu(variant, dtype):
+    """The block rows folded into the query heads (RowsAsHeads, on full non-causal layers) give the
+    compiled block's every tensor bit for bit on the CPU backend; folded row-major (the control),
+    they do not. Causal and sliding layers keep the block attention (the control then changes
+    nothing there: qwen3-causal's layers are all causal)."""
+    plain = _dflash_block_rounds(variant, dtype)
+    folded = _dflash_block_rounds(variant, dtype, exact_attention="rows-as-heads")
+    assert all(_bits_equal(a, b) for a, b in zip(folded, plain, strict=True))
+    with controls.planted("dflash", "rows_as_heads_transposed"):
+        planted = _dflash_block_rounds(variant, dtype, exact_attention="rows-as-heads")
+    caught = not all(_bits_equal(a, b) for a, b in zip(planted, plain, strict=True))
+    assert caught == (variant not in ("qwen3-causal", "qwen3-swa"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

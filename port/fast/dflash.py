@@ -49,6 +49,9 @@ class Compiled(dflash.Model):
         self.compiled = compiled
         self._pieces = pieces.Pieces()
 
+    def attend(self, attn: dflash.Attention, q, bk, bv, ctx, cache):
+        return attn.attend(q, bk, bv, ctx, cache)
+
     def pieces(self) -> tuple:
         """(enter, [between_i], exit), plain or compiled."""
         n = len(self.layers)
@@ -60,10 +63,32 @@ class Compiled(dflash.Model):
         at = [pieces.position(self, p) for p in self.block_positions(ctx, caches)]
         q, bk, bv = first(h, at[0])
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            o = layer.self_attn.attend(q, bk, bv, ctx, cache)
+            o = self.attend(layer.self_attn, q, bk, bv, ctx, cache)
             if i < len(middle):
                 h, q, bk, bv = middle[i](h, o, at[i + 1])
         return last(h, o)
+
+
+class RowsAsHeads(Compiled):
+    """Compiled, with the block rows of a layer whose rows all see every key (full attention, not
+    causal: DFlash's default) folded into the query heads: a one-row query over the exact keys,
+    which MLX CUDA attends with its vector kernel (or cuDNN's decode plan, one per 256-row buffer)
+    rather than planning a multi-row attention per key length."""
+
+    def attend(self, attn: dflash.Attention, q, bk, bv, ctx, cache):
+        keys, values, n_ctx = attn.join(bk, bv, ctx, cache)
+        mask = attn.mask(n_ctx, q.shape[2])
+        if mask is not None:
+            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
+        o = mx.fast.scaled_dot_product_attention(rows_as_heads(q), keys, values, scale=attn.scale)
+        return o.reshape(q.shape[:3] + o.shape[-1:])
+
+
+def rows_as_heads(q):
+    """[B, H, L, D] -> [B, H * L, 1, D]: head h's row l becomes query head h * L + l, whose KV head
+    under GQA, (h * L + l) // (L * H / H_kv), is head h's own, h // (H / H_kv)."""
+    B, H, L, D = q.shape
+    return q.reshape(B, H * L, 1, D)
 
 
 class Bucketed(Compiled):
@@ -129,17 +154,24 @@ def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid):
     return pieces.bucketed_attention(how, q, keys, values, seen, bk, bv, causal, attn.scale, valid)
 
 
+EXACT_ATTENTIONS = ("block", "rows-as-heads")
+
+
 def load(path: str | Path, window: str = "positional", embed: str = "scaled", compiled: bool = True,
-         kv_bucket: int | str | None = None, bucket_attention: str = "sdpa", scales: str = "either") -> Compiled:
-    """The drafter on a fast path: Compiled, or Bucketed with a `kv_bucket` (pieces.AUTO:
-    pieces.BUCKET rows unless window="zlab-mlx" meets sliding layers, which only Compiled holds)."""
+         kv_bucket: int | str | None = None, bucket_attention: str = "sdpa", scales: str = "either",
+         exact_attention: str = "block") -> Compiled:
+    """The drafter on a fast path: Compiled (RowsAsHeads with exact_attention="rows-as-heads"), or
+    Bucketed with a `kv_bucket` (pieces.AUTO: pieces.BUCKET rows unless window="zlab-mlx" meets
+    sliding layers, which only Compiled holds)."""
+    if exact_attention not in EXACT_ATTENTIONS:
+        raise dflash.DFlashError(f"exact_attention={exact_attention!r}: expected one of {EXACT_ATTENTIONS}")
 
     def build(a: dflash.ModelArgs, w: str, e: str) -> Compiled:
         rows = kv_bucket
         if rows == pieces.AUTO:
             rows = None if w == "zlab-mlx" and "sliding_attention" in a.layer_types else pieces.BUCKET
         if pieces.check_bucket(rows, bucket_attention, dflash.DFlashError) is None:
-            return Compiled(a, w, e, compiled)
+            return (RowsAsHeads if exact_attention == "rows-as-heads" else Compiled)(a, w, e, compiled)
         return Bucketed(a, w, e, rows, bucket_attention, compiled)
 
     return dflash.load(path, window, embed, scales, build)

@@ -66,6 +66,17 @@ def _window_short(case):
     return {(dflash, "load"): short}
 
 
+@control("dflash", "rows_as_heads_transposed", "rows-as-heads: the block rows folded into the heads row-major")
+def _rows_as_heads(case):
+    from port.fast import dflash as fast
+
+    def transposed(q):
+        B, H, L, D = q.shape
+        return q.transpose(0, 2, 1, 3).reshape(B, L * H, 1, D)
+
+    return {(fast, "rows_as_heads"): transposed}
+
+
 control("dflash", "rejected_rows", "rejected verify rows kept in the context")(rejected_rows)
 control("dflash", "bucket_mask_off_by_one", "kv_bucket: the context mask lets the first padded row through")(
     bucket_mask_off_by_one)
