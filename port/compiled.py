@@ -9,8 +9,6 @@ tests hold the two bit for bit.
 
 from __future__ import annotations
 
-from functools import partial
-
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
@@ -24,14 +22,27 @@ class Pieces:
     def __init__(self):
         self.compiled = None
 
-    def get(self, model, plain):
+    def get(self, model, plain, reads=None):
         """`plain` (a tuple / list tree of functions) as is, or its compiled twin when
-        `model.compiled`."""
+        `model.compiled`. `reads`: the same tree, each piece's list of the modules it reads (their
+        parameters its compile inputs, flattened at every call: fewer is less host time); None:
+        the whole model for every piece."""
         if not model.compiled:
             return plain
         if self.compiled is None:
-            self.compiled = tree_map(partial(mx.compile, inputs=[model.state]), plain)
+            reads = tree_map(lambda _: [model.state], plain) if reads is None else reads
+            self.compiled = tree_map(lambda fn, inputs: mx.compile(fn, inputs=inputs), plain, reads)
         return self.compiled
+
+
+class PiecesBy:
+    """Pieces per key (e.g. the target whose parts a block reads)."""
+
+    def __init__(self):
+        self.by: dict = {}
+
+    def get(self, model, key, plain, reads=None):
+        return self.by.setdefault(key, Pieces()).get(model, plain, reads)
 
 
 def position(model, value: int):

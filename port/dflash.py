@@ -350,11 +350,15 @@ class Model(nn.Module):
         cap = self.args.final_logit_softcapping
         return mx.tanh(out / cap) * cap if cap else out
 
-    def block_inputs(self, anchor: int, n: int, ctx_rows: mx.array | None):
-        """The block ids [anchor, MASK x n] and the projected new context rows."""
+    @staticmethod
+    def check_rows(ctx_rows: mx.array | None) -> None:
         if ctx_rows is None or ctx_rows.shape[1] == 0:
             raise DFlashError("a draft needs the new context rows (the prompt's or the last verify's taps): "
                               "commit the previous verify first")
+
+    def block_inputs(self, anchor: int, n: int, ctx_rows: mx.array | None):
+        """The block ids [anchor, MASK x n] and the projected new context rows."""
+        self.check_rows(ctx_rows)
         return targets.block_ids(anchor, self.args.mask_token_id, n), self.project(ctx_rows)
 
     def block(self, target: targets.Target, anchor: int, n: int, ctx_rows: mx.array | None, caches: list) -> Block:

@@ -164,13 +164,26 @@ def _block_peak(attention: str) -> tuple[int, int]:
     return mx.get_peak_memory() - base, sum(c.keys.nbytes + c.values.nbytes for c in caches)
 
 
-def test_in_place_design_writes_the_buffers_without_copying_them():
-    """The "in-place" block's writes reuse the buffers (the cache hands them over): its peak adds
-    less than one layer's K buffer (an eighth of them all: 2 layers, K and V); the joined "sdpa"
-    design (a copy of a layer's K and V per attention) is the control."""
-    in_place, size = _block_peak("in-place")
+@pytest.mark.parametrize("attention", ["in-place", "exact"])
+def test_in_place_writes_into_the_buffers_copy_nothing(attention):
+    """The "in-place" and "exact" blocks' writes reuse the buffers (the cache hands them over):
+    the peak adds less than one layer's K buffer (an eighth of them all: 2 layers, K and V); the
+    joined "sdpa" design (a copy of a layer's K and V per attention) is the control."""
+    in_place, size = _block_peak(attention)
     joined, _ = _block_peak("sdpa")
     assert in_place < size / 8 < size / 2 <= joined, (in_place, joined, size)
+
+
+def test_exact_block_within_fp32_of_default_across_buckets():
+    """Six rounds, the context 5 -> 20 rows over buffers of 16, 24, 32 (block rows reserved): the
+    exact block's tensors bit for bit the default path's on the CPU (elsewhere within fp32), the
+    same tokens; the off-by-one of the buffers' valid rows does not reach it (it has no mask)."""
+    plain, _ = _dflash_rounds("qwen3", None)
+    exact, _ = _dflash_rounds("qwen3", BUCKET, attention="exact")
+    ok, bad = _within_fp32(exact, plain)
+    assert ok, bad
+    if mx.default_device() == mx.cpu:
+        assert _bits_same(exact, plain)
 
 
 @pytest.mark.parametrize("source,variant", [("dspark", "gemma4"), ("dflash", "qwen3-swa")])

@@ -470,21 +470,25 @@ def _same(a, b, dtype: str) -> bool:
     return compare.tensor_metrics(a, b, budgets.DTYPE_DEFAULTS[dtype], dtype)["ok"]
 
 
-@pytest.mark.parametrize("variant,dtype", [(v, "float32") for v in ("qwen3", "qwen3-causal", "qwen3-swa", "gemma4")]
-                         + [("qwen3", "bfloat16")])
-def test_dflash_rows_as_heads_equals_compiled(variant, dtype):
-    """The block rows folded into the query heads (RowsAsHeads, on full non-causal layers) give the
-    compiled block's every tensor bit for bit on the CPU backend (on a GPU, MLX's vector kernel or
-    cuDNN's decode plan against its multi-row one: within the dtype's budget); folded row-major
-    (the control) they do not. Causal and sliding layers keep the block attention (the control
-    changes nothing there: every layer of qwen3-causal and qwen3-swa is causal)."""
+@pytest.mark.parametrize("variant,dtype", [("qwen3", "float32"), ("gemma4", "float32"), ("qwen3", "bfloat16")])
+def test_dflash_exact_block_equals_compiled(variant, dtype):
+    """The exact block (the block rows folded into the query heads over the exact keys, every
+    write into the buffers in place; buckets of 8 rows, so the rounds cross one) gives the compiled
+    block's every tensor bit for bit on the CPU backend (on a GPU, cuDNN's decode plan against its
+    multi-row one: within the dtype's budget); folded row-major (the control) it does not."""
     plain = _dflash_block_rounds(variant, dtype)
-    folded = _dflash_block_rounds(variant, dtype, exact_attention="rows-as-heads")
-    assert all(_same(a, b, dtype) for a, b in zip(folded, plain, strict=True))
+    exact = _dflash_block_rounds(variant, dtype, kv_bucket=8, bucket_attention="exact")
+    assert all(_same(a, b, dtype) for a, b in zip(exact, plain, strict=True))
     with controls.planted("dflash", "rows_as_heads_transposed"):
-        planted = _dflash_block_rounds(variant, dtype, exact_attention="rows-as-heads")
-    caught = not all(_same(a, b, dtype) for a, b in zip(planted, plain, strict=True))
-    assert caught == (variant not in ("qwen3-causal", "qwen3-swa"))
+        planted = _dflash_block_rounds(variant, dtype, kv_bucket=8, bucket_attention="exact")
+    assert not all(_same(a, b, dtype) for a, b in zip(planted, plain, strict=True))
+
+
+@pytest.mark.parametrize("variant", ["qwen3-causal", "qwen3-swa"])
+def test_dflash_exact_block_refuses_causal_and_sliding_layers(variant):
+    path = checkpoints.build("dflash-drafter", 0, DFLASH_VARIANTS[variant])
+    with pytest.raises(dflash.DFlashError, match="bucket_attention='exact' needs every layer full attention"):
+        fast_dflash.load(path, kv_bucket=8, bucket_attention="exact")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -49,39 +49,22 @@ class Compiled(dflash.Model):
         self.compiled = compiled
         self._pieces = pieces.Pieces()
 
-    def attend(self, attn: dflash.Attention, q, bk, bv, ctx, cache):
-        return attn.attend(q, bk, bv, ctx, cache)
-
     def pieces(self) -> tuple:
         """(enter, [between_i], exit), plain or compiled."""
-        n = len(self.layers)
+        n, layers = len(self.layers), self.layers
         return self._pieces.get(self, (partial(enter, self), [partial(between, self, i) for i in range(n - 1)],
-                                       partial(leave, self)))
+                                       partial(leave, self)),
+                                ([layers[0]], [[layers[i], layers[i + 1]] for i in range(n - 1)], [layers[-1], self.norm]))
 
     def __call__(self, h, ctx, caches):
         first, middle, last = self.pieces()
         at = [pieces.position(self, p) for p in self.block_positions(ctx, caches)]
         q, bk, bv = first(h, at[0])
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
-            o = self.attend(layer.self_attn, q, bk, bv, ctx, cache)
+            o = layer.self_attn.attend(q, bk, bv, ctx, cache)
             if i < len(middle):
                 h, q, bk, bv = middle[i](h, o, at[i + 1])
         return last(h, o)
-
-
-class RowsAsHeads(Compiled):
-    """Compiled, with the block rows of a layer whose rows all see every key (full attention, not
-    causal: DFlash's default) folded into the query heads: a one-row query over the exact keys,
-    which MLX CUDA attends with its vector kernel (or cuDNN's decode plan, one per 256-row buffer)
-    rather than planning a multi-row attention per key length."""
-
-    def attend(self, attn: dflash.Attention, q, bk, bv, ctx, cache):
-        keys, values, n_ctx = attn.join(bk, bv, ctx, cache)
-        mask = attn.mask(n_ctx, q.shape[2])
-        if mask is not None:
-            return mx.fast.scaled_dot_product_attention(q, keys, values, scale=attn.scale, mask=mask)
-        o = mx.fast.scaled_dot_product_attention(rows_as_heads(q), keys, values, scale=attn.scale)
-        return o.reshape(q.shape[:3] + o.shape[-1:])
 
 
 def rows_as_heads(q):
@@ -89,6 +72,107 @@ def rows_as_heads(q):
     under GQA, (h * L + l) // (L * H / H_kv), is head h's own, h // (H / H_kv)."""
     B, H, L, D = q.shape
     return q.reshape(B, H * L, 1, D)
+
+
+def heads_as_rows(o, heads: int):
+    """rows_as_heads undone on the attention's output."""
+    return o.reshape(o.shape[0], heads, -1, o.shape[-1])
+
+
+def written(k, v, bk, bv, at):
+    """The block's K/V written into the buffers k / v at row `at` (a scalar array)."""
+    at = at.reshape(1)
+    return mx.slice_update(k, bk, at, axes=(2,)), mx.slice_update(v, bv, at, axes=(2,))
+
+
+def exact_context(m: dflash.Model, rows, offset, keys, values):
+    """The new context rows' K/V (projected from their raw taps) written into every layer's buffer
+    at `offset`."""
+    c = m.project(rows)
+    new = [layer.self_attn.context_kv(c, offset) for layer in m.layers]
+    return [list(t) for t in zip(*(written(k, v, ck, cv, offset) for k, v, (ck, cv) in zip(keys, values, new)))]
+
+
+def exact_enter(m: dflash.Model, target, ids, at, k, v):
+    """The block's embedding; layer 0's query (rows as heads) and its K/V written at `at`."""
+    h = m.embed(target, ids)
+    q, bk, bv = m.layers[0].qkv(h, at)
+    return (h, rows_as_heads(q)) + written(k, v, bk, bv, at)
+
+
+def exact_between(m: dflash.Model, i: int, h, o, at, k, v):
+    """Layer i's output; layer i+1's query (rows as heads) and its K/V written at `at`."""
+    h = m.layers[i].finish(h, m.layers[i].self_attn.output(heads_as_rows(o, m.layers[i].self_attn.n_heads)))
+    q, bk, bv = m.layers[i + 1].qkv(h, at)
+    return (h, rows_as_heads(q)) + written(k, v, bk, bv, at)
+
+
+def exact_leave(m: dflash.Model, target, h, o):
+    """The last layer's output -> hidden, logits and tokens (Block's arrays)."""
+    hidden = leave(m, h, heads_as_rows(o, m.layers[-1].self_attn.n_heads))
+    logits = m.logits(target, hidden)
+    return hidden[0, ...], logits[0, ...], mx.argmax(logits[0, ...], axis=-1)
+
+
+class Exact(Compiled):
+    """The exact block (`bucket_attention="exact"`): every layer full attention and not causal
+    (z-lab's default), so every block row sees every key and the rows fold into the query heads
+    (rows_as_heads): a one-row query over the exact keys, a view of a BucketCache buffer, which
+    MLX CUDA attends with cuDNN's decode plan, one per buffer length (a multiple of 256 rows: with
+    another bucket, MLX's slower vector kernel) rather than one multi-row plan per key length. No
+    mask and no padded keys; the context rows and the block's K/V are written into the buffers in
+    place (donated to the writes). The pieces between the attentions are compiled, the attentions
+    and their views not (the key length changes every round)."""
+
+    def __init__(self, a: dflash.ModelArgs, window: str = "positional", embed: str = "scaled",
+                 kv_bucket: int = pieces.BUCKET, compiled: bool = True):
+        super().__init__(a, window, embed, compiled)
+        if any(layer.self_attn.sliding or layer.self_attn.causal for layer in self.layers):
+            raise dflash.DFlashError("bucket_attention='exact' needs every layer full attention and not causal "
+                                     f"(this drafter's layer_types {a.layer_types}, is_causal {a.is_causal}); "
+                                     "use bucket_attention='sdpa'")
+        self.kv_bucket = pieces.check_bucket(kv_bucket, "sdpa", dflash.DFlashError)
+        self._exact = pieces.PiecesBy()
+
+    def make_caches(self) -> list:
+        return [pieces.BucketCache(self.kv_bucket) for _ in self.args.layer_types]
+
+    def exact_pieces(self, target: targets.Target) -> tuple:
+        """(context, enter, [between_i], leave), plain or compiled, for `target`."""
+        n, layers, borrowed = len(self.layers), self.layers, self.borrowed(target)
+        plain = (partial(exact_context, self), partial(exact_enter, self, target),
+                 [partial(exact_between, self, i) for i in range(n - 1)], partial(exact_leave, self, target))
+        reads = ([self.fc, self.hidden_norm] + [layer.self_attn for layer in layers], [layers[0]] + borrowed,
+                 [[layers[i], layers[i + 1]] for i in range(n - 1)], [layers[-1], self.norm] + borrowed)
+        return self._exact.get(self, id(target), plain, reads)
+
+    def block(self, target: targets.Target, anchor: int, n: int, ctx_rows, caches: list) -> dflash.Block:
+        self.check_rows(ctx_rows)
+        if not all(isinstance(cache, pieces.BucketCache) for cache in caches):
+            raise dflash.DFlashError("bucket_attention='exact': the caches must be BucketCaches (Model.make_caches)")
+        ids = targets.block_ids(anchor, self.args.mask_token_id, n)
+        S, L, offset = ctx_rows.shape[1], ids.shape[1], caches[0].offset
+        attn = self.layers[0].self_attn
+        like = mx.zeros((1, attn.n_kv, 0, self.args.head_dim), self.fc.weight.dtype)
+        for cache in caches:
+            cache.reserve(S + L, like, like)
+        context, first, middle, last = self.exact_pieces(target)
+        at, end = mx.array(offset + S, mx.int32), offset + S + L
+
+        def run(keys, values):
+            keys, values = context(ctx_rows, mx.array(offset, mx.int32), keys, values)
+            h, q, keys[0], values[0] = first(ids, at, keys[0], values[0])
+            for i, layer in enumerate(self.layers):
+                o = mx.fast.scaled_dot_product_attention(q, keys[i][..., :end, :], values[i][..., :end, :],
+                                                         scale=layer.self_attn.scale)
+                if i < len(middle):
+                    h, q, keys[i + 1], values[i + 1] = middle[i](h, o, at, keys[i + 1], values[i + 1])
+            return last(h, o) + (keys, values)
+
+        out = pieces.over_buffers(caches, 0, run)
+        for cache in caches:
+            cache.offset += S
+        return dflash.Block(*out)
 
 
 class Bucketed(Compiled):
@@ -154,24 +238,23 @@ def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid):
     return pieces.bucketed_attention(how, q, keys, values, seen, bk, bv, causal, attn.scale, valid)
 
 
-EXACT_ATTENTIONS = ("block", "rows-as-heads")
+EXACT = "exact"   # bucket_attention: the Exact block (DFlash only)
 
 
 def load(path: str | Path, window: str = "positional", embed: str = "scaled", compiled: bool = True,
-         kv_bucket: int | str | None = None, bucket_attention: str = "sdpa", scales: str = "either",
-         exact_attention: str = "block") -> Compiled:
-    """The drafter on a fast path: Compiled (RowsAsHeads with exact_attention="rows-as-heads"), or
-    Bucketed with a `kv_bucket` (pieces.AUTO: pieces.BUCKET rows unless window="zlab-mlx" meets
-    sliding layers, which only Compiled holds)."""
-    if exact_attention not in EXACT_ATTENTIONS:
-        raise dflash.DFlashError(f"exact_attention={exact_attention!r}: expected one of {EXACT_ATTENTIONS}")
+         kv_bucket: int | str | None = None, bucket_attention: str = "sdpa", scales: str = "either") -> Compiled:
+    """The drafter on a fast path: Compiled, or with a `kv_bucket` Bucketed (Exact with
+    bucket_attention="exact"); pieces.AUTO: pieces.BUCKET rows unless window="zlab-mlx" meets
+    sliding layers, which only Compiled holds."""
 
     def build(a: dflash.ModelArgs, w: str, e: str) -> Compiled:
         rows = kv_bucket
         if rows == pieces.AUTO:
             rows = None if w == "zlab-mlx" and "sliding_attention" in a.layer_types else pieces.BUCKET
+        if bucket_attention == EXACT and rows is not None:
+            return Exact(a, w, e, rows, compiled)
         if pieces.check_bucket(rows, bucket_attention, dflash.DFlashError) is None:
-            return (RowsAsHeads if exact_attention == "rows-as-heads" else Compiled)(a, w, e, compiled)
+            return Compiled(a, w, e, compiled)
         return Bucketed(a, w, e, rows, bucket_attention, compiled)
 
     return dflash.load(path, window, embed, scales, build)

@@ -82,7 +82,7 @@ PATHS = {
                       "dflash": {"kv_bucket": BUCKET, "bucket_attention": "two-segment"}},
     "in-place": {"dspark": {"kv_bucket": BUCKET, "bucket_attention": "in-place"},
                  "dflash": {"kv_bucket": BUCKET, "bucket_attention": "in-place"}},
-    "rows-as-heads": {"dflash": {"kv_bucket": None, "exact_attention": "rows-as-heads"}},
+    "exact": {"dflash": {"kv_bucket": BUCKET, "bucket_attention": "exact"}},
 }
 
 
