@@ -61,15 +61,12 @@ def position(model, value: int):
 # mx.fast.scaled_dot_product_attention over [context buffer | block] joined with a float mask: one
 # fused kernel on the GPU, but a copy of the context per layer and call; measured bit-exact with
 # the default path on the CPU backend (fp32 and bf16), not guaranteed on the GPU (another kernel
-# over a padded key range). "in-place": the block's K/V written into the buffer after the valid
-# rows, where the plain path puts them (the buffer is donated to the write: no copy of the
-# context), and mx.fast's attention over the buffer with every row past the block masked.
-# "two-segment": no copy, more ops, a softmax summed in another order (fp32: within tolerance;
-# bf16: the two PV products round apart, measured up to 0.16 on tiny logits). Held to the plain
-# path within fp32 tolerance (bit-exact on the CPU with "sdpa" and "in-place").
+# over a padded key range). "two-segment": no copy, more ops, a softmax summed in another order
+# (fp32: within tolerance; bf16: the two PV products round apart, measured up to 0.16 on tiny
+# logits). Held to the plain path within fp32 tolerance (bit-exact on the CPU with "sdpa").
 
 
-BUCKET_ATTENTIONS = ("sdpa", "two-segment", "in-place")
+BUCKET_ATTENTIONS = ("sdpa", "two-segment")
 BUCKET = 256   # rows: mlx-lm KVCache's own growth step; the providers' and serve loop's default
 AUTO = "auto"  # a provider's / the serve loop's kv_bucket default: BUCKET wherever the path holds
 
@@ -126,14 +123,17 @@ class BucketCache(KVCache):
         return self.keys_and_values()
 
     def buffers(self):
-        """The whole buffers, handed over: the cache lets go of them (a write into one inside the
-        block is then done in place), and `take` gets them back."""
+        return self.keys, self.values
+
+    def hand_over(self):
+        """The whole buffers, and the cache lets go of them: nothing else holds them, so MLX
+        donates them to a write (in place, no copy); `take` gets them back."""
         keys, values = self.keys, self.values
         self.keys = self.values = None
         return keys, values
 
     def take(self, keys, values):
-        """The buffers back from the block (the same arrays, or written to after offset)."""
+        """The buffers back (written to past offset)."""
         self.keys, self.values = keys, values
 
 
@@ -157,14 +157,11 @@ class VerifyCache(BucketCache):
         return additive_mask(seen, dtype)[None, None]
 
 
-def over_buffers(caches: list, room: int, fn, *args):
-    """fn(*args, keys, values) over the caches' whole buffers, handed over (BucketCache.buffers)
-    and taken back from fn's last two outputs (lists per cache), or as they were if fn raises;
-    `room`: rows reserved past offset first (the "in-place" block's). fn's other outputs."""
-    for cache in caches:
-        if room and cache.keys is not None:
-            cache.reserve(room, cache.keys, cache.values)
-    keys, values = zip(*(cache.buffers() for cache in caches))
+def over_buffers(caches: list, fn, *args):
+    """fn(*args, keys, values) over the caches' whole buffers, handed over (BucketCache.hand_over)
+    and taken back from fn's last two outputs (lists per cache), or as they were if fn raises.
+    fn's other outputs."""
+    keys, values = zip(*(cache.hand_over() for cache in caches))
     try:
         *out, keys, values = fn(*args, list(keys), list(values))
     finally:
@@ -202,25 +199,6 @@ def two_segment_attention(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, sca
     return o.reshape(B, Hq, L, -1)
 
 
-def in_place_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float, valid):
-    """The same attention with the block's K/V written into the context buffers at rows valid..
-    valid+L (in place when the buffers are donated: `BucketCache.buffers`), the plain path's
-    layout; the mask keeps `ctx_seen` below valid, the block's rows as `blk_seen` (None: all)
-    and nothing from valid+L on. The buffers need L rows of room past valid
-    (`BucketCache.reserve`). Returns the attention and the written buffers."""
-    L, S = q.shape[2], ctx_k.shape[2]
-    at = valid.reshape(1)
-    keys = mx.slice_update(ctx_k, blk_k, at, axes=(2,))
-    values = mx.slice_update(ctx_v, blk_v, at, axes=(2,))
-    in_block = ~valid_rows(valid, S) & valid_rows(valid + L, S)
-    if blk_seen is not None:
-        column = mx.clip(mx.arange(S) - valid, 0, L - 1)
-        in_block = in_block & mx.take(mx.broadcast_to(blk_seen, (L, L)), column, axis=1)
-    seen = ctx_seen | in_block
-    mask = additive_mask(mx.broadcast_to(seen, (L, S)), q.dtype)
-    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask), keys, values
-
-
 def joined_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float):
     """The same attention as two_segment_attention through mx.fast.scaled_dot_product_attention
     over the keys joined (a copy of the context per call) with an additive float mask: one fused
@@ -234,13 +212,9 @@ def joined_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
-def bucketed_attention(how: str, q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float, valid):
-    """joined_sdpa, two_segment_attention or in_place_sdpa (BUCKET_ATTENTIONS): the attention and
-    the context buffers after it (written to by "in-place" only)."""
-    if how == "in-place":
-        return in_place_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale, valid)
-    attend = joined_sdpa if how == "sdpa" else two_segment_attention
-    return attend(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale), ctx_k, ctx_v
+def bucketed_attention(how: str, *args):
+    """joined_sdpa or two_segment_attention (BUCKET_ATTENTIONS), same arguments."""
+    return (joined_sdpa if how == "sdpa" else two_segment_attention)(*args)
 
 
 def valid_rows(valid, S: int):

@@ -345,7 +345,7 @@ def main(argv=None) -> int:
                     help="comma-separated draft sources (assistant, dspark, dflash)")
     bp.add_argument("--peers", default="auto", help="auto (every other side of a source), none, or a comma list "
                     "of: port-plain (DSpark / DFlash without buckets), port-bucketed (the assistant's bucketed step), "
-                    "port-bucketed-2seg (the two-segment softmax), port-in-place (the block's K/V written into the buffers), port-exact (DFlash: the block rows folded into the query heads over the exact keys), optiq, hf-torch, zlab-mlx, dflash-mlx, "
+                    "port-bucketed-2seg (the two-segment softmax), port-exact (DFlash: the block rows folded into the query heads over the exact keys), optiq, hf-torch, zlab-mlx, dflash-mlx, "
                     "zlab-torch, dspark-mlx, deepspec-torch")
     bp.add_argument("--case", help="only these cases (comma-separated names, see bench.md)")
     bp.add_argument("--warmup", type=int, help="untimed runs first (default 3 tiny, 10 real)")

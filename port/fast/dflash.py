@@ -11,7 +11,13 @@ mask the window instead of rotating), presented whole with the tail masked, and 
 buffer grows (or the block length changes); mx.fast's attention over [context | block] joined with a
 float mask, or (bucket_attention="two-segment") a two-segment softmax. Held to the plain forward
 within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured: tests/test_bucketed.py).
-window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it."""
+window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
+
+Exact (`kv_bucket` with bucket_attention="exact", opt-in; full non-causal layers only): the block
+rows folded into the query heads over a view of the buffers at the exact key length, one cuDNN
+plan per buffer length on MLX CUDA, no mask; the writes into the buffers in place. Bit for bit the
+compiled block on the CPU (tests/test_speed.py); measured on the H200 in docs/benchmarks.md
+("Session 11": not faster than the default there, so not the default)."""
 
 from __future__ import annotations
 
@@ -169,7 +175,7 @@ class Exact(Compiled):
                     h, q, keys[i + 1], values[i + 1] = middle[i](h, o, at, keys[i + 1], values[i + 1])
             return last(h, o) + (keys, values)
 
-        out = pieces.over_buffers(caches, 0, run)
+        out = pieces.over_buffers(caches, run)
         for cache in caches:
             cache.offset += S
         return dflash.Block(*out)
@@ -202,40 +208,37 @@ class Bucketed(Compiled):
             raise dflash.DFlashError("kv_bucket: the caches must be BucketCaches (Model.make_caches makes them)")
         for layer, cache in zip(self.layers, caches):
             cache.update_and_fetch(*layer.self_attn.context_kv(c, cache.offset))
+        keys, values = zip(*(cache.buffers() for cache in caches))
         fn = self._bucketed.get(self, (id(target), self.bucket_attention), partial(self.bucketed, target),
                                 [self.state, self.borrowed(target)])
-        room = ids.shape[1] if self.bucket_attention == "in-place" else 0
-        return dflash.Block(*pieces.over_buffers(caches, room, fn, ids, mx.array(caches[0].offset, mx.int32)))
+        return dflash.Block(*fn(ids, mx.array(caches[0].offset, mx.int32), list(keys), list(values)))
 
     def bucketed(self, target: targets.Target, ids, valid, keys, values):
         """The whole block over the bucketed buffers (rows from `valid` masked), as arrays:
-        hidden, logits, tokens, and the buffers after it."""
+        hidden, logits, tokens."""
         self._bucketed.traces += 1
         h = self.embed(target, ids)
         q, bk, bv = enter(self, h, valid)
-        keys, values = list(keys), list(values)
         for i, layer in enumerate(self.layers):
-            o, keys[i], values[i] = attend(layer.self_attn, self.bucket_attention, q, bk, bv, keys[i], values[i],
-                                           valid)
+            o = attend(layer.self_attn, self.bucket_attention, q, bk, bv, keys[i], values[i], valid)
             if i < len(self.layers) - 1:
                 h, q, bk, bv = between(self, i, h, o, valid)
         hidden = leave(self, h, o)
         logits = self.logits(target, hidden)
-        return hidden[0, ...], logits[0, ...], mx.argmax(logits[0, ...], axis=-1), keys, values
+        return hidden[0, ...], logits[0, ...], mx.argmax(logits[0, ...], axis=-1)
 
 
 def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid):
     """Attention.attend over a bucketed context buffer (every context row kept, in time order: row
     j is position j; rows from `valid` on masked; the block sits at valid..): full layers see every
     valid row, sliding layers those within the window of each block row (window="positional");
-    the block rows see each other (causal: the earlier ones only). The attention and the buffers
-    after it (pieces.bucketed_attention)."""
+    the block rows see each other (causal: the earlier ones only)."""
     L = q.shape[2]
     seen = pieces.valid_rows(valid, keys.shape[2])
     if attn.sliding:
         seen = seen & (valid + mx.arange(L)[:, None] - mx.arange(keys.shape[2]) < attn.a.sliding_window)
     causal = mx.arange(L)[None] <= mx.arange(L)[:, None] if attn.causal else None
-    return pieces.bucketed_attention(how, q, keys, values, seen, bk, bv, causal, attn.scale, valid)
+    return pieces.bucketed_attention(how, q, keys, values, seen, bk, bv, causal, attn.scale)
 
 
 EXACT = "exact"   # bucket_attention: the Exact block (DFlash only)
@@ -251,7 +254,9 @@ def load(path: str | Path, window: str = "positional", embed: str = "scaled", co
         rows = kv_bucket
         if rows == pieces.AUTO:
             rows = None if w == "zlab-mlx" and "sliding_attention" in a.layer_types else pieces.BUCKET
-        if bucket_attention == EXACT and rows is not None:
+        if bucket_attention == EXACT:
+            if rows is None:
+                raise dflash.DFlashError("bucket_attention='exact' needs a kv_bucket (e.g. 256: the buffers' rows)")
             return Exact(a, w, e, rows, compiled)
         if pieces.check_bucket(rows, bucket_attention, dflash.DFlashError) is None:
             return Compiled(a, w, e, compiled)

@@ -99,26 +99,24 @@ class Bucketed(Compiled):
     def make_cache(self) -> pieces.BucketCache:
         return pieces.BucketCache(self.kv_bucket)
 
-    def block(self, greedy: bool, ids, start, valid, weights, keys, values):
+    def block(self, greedy: bool, ids, start, valid, keys, values, weights):
         """The whole block over the bucketed context buffers keys / values (per layer, rows past
         `valid` masked); greedy: with the Markov chain and confidence, else up to the base logits
-        (a host `pick` chains the tail after); and the buffers after it."""
+        (a host `pick` chains the tail after)."""
         self._bucketed.traces += 1
         h, q, k, v = enter(self, ids, start)
-        keys, values = list(keys), list(values)
         for i in range(len(self.layers)):
-            o, keys[i], values[i] = self.attend(i, q, keys[i], values[i], valid, k, v)
+            o = self.attend(i, q, keys[i], values[i], valid, k, v)
             if i < len(self.layers) - 1:
                 h, q, k, v = between(self, i, h, o, start)
-        return self.outputs(greedy, ids, *leave(self, h, o)) + (keys, values)
+        return self.outputs(greedy, ids, *leave(self, h, o))
 
     def attend(self, i: int, q, keys, values, valid, k, v):
-        """The attention and the buffers after it (pieces.bucketed_attention)."""
         seen = pieces.valid_rows(valid, keys.shape[2])
         return pieces.bucketed_attention(self.bucket_attention, q, keys, values, seen, k, v, None,
-                                         self.layers[i].self_attn.scale, valid)
+                                         self.layers[i].self_attn.scale)
 
-    def outputs(self, greedy: bool, ids, hidden, base) -> tuple:
+    def outputs(self, greedy: bool, ids, hidden, base):
         if not greedy:
             return hidden, base
         return (hidden, base) + greedy_tail(self, hidden, base, ids[0, :1].astype(mx.uint32))
@@ -133,11 +131,11 @@ class Bucketed(Compiled):
                                      "(Model.make_cache; DeepspecSource makes them), not (k, v) pairs or a KVCache")
         a = self.args
         ids = targets.block_ids(anchor, a.mask_token_id, a.block_size - 1)
+        keys, values = zip(*(c.buffers() for c in ctx))
         greedy = pick is None
         fn = self._bucketed.get(self, (greedy, self.bucket_attention), partial(self.block, greedy), [self.state])
-        room = ids.shape[1] if self.bucket_attention == "in-place" else 0
-        out = pieces.over_buffers(ctx, room, fn, ids, mx.array(start, mx.int32),
-                                  mx.array(ctx[0].offset, mx.int32), self.weights())
+        out = fn(ids, mx.array(start, mx.int32), mx.array(ctx[0].offset, mx.int32), list(keys), list(values),
+                 self.weights())
         hidden, base = out[:2]
         if greedy:
             rows, tokens, *conf = out[2:]
@@ -186,10 +184,9 @@ class Fused(Bucketed):
         return [layer.self_attn.heads_kv(k[i:i + 1], None if v is None else v[i:i + 1], offset)
                 for i, layer in enumerate(self.layers)]
 
-    def block(self, greedy: bool, ids, start, valid, weights, keys, values):
+    def block(self, greedy: bool, ids, start, valid, keys, values, weights):
         self._bucketed.traces += 1
         h = self.embed(ids)
-        keys, values = list(keys), list(values)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             x = layer.input_layernorm(h)
@@ -199,9 +196,9 @@ class Fused(Bucketed):
                 k, v = a.heads_kv(kr[None], vr[None], start)
             else:
                 k, v = a.heads_kv(a.k_proj(x), None, start)
-            o, keys[i], values[i] = self.attend(i, q, keys[i], values[i], valid, k, v)
+            o = self.attend(i, q, keys[i], values[i], valid, k, v)
             h = layer.finish(h, a.output(o), partial(fused_mlp, layer.mlp, weights[f"gate_up{i}"]))
-        return self.outputs(greedy, ids, *self.final(h)) + (keys, values)
+        return self.outputs(greedy, ids, *self.final(h))
 
 
 def fused_mlp(mlp: dspark.MLP, gate_up, x):

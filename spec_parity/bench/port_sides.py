@@ -80,8 +80,6 @@ PATHS = {
     "eager": {"dspark": {"kv_bucket": BUCKET, "compiled": False}, "dflash": {"kv_bucket": BUCKET, "compiled": False}},
     "bucketed-2seg": {"dspark": {"kv_bucket": BUCKET, "bucket_attention": "two-segment"},
                       "dflash": {"kv_bucket": BUCKET, "bucket_attention": "two-segment"}},
-    "in-place": {"dspark": {"kv_bucket": BUCKET, "bucket_attention": "in-place"},
-                 "dflash": {"kv_bucket": BUCKET, "bucket_attention": "in-place"}},
     "exact": {"dflash": {"kv_bucket": BUCKET, "bucket_attention": "exact"}},
 }
 
