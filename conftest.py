@@ -1,8 +1,8 @@
 """Suite-wide options: --regen-goldens, --slow, the one-line skip of a test whose oracle is absent,
 the hypothesis profiles, and xdist by default.
 
-Plain `pytest` is the developer loop: the whole suite under pytest-xdist (`-n auto`) when it is
-installed, the `slow` tests deselected, hypothesis's `dev` profile. CI (tox) runs
+Plain `pytest` is the developer loop: the suite under pytest-xdist (`-n auto`) when it is installed,
+the `slow` tests deselected and each parametrized test once, hypothesis's `dev` profile. CI (tox) runs
 `--slow --hypothesis-profile ci`: every test, hypothesis's default example counts."""
 
 import os
@@ -62,21 +62,29 @@ def _slow_selected(config) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    """The dev loop: `slow` tests out, and each parametrized test function once (its first
+    parameter set not marked slow); a test named by its id runs. --slow: the whole matrix."""
     if _slow_selected(config):
         return
     named = [a for a in config.args if "::" in a]
-    keep, slow = [], []
+    keep, out, seen = [], [], set()
     for item in items:
         is_named = any(item.nodeid == a or item.nodeid.startswith(a + "[") for a in named)
-        (slow if item.get_closest_marker("slow") and not is_named else keep).append(item)
-    if slow:
-        config.hook.pytest_deselected(items=slow)
+        function = item.nodeid.split("[", 1)[0]
+        if is_named or not (item.get_closest_marker("slow") or function in seen):
+            keep.append(item)
+            seen.add(function)
+        else:
+            out.append(item)
+    if out:
+        config.hook.pytest_deselected(items=out)
         items[:] = keep
 
 
 def pytest_terminal_summary(terminalreporter, config):
     if not _slow_selected(config) and not hasattr(config, "workerinput"):
-        terminalreporter.write_line("slow tests deselected (the dev loop): run them with --slow")
+        terminalreporter.write_line("the dev loop: slow tests and all but one parameter set per test deselected; "
+                                    "--slow runs them")
 
 
 def pytest_sessionstart(session):

@@ -280,6 +280,7 @@ class _Recording:
         self.inner.dispose()
 
 
+@pytest.mark.slow
 def test_ab_command_on_tiny_drafters(tmp_path, capsys):
     from port.sources.assistant import AssistantProvider
     from spec_parity import checkpoints, cli

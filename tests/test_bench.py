@@ -190,6 +190,7 @@ def _run(tmp_path, *argv) -> dict:
     return json.loads((out / "bench.json").read_text())
 
 
+@pytest.mark.slow
 def test_bench_tiny_writes_every_figure(tmp_path):
     doc = _run(tmp_path, "--sources", "dflash", "--peers", "zlab-mlx", "--chart", "numpy")
     assert "bench" in doc["command"] and doc["machine"]["mlx_default_device"] and doc["versions"]["mlx"]
@@ -221,6 +222,7 @@ def test_bench_tiny_writes_every_figure(tmp_path):
     assert serve["decode_tokens_per_s"]["median"] > 0
 
 
+@pytest.mark.slow
 def test_serve_loop_counts_a_planted_sync_per_round(tmp_path):
     """The per-round counters must move when a source makes one more host round trip per draft,
     one that reads its drafts (4 bytes each: over the 8-byte scalars a round reads)."""
@@ -328,6 +330,7 @@ def test_kernel_classes_of_names_an_h200_run_recorded():
     assert {n: timing.kernel_class(n) for n in names} == names
 
 
+@pytest.mark.slow
 def test_bench_kernels_on_cpu_says_why_not(tmp_path):
     doc = _run(tmp_path, "--sources", "dflash", "--peers", "none", "--kernels")
     (port,) = doc["cases"][0]["sides"]

@@ -133,6 +133,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
+@pytest.mark.slow
 def test_good_rev_must_pass_and_bad_rev_must_fail(tmp_path, capsys):
     repo, shas = stub_history(tmp_path, ["FAIL", "PASS", "PASS", "CRASH"])
     assert bisect.bisect(str(repo), shas[0], shas[2], CASE) == 2
@@ -144,6 +145,7 @@ def test_good_rev_must_pass_and_bad_rev_must_fail(tmp_path, capsys):
     assert "cannot be judged at --bad" in err and "the stub crashed" in err
 
 
+@pytest.mark.slow
 def test_bisect_names_the_planted_commit_and_leaves_the_repo_alone(tmp_path, capsys):
     repo, shas = stub_history(tmp_path, ["PASS", "CRASH", "PASS", "IMPORT", "PASS", "FAIL", "FAIL"])
     (repo / "VERDICT").write_text("user's edit\n")  # a dirty work tree and a staged file stay as they are
@@ -157,6 +159,7 @@ def test_bisect_names_the_planted_commit_and_leaves_the_repo_alone(tmp_path, cap
     assert (git(repo, "rev-parse", "HEAD"), git(repo, "status", "--porcelain"), git(repo, "worktree", "list")) == before
 
 
+@pytest.mark.slow
 def test_skips_next_to_the_breakage_name_no_commit(tmp_path, capsys):
     repo, shas = stub_history(tmp_path, ["PASS", "CRASH", "FAIL"])
     assert bisect.bisect(str(repo), shas[0], shas[2], CASE) == 1

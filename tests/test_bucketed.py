@@ -158,6 +158,7 @@ def _block_peak(attention: str) -> tuple[int, int]:
     return mx.get_peak_memory() - base, sum(c.keys.nbytes + c.values.nbytes for c in caches)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu,
                     reason="MLX CUDA's allocator reuses cached blocks: the peak shows no copy, the control's neither")
 def test_exact_block_writes_into_the_buffers_copying_nothing():
@@ -330,6 +331,7 @@ def _assistant_loop(name: str, kv_bucket=None):
     return target, prov, gamma, rounds(1), rounds(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", harness.slow_except(["assistant-centroid", "assistant-tied"], "assistant-tied"))
 def test_assistant_bucketed_chains_within_fp32_and_lossless(name):
     """Every draft chain of a serve loop drafted on the bucketed path from the same target caches:

@@ -182,6 +182,7 @@ def test_attention_sees_only_bucket_lengths(name, monkeypatch):
     assert len(lengths[BUCKET]) <= -(-(len(PROMPT) + TOKENS + 8) // BUCKET) < len(lengths[None])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("planted", [False, True])
 def test_assistant_bucketed_chains_over_the_bucketed_verify(planted):
     """The bucketed assistant's donors over the bucketed verify's buffers (the sliding layer's:

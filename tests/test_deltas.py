@@ -44,6 +44,7 @@ def test_a_port_on_the_other_convention_is_named_by_its_delta(monkeypatch, case_
     assert all(f"delta {n}" in r.reason for n in named)
 
 
+@pytest.mark.slow
 def test_a_port_matching_neither_convention_fails(monkeypatch):
     r = _evaluate(monkeypatch, "dflash/mod-gemma4", _following("dflash", perturb="logits.3", window="positional"))
     assert r.verdict == "FAIL" and "delta" not in r.metrics, r.message()

@@ -152,6 +152,7 @@ def test_extras_on_a_plain_checkpoint_is_refused():
 # extras on
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", harness.slow_except(["qwen3", "gemma4"], "qwen3"))
 @pytest.mark.parametrize("markov", harness.slow_except(["vanilla", "gated", "rnn"], "rnn"))
 def test_extras_on_is_lossless(variant, markov):
@@ -169,6 +170,7 @@ def test_extras_on_is_lossless(variant, markov):
         assert any(len(t) < prov.trained_gamma for t, _ in rounds)
 
 
+@pytest.mark.slow
 def test_calibration_from_serve_rounds(calibrated):
     """Samples are one per verified draft position; the fit's thresholds come back through
     calibration.json, and the provider reads them (source "calibration")."""
@@ -204,6 +206,7 @@ def _first_below(block, thresholds) -> int:
     return next((k for k, (c, t) in enumerate(zip(conf, th)) if c < t), len(conf))
 
 
+@pytest.mark.slow
 def test_calibrated_pruning_is_applied_and_lossless(calibrated):
     """With the calibration.json thresholds every proposal stops exactly at the first
     below-threshold position, and the stream is still the target's greedy one."""
@@ -276,6 +279,7 @@ def test_control_markov_before_softcap_is_caught():
         assert np.array_equal(np.array(good[0][1].base_logits), np.array(bad[0][1].base_logits))
 
 
+@pytest.mark.slow
 def test_markov_before_softcap_coincides_without_a_softcap():
     """Why the control needs a softcap: on Qwen3 (no softcap) the control's drafts are the
     extension's."""

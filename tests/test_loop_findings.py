@@ -6,6 +6,7 @@ code): one that schedules its rounds otherwise (another gamma) reads as that, no
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from spec_parity import harness, ports
 
@@ -25,6 +26,7 @@ def test_other_schedule_right_drafts_reads_as_schedule(monkeypatch):
     assert r.metrics["lossless_vs_greedy"]["ok"]
 
 
+@pytest.mark.slow
 def test_a_drafter_bug_with_unchanged_acceptance_fails_the_drafts():
     """A random drafter is never accepted: with its attention scale wrong the stream, the schedule
     and the acceptance are all as before, and only the drafts finding fails."""

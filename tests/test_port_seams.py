@@ -2,8 +2,8 @@
 any language through the file protocol (`--port-cmd`, `export`). Our own port through either
 seam gets exactly the verdicts it gets in process; a port that returns perturbed arrays (a
 wrapper outside product code, the controls of these tests) is caught through both. Each test here
-spawns Python processes (about 3 s of CPU each on the 2-core machine): the dev loop keeps one
-verdict through the file protocol and its perturbed control; the rest run under --slow (CI)."""
+spawns Python processes (about 3 s of CPU each on the 2-core machine): they run under --slow
+(CI), not in the dev loop."""
 
 import json
 import subprocess
@@ -32,6 +32,7 @@ def _verdict(case, port=None, monkeypatch=None):
     return r.verdict, r.reason, {k: m.get("max_abs") for k, m in r.metrics.items() if isinstance(m, dict)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case_id", harness.slow_except(FAST + SLOW, *FAST))
 def test_file_protocol_gives_our_in_process_verdicts(case_id, monkeypatch):
     case = _case(case_id)
@@ -51,6 +52,7 @@ exchange.write_outputs(Path(sys.argv[2]), out)
 """
 
 
+@pytest.mark.slow
 def test_file_protocol_catches_a_perturbed_port(tmp_path, monkeypatch):
     script = tmp_path / "perturbed.py"
     script.write_text(PERTURB)

@@ -40,6 +40,7 @@ def _row(name: str, layers: dict | None = None, verdict: str = "PASS") -> tuple[
     return r, "PASS"
 
 
+@pytest.mark.slow
 def test_layers_png_is_a_matplotlib_chart_with_the_divergent_layer_red(tmp_path):
     import matplotlib.image as mpimg
 
@@ -56,6 +57,7 @@ def test_layers_png_is_a_matplotlib_chart_with_the_divergent_layer_red(tmp_path)
     assert ((clean[..., 0] > 0.8) & (clean[..., 1] < 0.25) & (clean[..., 2] < 0.25)).sum() < red.sum() / 4
 
 
+@pytest.mark.slow
 def test_a_non_finite_layer_is_drawn():
     lay = _layers(1, 1)
     lay["own_max_abs"][1] = float("inf")

@@ -24,12 +24,14 @@ def _draws(p, n, seed):
 P = [0.5, 0.3, 0.2]
 
 
+@pytest.mark.slow
 def test_same_distribution_passes_and_a_shift_fails():
     assert _judge(_draws(P, 600, 1), _draws(P, 600, 2)).verdict == "PASS"
     shifted = _judge(_draws([0.3, 0.3, 0.4], 600, 1), _draws(P, 600, 2))
     assert shifted.verdict == "FAIL" and "differs" in shifted.reason
 
 
+@pytest.mark.slow
 def test_too_few_samples_for_the_stated_power_fail():
     assert _judge(_draws(P, 600, 1), _draws(P, 600, 2), max_bias=0.5).verdict == "PASS"
     small = _judge(_draws(P, 20, 1), _draws(P, 20, 2), max_bias=0.1)

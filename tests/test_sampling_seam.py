@@ -59,6 +59,7 @@ def test_sample_is_the_inverse_cdf():
     assert sampling.sample(short, mx.array([0.9])).tolist() == [1]
 
 
+@pytest.mark.slow
 def test_seeded_requests_are_reproducible():
     target, providers, k = setup("agreeing")
     for source, mode in [(None, "match"), ("dspark", "rejection"), ("assistant", "rejection"),

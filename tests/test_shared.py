@@ -6,6 +6,7 @@ import shutil
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from port import targets
 from spec_parity import checkpoints, ports, shared
@@ -49,6 +50,7 @@ def test_a_stored_result_cannot_be_changed_by_a_reader():
     assert calls == [1] and set(again) == {"a"} and not again["a"].any()
 
 
+@pytest.mark.slow
 def test_port_runs_are_shared_only_for_the_same_case_and_reference_bytes(monkeypatch):
     from spec_parity import goldens, harness
     from spec_parity.pairs import targets as pair
