@@ -126,8 +126,9 @@ class Exact(Compiled):
     (rows_as_heads): a one-row query over the exact keys, a view of a BucketCache buffer, which
     MLX CUDA attends with cuDNN's decode plan, one per buffer length (a multiple of 256 rows: with
     another bucket, MLX's slower vector kernel) rather than one multi-row plan per key length. No
-    mask and no padded keys; the context rows and the block's K/V are written into the buffers in
-    place (donated to the writes). The pieces between the attentions are compiled, the attentions
+    mask and no padded keys; the context rows and the block's K/V are written into the buffers,
+    handed over so that MLX can donate them to the writes (in place on the CPU, measured; on MLX
+    CUDA not measurable by peak memory). The pieces between the attentions are compiled, the attentions
     and their views not (the key length changes every round)."""
 
     def __init__(self, a: dflash.ModelArgs, window: str = "positional", embed: str = "scaled",
