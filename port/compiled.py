@@ -175,11 +175,11 @@ def additive_mask(seen, dtype: mx.Dtype) -> mx.array:
     return mx.where(seen, mx.array(0, dtype), mx.array(-mx.inf, dtype))
 
 
-def two_segment_attention(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float):
+def two_segment_attention(q, ctx_k, ctx_v, blk_k, blk_v, mask, scale: float):
     """softmax(q [ctx | block]^T * scale) [ctx | block] without joining the keys (no copy of the
-    context): scores over each segment, masked (`*_seen`: bool, broadcast to [L, S] per query row
-    or None), one softmax over both, then p_ctx V_ctx + p_blk V_blk. GQA by folding the query
-    heads of one KV head into its rows. q [B, Hq, L, D], K/V [B, Hkv, S, D]."""
+    context): scores over each segment, masked (`mask` = (ctx_seen, blk_seen): bool, broadcast to
+    [L, S] per query row, or None), one softmax over both, then p_ctx V_ctx + p_blk V_blk. GQA by
+    folding the query heads of one KV head into its rows. q [B, Hq, L, D], K/V [B, Hkv, S, D]."""
     B, Hq, L, D = q.shape
     n_kv = ctx_k.shape[1]
     rep = Hq // n_kv
@@ -192,6 +192,7 @@ def two_segment_attention(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, sca
         return s if seen is None else mx.where(seen, s, mx.array(-mx.inf, s.dtype))
 
     S = ctx_k.shape[2]
+    ctx_seen, blk_seen = mask
     p = mx.softmax(mx.concatenate([scores(ctx_k, ctx_seen), scores(blk_k, blk_seen)], axis=-1), axis=-1,
                    precise=True)
     p = p.reshape(B, n_kv, rep * L, -1)
@@ -199,22 +200,32 @@ def two_segment_attention(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, sca
     return o.reshape(B, Hq, L, -1)
 
 
-def joined_sdpa(q, ctx_k, ctx_v, ctx_seen, blk_k, blk_v, blk_seen, scale: float):
+def joined_sdpa(q, ctx_k, ctx_v, blk_k, blk_v, mask, scale: float):
     """The same attention as two_segment_attention through mx.fast.scaled_dot_product_attention
-    over the keys joined (a copy of the context per call) with an additive float mask: one fused
-    kernel on the GPU, planned once per bucket there (its key length is constant within one)."""
-    L, S = q.shape[2], ctx_k.shape[2]
+    over the keys joined (a copy of the context per call) with an additive float mask over [ctx |
+    block] (joined_mask): one fused kernel on the GPU, planned once per bucket there (its key
+    length is constant within one)."""
     keys = mx.concatenate([ctx_k, blk_k], axis=2)
     values = mx.concatenate([ctx_v, blk_v], axis=2)
-    blk = mx.ones((L, L), mx.bool_) if blk_seen is None else mx.broadcast_to(blk_seen, (L, L))
-    seen = mx.concatenate([mx.broadcast_to(ctx_seen, (L, S)), blk], axis=-1)
-    mask = additive_mask(seen, q.dtype)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
-def bucketed_attention(how: str, *args):
-    """joined_sdpa or two_segment_attention (BUCKET_ATTENTIONS), same arguments."""
-    return (joined_sdpa if how == "sdpa" else two_segment_attention)(*args)
+def joined_mask(ctx_seen, blk_seen, L: int, S: int, dtype: mx.Dtype) -> mx.array:
+    """joined_sdpa's additive mask [L, S + L] from the context's and the block's bool masks."""
+    blk = mx.ones((L, L), mx.bool_) if blk_seen is None else mx.broadcast_to(blk_seen, (L, L))
+    return additive_mask(mx.concatenate([mx.broadcast_to(ctx_seen, (L, S)), blk], axis=-1), dtype)
+
+
+def bucketed_mask(how: str, ctx_seen, blk_seen, L: int, S: int, dtype: mx.Dtype):
+    """The mask bucketed_attention takes, built once for every layer that shares it: joined_sdpa's
+    additive one, or two_segment_attention's pair."""
+    return joined_mask(ctx_seen, blk_seen, L, S, dtype) if how == "sdpa" else (ctx_seen, blk_seen)
+
+
+def bucketed_attention(how: str, q, ctx_k, ctx_v, blk_k, blk_v, mask, scale: float):
+    """joined_sdpa or two_segment_attention (BUCKET_ATTENTIONS), same arguments; `mask` from
+    bucketed_mask."""
+    return (joined_sdpa if how == "sdpa" else two_segment_attention)(q, ctx_k, ctx_v, blk_k, blk_v, mask, scale)
 
 
 def valid_rows(valid, S: int):

@@ -179,8 +179,8 @@ class Attention(nn.Module):
         return self.output(self.attend(q, bk, bv, ctx, cache))
 
     def _heads(self, x, n, norm=None):
-        B, T, _ = x.shape
-        x = x.reshape(B, T, n, -1)
+        """Rows x [1, T, n * hd] or [T, n * hd] -> heads [1, n, T, hd]."""
+        x = x.reshape(1, x.shape[-2], n, -1)
         return (norm(x) if norm is not None else x).transpose(0, 2, 1, 3)
 
     def block_qkv(self, x, block_at):
@@ -236,7 +236,9 @@ class Attention(nn.Module):
         return create_causal_mask(L, offset=n_ctx) if self.causal else None
 
     def output(self, o):
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(1, o.shape[2], -1))
+        """Heads [1, n, L, hd] -> rows [L, H]: 2-D, so the projection is one matmul node (a 3-D
+        input adds a flatten and an unflatten, host time on every call)."""
+        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(o.shape[2], -1))
 
 
 class DecoderLayer(nn.Module):

@@ -43,7 +43,7 @@ def between(m: dflash.Model, i: int, h, o, block_at):
 
 def leave(m: dflash.Model, h, o):
     """The last layer's output -> final norm over block rows 1..n."""
-    return m.norm(m.layers[-1].finish(h, m.layers[-1].self_attn.output(o))[:, 1:])
+    return m.norm(m.layers[-1].finish(h, m.layers[-1].self_attn.output(o))[..., 1:, :])
 
 
 class Compiled(dflash.Model):
@@ -204,7 +204,10 @@ class Bucketed(Compiled):
     def block(self, target: targets.Target, anchor: int, n: int, ctx_rows, caches: list) -> dflash.Block:
         """The new context rows join the buffers (plain ops: their count varies per round), then
         the compiled block over the whole buffers."""
-        ids, c = self.block_inputs(anchor, n, ctx_rows)
+        self.check_rows(ctx_rows)
+        # rows as 2-D [T, H] throughout: a 3-D matmul input costs two more graph nodes per projection
+        ids = targets.block_ids(anchor, self.args.mask_token_id, n).reshape(-1)
+        c = self.project(ctx_rows.reshape(-1, ctx_rows.shape[-1]))
         if not all(isinstance(cache, pieces.BucketCache) for cache in caches):
             raise dflash.DFlashError("kv_bucket: the caches must be BucketCaches (Model.make_caches makes them)")
         for layer, cache in zip(self.layers, caches):
@@ -220,26 +223,31 @@ class Bucketed(Compiled):
         self._bucketed.traces += 1
         h = self.embed(target, ids)
         q, bk, bv = enter(self, h, valid)
+        masks: dict = {}
         for i, layer in enumerate(self.layers):
-            o = attend(layer.self_attn, self.bucket_attention, q, bk, bv, keys[i], values[i], valid)
+            o = attend(layer.self_attn, self.bucket_attention, q, bk, bv, keys[i], values[i], valid, masks)
             if i < len(self.layers) - 1:
                 h, q, bk, bv = between(self, i, h, o, valid)
         hidden = leave(self, h, o)
         logits = self.logits(target, hidden)
-        return hidden[0, ...], logits[0, ...], mx.argmax(logits[0, ...], axis=-1)
+        return hidden, logits, mx.argmax(logits, axis=-1)
 
 
-def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid):
+def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid, masks: dict):
     """Attention.attend over a bucketed context buffer (every context row kept, in time order: row
     j is position j; rows from `valid` on masked; the block sits at valid..): full layers see every
     valid row, sliding layers those within the window of each block row (window="positional");
-    the block rows see each other (causal: the earlier ones only)."""
-    L = q.shape[2]
-    seen = pieces.valid_rows(valid, keys.shape[2])
-    if attn.sliding:
-        seen = seen & (valid + mx.arange(L)[:, None] - mx.arange(keys.shape[2]) < attn.a.sliding_window)
-    causal = mx.arange(L)[None] <= mx.arange(L)[:, None] if attn.causal else None
-    return pieces.bucketed_attention(how, q, keys, values, seen, bk, bv, causal, attn.scale)
+    the block rows see each other (causal: the earlier ones only). `masks`: the block's masks by
+    layer kind, built once per kind (mx.compile does not merge the layers' equal mask graphs)."""
+    L, S = q.shape[2], keys.shape[2]
+    kind = (attn.sliding, attn.causal)
+    if kind not in masks:
+        seen = pieces.valid_rows(valid, S)
+        if attn.sliding:
+            seen = seen & (valid + mx.arange(L)[:, None] - mx.arange(S) < attn.a.sliding_window)
+        causal = mx.arange(L)[None] <= mx.arange(L)[:, None] if attn.causal else None
+        masks[kind] = pieces.bucketed_mask(how, seen, causal, L, S, q.dtype)
+    return pieces.bucketed_attention(how, q, keys, values, bk, bv, masks[kind], attn.scale)
 
 
 EXACT = "exact"   # bucket_attention: the Exact block (DFlash only)

@@ -105,15 +105,21 @@ class Bucketed(Compiled):
         (a host `pick` chains the tail after)."""
         self._bucketed.traces += 1
         h, q, k, v = enter(self, ids, start)
+        mask = self.mask(q, keys[0], valid)
         for i in range(len(self.layers)):
-            o = self.attend(i, q, keys[i], values[i], valid, k, v)
+            o = self.attend(i, q, keys[i], values[i], mask, k, v)
             if i < len(self.layers) - 1:
                 h, q, k, v = between(self, i, h, o, start)
         return self.outputs(greedy, ids, *leave(self, h, o))
 
-    def attend(self, i: int, q, keys, values, valid, k, v):
-        seen = pieces.valid_rows(valid, keys.shape[2])
-        return pieces.bucketed_attention(self.bucket_attention, q, keys, values, seen, k, v, None,
+    def mask(self, q, keys, valid):
+        """Every layer's mask (the same for all: rows past `valid` off, the block unmasked), built
+        once (mx.compile does not merge the layers' equal mask graphs)."""
+        L, S = q.shape[2], keys.shape[2]
+        return pieces.bucketed_mask(self.bucket_attention, pieces.valid_rows(valid, S), None, L, S, q.dtype)
+
+    def attend(self, i: int, q, keys, values, mask, k, v):
+        return pieces.bucketed_attention(self.bucket_attention, q, keys, values, k, v, mask,
                                          self.layers[i].self_attn.scale)
 
     def outputs(self, greedy: bool, ids, hidden, base):
@@ -187,16 +193,18 @@ class Fused(Bucketed):
     def block(self, greedy: bool, ids, start, valid, keys, values, weights):
         self._bucketed.traces += 1
         h = self.embed(ids)
+        mask = None
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             x = layer.input_layernorm(h)
             q = a.block_q(x, start)
+            mask = self.mask(q, keys[0], valid) if mask is None else mask
             if f"kv{i}" in weights:
                 kr, vr = fusion.project(x, weights[f"kv{i}"])
                 k, v = a.heads_kv(kr[None], vr[None], start)
             else:
                 k, v = a.heads_kv(a.k_proj(x), None, start)
-            o = self.attend(i, q, keys[i], values[i], valid, k, v)
+            o = self.attend(i, q, keys[i], values[i], mask, k, v)
             h = layer.finish(h, a.output(o), partial(fused_mlp, layer.mlp, weights[f"gate_up{i}"]))
         return self.outputs(greedy, ids, *self.final(h))
 
