@@ -184,16 +184,21 @@ class Attention(nn.Module):
         return (norm(x) if norm is not None else x).transpose(0, 2, 1, 3)
 
     def block_qkv(self, x, block_at):
-        """Q, K (k_norm too) and V of the block rows x [1, L, H] (after input_layernorm), at
-        positions block_at.. (an int or a scalar array)."""
-        q = self.rope(self._heads(self.q_proj(x), self.n_heads, self.q_norm), offset=block_at)
-        bk = self.rope(self._heads(self.k_proj(x), self.n_kv, self.k_norm), offset=block_at)
-        return q, bk, self._heads(self.v_proj(x), self.n_kv)
+        """Q, K (k_norm too) and V of the block rows x [1, L, H] or [L, H] (after
+        input_layernorm), at positions block_at.. (an int or a scalar array)."""
+        return self.block_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x), block_at)
+
+    def block_heads(self, q, k, v, block_at):
+        """block_qkv from the block's projected rows q, k, v."""
+        return (self.rope(self._heads(q, self.n_heads, self.q_norm), offset=block_at),) + self.kv_heads(k, v, block_at)
 
     def context_kv(self, ctx, offset):
-        """K (k_norm, RoPE at offset..) and V of the projected context rows ctx [1, S, H]."""
-        return self.rope(self._heads(self.k_proj(ctx), self.n_kv, self.k_norm), offset=offset), \
-            self._heads(self.v_proj(ctx), self.n_kv)
+        """K (k_norm, RoPE at offset..) and V of the projected context rows ctx [1, S, H] or [S, H]."""
+        return self.kv_heads(self.k_proj(ctx), self.v_proj(ctx), offset)
+
+    def kv_heads(self, k, v, offset):
+        """K (k_norm, RoPE at offset..) and V heads from projected rows k, v."""
+        return self.rope(self._heads(k, self.n_kv, self.k_norm), offset=offset), self._heads(v, self.n_kv)
 
     def attend(self, q, bk, bv, ctx, cache):
         """The block rows' attention heads over [context ; block]. ctx: the new projected context
@@ -236,9 +241,13 @@ class Attention(nn.Module):
         return create_causal_mask(L, offset=n_ctx) if self.causal else None
 
     def output(self, o):
-        """Heads [1, n, L, hd] -> rows [L, H]: 2-D, so the projection is one matmul node (a 3-D
-        input adds a flatten and an unflatten, host time on every call)."""
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(o.shape[2], -1))
+        return self.o_proj(self.rows(o))
+
+    @staticmethod
+    def rows(o):
+        """Heads [1, n, L, hd] -> rows [L, n * hd]: 2-D, so the projection is one matmul node (a
+        3-D input adds a flatten and an unflatten, host time on every call)."""
+        return o.transpose(0, 2, 1, 3).reshape(o.shape[2], -1)
 
 
 class DecoderLayer(nn.Module):
@@ -258,10 +267,11 @@ class DecoderLayer(nn.Module):
         """The block's Q, K, V from the layer input x (the fast paths split the layer here)."""
         return self.self_attn.block_qkv(self.input_layernorm(x), block_at)
 
-    def finish(self, x, attn):
-        """The layer's output from its input x and the attention's output attn."""
+    def finish(self, x, attn, mlp=None):
+        """The layer's output from its input x and the attention's output attn (`mlp`: what runs
+        as the MLP, default self.mlp; a fast path's on transposed weights)."""
         h = x + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + (mlp or self.mlp)(self.post_attention_layernorm(h))
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """DSpark's fused path (port/fast/dspark.py Fused, the provider's default): the bucketed block on
-stacked projections (port/fast/fusion.py). Held to the unfused bucketed block (and through it to
+stacked projections (port/fast/fusion.py); and DFlash's bucketed block on transposed weight views
+(fusion.Transposed), held the same way. Held to the unfused bucketed block (and through it to
 the plain forward) bit for bit on the CPU backend, where MLX's batched matmul gives each stacked
 part the bits of its own product (measured over every variant here); on another backend within
 the fp32 budget with the same greedy tokens (the H200's tier: docs/benchmarks.md). A planted fault
@@ -7,7 +8,7 @@ in the stacks (two parts swapped, from outside the port) must fail the same comp
 
 import mlx.core as mx
 import pytest
-from test_bucketed import BUCKET, _bits_same, _dspark_rounds, _within_fp32
+from test_bucketed import BUCKET, _bits_same, _dflash_rounds, _dspark_rounds, _within_fp32
 from test_speed import DSPARK_VARIANTS
 
 from port.fast import dspark as fast_dspark
@@ -89,3 +90,27 @@ def test_adopted_weights_stay_the_loaded_ones():
 def _load(variant: str, fused: bool = True):
     return fast_dspark.load(checkpoints.build("dspark-drafter", 0, DSPARK_VARIANTS[variant]), kv_bucket=BUCKET,
                             fused=fused)
+
+
+def _dflash_after_growth(kv_bucket):
+    """DFlash rounds after layer 0's up and layer 1's K projection are replaced (after a first
+    pass of rounds, so a view taken before the change would be stale)."""
+    _, m = _dflash_rounds("qwen3", kv_bucket)
+    m.layers[0].mlp.up_proj.weight = m.layers[0].mlp.up_proj.weight * 1.5
+    m.layers[1].self_attn.k_proj.weight = m.layers[1].self_attn.k_proj.weight * 0.5
+    return _dflash_rounds("qwen3", kv_bucket, model=m)[0]
+
+
+def test_dflash_transposed_views_follow_a_replaced_weight(monkeypatch):
+    """The bucketed block's transposed views are rebuilt when a weight is replaced: it holds the
+    plain block with the same replacement (its tier). Negative control, planted from outside the
+    port: views never rebuilt after the first (stale weights) fail the same comparison."""
+    plain = _dflash_after_growth(None)
+    assert _held(_dflash_after_growth(BUCKET), plain)[0]
+    current = fusion.Transposed.current
+
+    def stale(self):
+        return self.views if self.views is not None else current(self)
+
+    monkeypatch.setattr(fusion.Transposed, "current", stale)
+    assert not _held(_dflash_after_growth(BUCKET), plain)[0]

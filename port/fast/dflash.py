@@ -25,9 +25,11 @@ from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .. import compiled as pieces
 from .. import dflash, targets
+from . import fusion
 
 
 def enter(m: dflash.Model, h, block_at):
@@ -196,41 +198,62 @@ class Bucketed(Compiled):
                                      "window='positional' (z-lab torch's semantics) or kv_bucket=None")
         self.bucket_attention = attention
         self._bucketed = pieces.Bucketed()
+        self._weights = None
 
     def make_caches(self) -> list:
         """Every layer every context row, in a BucketCache."""
         return [pieces.BucketCache(self.kv_bucket) for _ in self.args.layer_types]
 
+    def weights(self) -> dict:
+        """Every projection's weight transposed (fusion.Transposed): "fc", and per layer i "q{i}",
+        "k{i}", "v{i}", "o{i}", "gate{i}", "up{i}", "down{i}"."""
+        if self._weights is None:
+            owners = {"fc": self.fc}
+            for i, layer in enumerate(self.layers):
+                a, mlp = layer.self_attn, layer.mlp
+                owners.update({f"q{i}": a.q_proj, f"k{i}": a.k_proj, f"v{i}": a.v_proj, f"o{i}": a.o_proj,
+                               f"gate{i}": mlp.gate_proj, f"up{i}": mlp.up_proj, f"down{i}": mlp.down_proj})
+            self._weights = fusion.Transposed(owners)
+        return self._weights.current()
+
     def block(self, target: targets.Target, anchor: int, n: int, ctx_rows, caches: list) -> dflash.Block:
         """The new context rows join the buffers (plain ops: their count varies per round), then
-        the compiled block over the whole buffers."""
+        the compiled block over the whole buffers. Rows are 2-D [T, H] and every projection is
+        `rows @ weight.T` on a transposed view (weights()): a 3-D input adds a Flatten and an
+        Unflatten node per product, nn.Linear a Transpose."""
         self.check_rows(ctx_rows)
-        # rows as 2-D [T, H] throughout: a 3-D matmul input costs two more graph nodes per projection
-        ids = targets.block_ids(anchor, self.args.mask_token_id, n).reshape(-1)
-        c = self.project(ctx_rows.reshape(-1, ctx_rows.shape[-1]))
         if not all(isinstance(cache, pieces.BucketCache) for cache in caches):
             raise dflash.DFlashError("kv_bucket: the caches must be BucketCaches (Model.make_caches makes them)")
-        for layer, cache in zip(self.layers, caches):
-            cache.update_and_fetch(*layer.self_attn.context_kv(c, cache.offset))
+        w = self.weights()
+        ids = targets.block_ids(anchor, self.args.mask_token_id, n).reshape(-1)
+        c = self.hidden_norm(ctx_rows.reshape(-1, ctx_rows.shape[-1]) @ w["fc"])
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            cache.update_and_fetch(*layer.self_attn.kv_heads(c @ w[f"k{i}"], c @ w[f"v{i}"], cache.offset))
         keys, values = zip(*(cache.buffers() for cache in caches))
         fn = self._bucketed.get(self, (id(target), self.bucket_attention), partial(self.bucketed, target),
                                 [self.state, self.borrowed(target)])
-        return dflash.Block(*fn(ids, mx.array(caches[0].offset, mx.int32), list(keys), list(values)))
+        return dflash.Block(*fn(ids, mx.array(caches[0].offset, mx.int32), list(keys), list(values), w))
 
-    def bucketed(self, target: targets.Target, ids, valid, keys, values):
+    def bucketed(self, target: targets.Target, ids, valid, keys, values, w):
         """The whole block over the bucketed buffers (rows from `valid` masked), as arrays:
         hidden, logits, tokens."""
         self._bucketed.traces += 1
         h = self.embed(target, ids)
-        q, bk, bv = enter(self, h, valid)
         masks: dict = {}
         for i, layer in enumerate(self.layers):
-            o = attend(layer.self_attn, self.bucket_attention, q, bk, bv, keys[i], values[i], valid, masks)
-            if i < len(self.layers) - 1:
-                h, q, bk, bv = between(self, i, h, o, valid)
-        hidden = leave(self, h, o)
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, bk, bv = a.block_heads(x @ w[f"q{i}"], x @ w[f"k{i}"], x @ w[f"v{i}"], valid)
+            o = attend(a, self.bucket_attention, q, bk, bv, keys[i], values[i], valid, masks)
+            h = layer.finish(h, a.rows(o) @ w[f"o{i}"], partial(mlp, w, i))
+        hidden = self.norm(h[1:])
         logits = self.logits(target, hidden)
         return hidden, logits, mx.argmax(logits, axis=-1)
+
+
+def mlp(w: dict, i: int, x):
+    """mlx-lm's Qwen3 MLP (down(silu(gate(x)) * up(x))) of layer i on Bucketed.weights()."""
+    return (nn.silu(x @ w[f"gate{i}"]) * (x @ w[f"up{i}"])) @ w[f"down{i}"]
 
 
 def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid, masks: dict):

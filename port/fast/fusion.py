@@ -1,4 +1,6 @@
-"""Stacked projections for a fast path (DSpark's Fused, port/fast/dspark.py): one batched matmul
+"""Weights laid out for a fast path: stacked projections and transposed views.
+
+Stacks (DSpark's Fused, port/fast/dspark.py): one batched matmul
 where the plain model runs several of the same size over one input (a layer's K and V, an MLP's
 gate and up, every layer's context K).
 
@@ -11,7 +13,12 @@ A stack is built from the module's current weights and rebuilt when one of them 
 weight swapped after load is seen, as the compiled pieces see it). mx.compile, when it traces with
 the module's state as an input, hands the module new array objects for the same weights: `seen`
 records them after a call that traced, so a trace is not taken for a replacement. `adopt` hands the
-module views into the stack in place of its own weights, so the weights are not held twice."""
+module views into the stack in place of its own weights, so the weights are not held twice.
+
+Transposed (DFlash's Bucketed, port/fast/dflash.py): each projection's weight as its evaluated
+transposed view [in, out]. `x @ view` is the product `nn.Linear` computes as `x @ weight.T` (the
+same array, the same strides: the same kernel and bits) without the Transpose node it adds to the
+graph on every call; on MLX CUDA a block is host-bound, and every node costs host time."""
 
 from __future__ import annotations
 
@@ -56,3 +63,21 @@ def project(x: mx.array, stack: mx.array) -> mx.array:
     """[n, T, out]: x [1, T, in] through each of the n stacked [out, in] weights (x broadcast over
     the stack; not x[0], which MLX makes a Gather)."""
     return x @ stack.swapaxes(-1, -2)
+
+
+class Transposed:
+    """Named modules' weights as transposed views, rebuilt when a weight is no longer the array
+    they were taken from (a weight replaced after load; mx.compile's trace re-wraps the module's
+    weights, so one rebuild follows each trace). A rebuilt view is evaluated with the first call
+    that reads it (no sync of its own), a leaf from then on. A plain object: not part of the
+    module's state."""
+
+    def __init__(self, owners: dict):
+        self.owners, self.parts, self.views = owners, None, None
+
+    def current(self) -> dict:
+        """name -> weight.T (an identity test per weight: no sync, no copy)."""
+        if self.parts is None or any(o["weight"] is not p for o, p in zip(self.owners.values(), self.parts)):
+            self.views = {name: o["weight"].T for name, o in self.owners.items()}
+            self.parts = [o["weight"] for o in self.owners.values()]
+        return self.views

@@ -45,8 +45,8 @@ def _ctx_norm(case):
 def _position(case):
     from port import dflash
 
-    qkv = dflash.Attention.block_qkv
-    return {(dflash.Attention, "block_qkv"): lambda self, x, at: qkv(self, x, at + 1)}
+    heads = dflash.Attention.block_heads
+    return {(dflash.Attention, "block_heads"): lambda self, q, k, v, at: heads(self, q, k, v, at + 1)}
 
 
 @control("dflash", "window_one_short", "a sliding layer's window one row short (the config's W read as W-1)")
