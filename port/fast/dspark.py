@@ -200,8 +200,7 @@ class Fused(Bucketed):
             q = a.block_q(x, start)
             mask = self.mask(q, keys[0], valid) if mask is None else mask
             if f"kv{i}" in weights:
-                kr, vr = fusion.project(x, weights[f"kv{i}"])
-                k, v = a.heads_kv(kr[None], vr[None], start)
+                k, v = a.heads_kv(*fusion.parts(fusion.project(x, weights[f"kv{i}"])), start)
             else:
                 k, v = a.heads_kv(a.k_proj(x), None, start)
             o = self.attend(i, q, keys[i], values[i], mask, k, v)
@@ -210,8 +209,7 @@ class Fused(Bucketed):
 
 
 def fused_mlp(mlp: dspark.MLP, gate_up, x):
-    g, u = fusion.project(x, gate_up)
-    return mlp.combine(g[None], u[None])
+    return mlp.combine(*fusion.parts(fusion.project(x, gate_up)))
 
 
 def load(path: str | Path, compiled: bool = True, kv_bucket: int | str | None = None,

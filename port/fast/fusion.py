@@ -59,6 +59,12 @@ class Stacks:
             entry[2] = [o["weight"] for o in entry[0]]
 
 
+def parts(y: mx.array) -> list[mx.array]:
+    """project's output [n, T, out] as n views [1, T, out]: one Slice node each (unpacking the
+    array would add a Split, then a Squeeze and an ExpandDims per part)."""
+    return [y[i:i + 1] for i in range(y.shape[0])]
+
+
 def project(x: mx.array, stack: mx.array) -> mx.array:
     """[n, T, out]: x [1, T, in] through each of the n stacked [out, in] weights (x broadcast over
     the stack; not x[0], which MLX makes a Gather)."""
