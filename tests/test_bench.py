@@ -397,3 +397,14 @@ def test_project_identity_from_a_copy_inside_another_repository(tmp_path, monkey
     assert stated["commit"] == "abc123" and stated["git"]["commit"] != "abc123"
     (copy / "port" / "serve.py").write_text("changed")
     assert runner.source_sha256(copy) != runner.source_sha256(runner.ROOT)
+
+
+def test_the_mlx_environment_is_recorded_and_shown(monkeypatch):
+    """A backend setting that moves the figures (MLX_USE_CUDA_GRAPHS) is in bench.json's machine
+    facts and in the report's header; an unset one is absent."""
+    monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "0")
+    monkeypatch.delenv("MLX_MAX_OPS_PER_BUFFER", raising=False)
+    env = runner.machine()["mlx_env"]
+    assert env["MLX_USE_CUDA_GRAPHS"] == "0" and "MLX_MAX_OPS_PER_BUFFER" not in env
+    monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
+    assert "MLX_USE_CUDA_GRAPHS" not in runner.machine()["mlx_env"]

@@ -51,8 +51,9 @@ def header(doc: dict) -> str:
     o = doc["options"]
     bw = doc["bandwidth"]
     load = f", load average {m['loadavg'][0]:.1f} on {m['cpu_count']} CPUs" if m.get("loadavg") else ""
+    env = "".join(f", {k}={val}" for k, val in (m.get("mlx_env") or {}).items())
     return (f"`{doc['command']}`\n\n"
-            f"project {_identity(doc)}; MLX {v.get('mlx', '?')} on {dev} ({name}){load}; python {m['python']}; "
+            f"project {_identity(doc)}; MLX {v.get('mlx', '?')} on {dev} ({name}){env}{load}; python {m['python']}; "
             f"shapes {o['shapes']}{' /' + str(o['scale']) if o['scale'] > 1 else ''}, {o['dtype']}, "
             f"{o['warmup']} warm-up + {o['iters']} timed runs; torch sides: {doc['torch_sides']}; "
             f"whole run {doc['wall_s']:.0f} s.\n\n"

@@ -241,10 +241,16 @@ def machine() -> dict:
         info = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in mx.device_info().items()}
     facts = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
              "python": platform.python_version(), "cpu_count": os.cpu_count(), "mlx_default_device": str(mx.default_device()),
-             "mlx_device_info": info}
+             "mlx_device_info": info, "mlx_env": mlx_env()}
     with contextlib.suppress(OSError):
         facts["loadavg"] = os.getloadavg()
     return facts
+
+
+def mlx_env() -> dict:
+    """The MLX_* environment the run saw: backend settings that move the figures (on MLX CUDA,
+    MLX_USE_CUDA_GRAPHS=0 moved a DFlash block by a quarter, docs/benchmarks.md)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}
 
 
 def versions() -> dict:
