@@ -22,14 +22,15 @@ class Pieces:
     def __init__(self):
         self.compiled = None
 
-    def get(self, model, plain, reads=None):
-        """`plain` (a tuple / list tree of functions) as is, or its compiled twin when
-        `model.compiled`. `reads`: the same tree, each piece's list of the modules it reads (their
-        parameters its compile inputs, flattened at every call: fewer is less host time); None:
-        the whole model for every piece."""
+    def get(self, model, build):
+        """build() -> (plain, reads): `plain` (a tuple / list tree of functions) as is, or its
+        compiled twin when `model.compiled` (build runs once then, not on every call). `reads`: the
+        same tree, each piece's list of the modules it reads (their parameters its compile inputs,
+        flattened at every call: fewer is less host time); None: the whole model for every piece."""
         if not model.compiled:
-            return plain
+            return build()[0]
         if self.compiled is None:
+            plain, reads = build()
             reads = tree_map(lambda _: [model.state], plain) if reads is None else reads
             self.compiled = tree_map(lambda fn, inputs: mx.compile(fn, inputs=inputs), plain, reads)
         return self.compiled
@@ -41,8 +42,8 @@ class PiecesBy:
     def __init__(self):
         self.by: dict = {}
 
-    def get(self, model, key, plain, reads=None):
-        return self.by.setdefault(key, Pieces()).get(model, plain, reads)
+    def get(self, model, key, build):
+        return self.by.setdefault(key, Pieces()).get(model, build)
 
 
 def position(model, value: int):
@@ -71,11 +72,15 @@ BUCKET = 256   # rows: mlx-lm KVCache's own growth step; the providers' and serv
 AUTO = "auto"  # a provider's / the serve loop's kv_bucket default: BUCKET wherever the path holds
 
 
-def check_bucket(kv_bucket, attention: str, error) -> int | None:
-    """A bucket is None (off) or a positive int number of rows; the attention one of
-    BUCKET_ATTENTIONS."""
+def check_attention(attention: str, error) -> str:
+    """The bucketed attention: one of BUCKET_ATTENTIONS."""
     if attention not in BUCKET_ATTENTIONS:
         raise error(f"bucket_attention={attention!r}: expected one of {BUCKET_ATTENTIONS}")
+    return attention
+
+
+def check_bucket(kv_bucket, error) -> int | None:
+    """A bucket is None (off) or a positive int number of rows."""
     if kv_bucket is None:
         return None
     if isinstance(kv_bucket, bool) or not isinstance(kv_bucket, int) or kv_bucket < 1:
@@ -98,16 +103,16 @@ class BucketCache(KVCache):
         have = 0 if self.keys is None else self.keys.shape[2]
         return max(have, -(-(self.offset + n) // self.step) * self.step)
 
-    def reserve(self, n: int, keys, values):
-        """Room for n rows past offset shaped as keys / values are (zeros appended a bucket at a
-        time); offset stays."""
+    def reserve(self, n: int, heads: tuple, dtype: mx.Dtype):
+        """Room for n rows past offset, heads = (B, kv heads, key dim, value dim) (zeros appended a
+        bucket at a time); offset stays."""
         have = 0 if self.keys is None else self.keys.shape[2]
         if self.offset + n <= have:
             return
         grow = self.length_after(n) - have
-        B, h, _, dk = keys.shape
-        new_k = mx.zeros((B, h, grow, dk), keys.dtype)
-        new_v = mx.zeros((B, h, grow, values.shape[3]), values.dtype)
+        B, h, dk, dv = heads
+        new_k = mx.zeros((B, h, grow, dk), dtype)
+        new_v = mx.zeros((B, h, grow, dv), dtype)
         if self.keys is None:
             self.keys, self.values = new_k, new_v
         else:
@@ -115,7 +120,7 @@ class BucketCache(KVCache):
             self.values = mx.concatenate([self.values, new_v], axis=2)
 
     def update_and_fetch(self, keys, values):
-        self.reserve(keys.shape[2], keys, values)
+        self.reserve(keys.shape[2], keys.shape[:2] + (keys.shape[3], values.shape[3]), keys.dtype)
         prev = self.offset
         self.offset += keys.shape[2]
         self.keys[..., prev:self.offset, :] = keys

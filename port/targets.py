@@ -243,7 +243,7 @@ def make_caches(target: Target, kv_bucket: int | None = None, strict: bool = Tru
     bucketed verify cannot replace is refused, or with `strict` off keeps mlx-lm's (the same
     computation, unbucketed: port.serve.generate's "auto")."""
     caches = make_prompt_cache(target.model)
-    if check_bucket(kv_bucket, "sdpa", ValueError) is None:
+    if check_bucket(kv_bucket, ValueError) is None:
         return caches
     for c in caches:
         if type(c) not in (KVCache, RotatingKVCache) or getattr(c, "keep", 0):

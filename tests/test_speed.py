@@ -436,31 +436,28 @@ def test_dflash_compiled_block_equals_plain(variant, dtype):
     if ext is not None:
         ext.set_dtype(getattr(mx, dtype))
     rows = m.taps(targets.forward(target, mx.array([LONG_PROMPT])).hidden)
+    _compiled_matches_plain(m, lambda: _dflash_rounds_on(m, target, rows, ext),
+                            _scale(m.layers[-1].mlp.down_proj, "weight"))
 
-    def run():
-        caches, out = m.make_caches(), []
-        for r in range(3):
-            ctx = rows[:, : len(LONG_PROMPT) - 4] if r == 0 else rows[:, -2:]
-            b = m.block(target, 7 + r, m.args.block_size - 1, ctx, caches)
-            b = extended(ext, b, 7 + r)
-            out += [b.hidden, b.logits, b.token_ids] + [x for x in (b.base_logits, b.confidence) if x is not None]
-        return out
 
-    _compiled_matches_plain(m, run, _scale(m.layers[-1].mlp.down_proj, "weight"))
+def _dflash_rounds_on(m, target, rows, ext=None) -> list:
+    """Three source rounds of the loaded drafter m, past the sliding window: per round the block's
+    hidden, logits and tokens (with `ext`, the DSpark extension's base rows and confidence too)."""
+    caches, out = m.make_caches(), []
+    for r in range(3):
+        ctx = rows[:, : len(LONG_PROMPT) - 4] if r == 0 else rows[:, -2:]
+        b = extended(ext, m.block(target, 7 + r, m.args.block_size - 1, ctx, caches), 7 + r)
+        out += [b.hidden, b.logits, b.token_ids] + [x for x in (b.base_logits, b.confidence) if x is not None]
+    return out
 
 
 def _dflash_block_rounds(variant: str, dtype: str, **options) -> list:
-    """Three rounds of the DFlash drafter on fast_dflash.load(**options), past the sliding window."""
+    """_dflash_rounds_on the DFlash drafter on fast_dflash.load(**options)."""
     ov = DFLASH_VARIANTS[variant]
     target = targets.load(checkpoints.build(ov.get("target_kind", "qwen3-target"), 0, {}), getattr(mx, dtype))
     m = fast_dflash.load(checkpoints.build("dflash-drafter", 0, ov), **options)
     m.set_dtype(getattr(mx, dtype))
-    rows, caches, out = m.taps(targets.forward(target, mx.array([LONG_PROMPT])).hidden), m.make_caches(), []
-    for r in range(3):
-        ctx = rows[:, : len(LONG_PROMPT) - 4] if r == 0 else rows[:, -2:]
-        b = m.block(target, 7 + r, m.args.block_size - 1, ctx, caches)
-        out += [b.hidden, b.logits, b.token_ids]
-    return out
+    return _dflash_rounds_on(m, target, m.taps(targets.forward(target, mx.array([LONG_PROMPT])).hidden))
 
 
 def _same(a, b, dtype: str) -> bool:

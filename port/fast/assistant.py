@@ -54,8 +54,8 @@ class Compiled(assistant.Model):
     def pieces(self) -> tuple:
         """(enter, [between_i], exit), plain or compiled."""
         n = len(self.model.layers)
-        return self._pieces.get(self, (partial(enter, self), [partial(between, self, i) for i in range(n - 1)],
-                                       partial(leave, self)))
+        return self._pieces.get(self, lambda: ((partial(enter, self), [partial(between, self, i) for i in range(n - 1)],
+                                                partial(leave, self)), None))
 
     def __call__(self, emb, hidden_in, views: dict, position):
         first, middle, last = self.pieces()

@@ -60,9 +60,9 @@ class Compiled(dflash.Model):
     def pieces(self) -> tuple:
         """(enter, [between_i], exit), plain or compiled."""
         n, layers = len(self.layers), self.layers
-        return self._pieces.get(self, (partial(enter, self), [partial(between, self, i) for i in range(n - 1)],
-                                       partial(leave, self)),
-                                ([layers[0]], [[layers[i], layers[i + 1]] for i in range(n - 1)], [layers[-1], self.norm]))
+        return self._pieces.get(self, lambda: (
+            (partial(enter, self), [partial(between, self, i) for i in range(n - 1)], partial(leave, self)),
+            ([layers[0]], [[layers[i], layers[i + 1]] for i in range(n - 1)], [layers[-1], self.norm])))
 
     def __call__(self, h, ctx, caches):
         first, middle, last = self.pieces()
@@ -97,8 +97,10 @@ def exact_context(m: dflash.Model, rows, offset, keys, values):
     """The new context rows' K/V (projected from their raw taps) written into every layer's buffer
     at `offset`."""
     c = m.project(rows)
-    new = [layer.self_attn.context_kv(c, offset) for layer in m.layers]
-    return [list(t) for t in zip(*(written(k, v, ck, cv, offset) for k, v, (ck, cv) in zip(keys, values, new)))]
+    keys, values = list(keys), list(values)
+    for i, layer in enumerate(m.layers):
+        keys[i], values[i] = written(keys[i], values[i], *layer.self_attn.context_kv(c, offset), offset)
+    return [keys, values]
 
 
 def exact_enter(m: dflash.Model, target, ids, at, k, v):
@@ -140,7 +142,7 @@ class Exact(Compiled):
             raise dflash.DFlashError("bucket_attention='exact' needs every layer full attention and not causal "
                                      f"(this drafter's layer_types {a.layer_types}, is_causal {a.is_causal}); "
                                      "use bucket_attention='sdpa'")
-        self.kv_bucket = pieces.check_bucket(kv_bucket, "sdpa", dflash.DFlashError)
+        self.kv_bucket = pieces.check_bucket(kv_bucket, dflash.DFlashError)
         self._exact = pieces.PiecesBy()
 
     def make_caches(self) -> list:
@@ -148,12 +150,15 @@ class Exact(Compiled):
 
     def exact_pieces(self, target: targets.Target) -> tuple:
         """(context, enter, [between_i], leave), plain or compiled, for `target`."""
-        n, layers, borrowed = len(self.layers), self.layers, self.borrowed(target)
-        plain = (partial(exact_context, self), partial(exact_enter, self, target),
-                 [partial(exact_between, self, i) for i in range(n - 1)], partial(exact_leave, self, target))
-        reads = ([self.fc, self.hidden_norm] + [layer.self_attn for layer in layers], [layers[0]] + borrowed,
-                 [[layers[i], layers[i + 1]] for i in range(n - 1)], [layers[-1], self.norm] + borrowed)
-        return self._exact.get(self, id(target), plain, reads)
+        def build():
+            n, layers, borrowed = len(self.layers), self.layers, self.borrowed(target)
+            plain = (partial(exact_context, self), partial(exact_enter, self, target),
+                     [partial(exact_between, self, i) for i in range(n - 1)], partial(exact_leave, self, target))
+            reads = ([self.fc, self.hidden_norm] + [layer.self_attn for layer in layers], [layers[0]] + borrowed,
+                     [[layers[i], layers[i + 1]] for i in range(n - 1)], [layers[-1], self.norm] + borrowed)
+            return plain, reads
+
+        return self._exact.get(self, id(target), build)
 
     def block(self, target: targets.Target, anchor: int, n: int, ctx_rows, caches: list) -> dflash.Block:
         self.check_rows(ctx_rows)
@@ -161,10 +166,9 @@ class Exact(Compiled):
             raise dflash.DFlashError("bucket_attention='exact': the caches must be BucketCaches (Model.make_caches)")
         ids = targets.block_ids(anchor, self.args.mask_token_id, n)
         S, L, offset = ctx_rows.shape[1], ids.shape[1], caches[0].offset
-        attn = self.layers[0].self_attn
-        like = mx.zeros((1, attn.n_kv, 0, self.args.head_dim), self.fc.weight.dtype)
+        heads = (1, self.layers[0].self_attn.n_kv, self.args.head_dim, self.args.head_dim)
         for cache in caches:
-            cache.reserve(S + L, like, like)
+            cache.reserve(S + L, heads, self.fc.weight.dtype)
         context, first, middle, last = self.exact_pieces(target)
         at, end = mx.array(offset + S, mx.int32), offset + S + L
 
@@ -191,12 +195,12 @@ class Bucketed(Compiled):
     def __init__(self, a: dflash.ModelArgs, window: str = "positional", embed: str = "scaled",
                  kv_bucket: int = 256, attention: str = "sdpa", compiled: bool = True):
         super().__init__(a, window, embed, compiled)
-        self.kv_bucket = pieces.check_bucket(kv_bucket, attention, dflash.DFlashError)
+        self.kv_bucket = pieces.check_bucket(kv_bucket, dflash.DFlashError)
+        self.bucket_attention = pieces.check_attention(attention, dflash.DFlashError)
         if window == "zlab-mlx" and "sliding_attention" in a.layer_types:
             raise dflash.DFlashError("kv_bucket with window='zlab-mlx': that window follows the rotating buffer's "
                                      "order, which a bucketed context (every row, in time order) does not have; use "
                                      "window='positional' (z-lab torch's semantics) or kv_bucket=None")
-        self.bucket_attention = attention
         self._bucketed = pieces.Bucketed()
         self._weights = None
 
@@ -290,7 +294,8 @@ def load(path: str | Path, window: str = "positional", embed: str = "scaled", co
             if rows is None:
                 raise dflash.DFlashError("bucket_attention='exact' needs a kv_bucket (e.g. 256: the buffers' rows)")
             return Exact(a, w, e, rows, compiled)
-        if pieces.check_bucket(rows, bucket_attention, dflash.DFlashError) is None:
+        pieces.check_attention(bucket_attention, dflash.DFlashError)
+        if pieces.check_bucket(rows, dflash.DFlashError) is None:
             return Compiled(a, w, e, compiled)
         return Bucketed(a, w, e, rows, bucket_attention, compiled)
 

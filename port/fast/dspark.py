@@ -63,8 +63,8 @@ class Compiled(dspark.Model):
     def pieces(self) -> tuple:
         """(enter, [between_i], exit, greedy tail), plain or compiled."""
         n = len(self.layers)
-        return self._pieces.get(self, (partial(enter, self), [partial(between, self, i) for i in range(n - 1)],
-                                       partial(leave, self), partial(greedy_tail, self)))
+        return self._pieces.get(self, lambda: ((partial(enter, self), [partial(between, self, i) for i in range(n - 1)],
+                                                partial(leave, self), partial(greedy_tail, self)), None))
 
     def __call__(self, ids, ctx, start):
         first, middle, last, _ = self.pieces()
@@ -90,10 +90,10 @@ class Bucketed(Compiled):
 
     def __init__(self, a: dspark.ModelArgs, kv_bucket: int, attention: str = "sdpa", compiled: bool = True):
         super().__init__(a, compiled)
-        self.kv_bucket = pieces.check_bucket(kv_bucket, attention, dspark.DSparkError)
+        self.kv_bucket = pieces.check_bucket(kv_bucket, dspark.DSparkError)
         if self.kv_bucket is None:
             raise dspark.DSparkError("kv_bucket=None: the bucketed path needs a bucket (the plain Model has none)")
-        self.bucket_attention = attention
+        self.bucket_attention = pieces.check_attention(attention, dspark.DSparkError)
         self._bucketed = pieces.Bucketed()
 
     def make_cache(self) -> pieces.BucketCache:
@@ -217,7 +217,8 @@ def load(path: str | Path, compiled: bool = True, kv_bucket: int | str | None = 
     """The drafter on a fast path: Compiled, or with a `kv_bucket` Fused (Bucketed with `fused`
     off); pieces.AUTO: pieces.BUCKET rows (every DSpark variant holds it)."""
     kv_bucket = pieces.BUCKET if kv_bucket == pieces.AUTO else kv_bucket
-    pieces.check_bucket(kv_bucket, bucket_attention, dspark.DSparkError)
+    pieces.check_bucket(kv_bucket, dspark.DSparkError)
+    pieces.check_attention(bucket_attention, dspark.DSparkError)
     if kv_bucket is None:
         return dspark.load(path, lambda a: Compiled(a, compiled))
     m = dspark.load(path, lambda a: (Fused if fused else Bucketed)(a, kv_bucket, bucket_attention, compiled))
