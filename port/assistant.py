@@ -110,9 +110,12 @@ class Attention(nn.Module):
                                     scaling_config=rope if rope.get("rope_type") != "default" else None)
 
     def query(self, x, position):
-        """Q of the (input-normed) rows x [1, L, D] at `position` (an int or a scalar array)."""
-        B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        """Q of the (input-normed) rows x [1, L, D] or [L, D] at `position` (an int or a scalar array)."""
+        return self.query_heads(self.q_proj(x), position)
+
+    def query_heads(self, q, position):
+        """`query` from the projected rows q [1, L, n * hd] or [L, n * hd] (q_norm, RoPE)."""
+        q = self.q_norm(q.reshape(1, q.shape[-2], self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
         return self.rope(q, offset=position)
 
     def attend(self, q, keys, values):
@@ -120,8 +123,13 @@ class Attention(nn.Module):
         return mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale)
 
     def output(self, o):
-        B, _, L, _ = o.shape
-        return self.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.o_proj(self.rows(o))
+
+    @staticmethod
+    def rows(o):
+        """Heads [1, n, L, hd] -> rows [L, n * hd]: 2-D, so the projection is one matmul node (a
+        3-D input adds a Flatten and an Unflatten, host time on every call)."""
+        return o.transpose(0, 2, 1, 3).reshape(o.shape[2], -1)
 
     def __call__(self, x, kv, position):
         """The (input-normed) rows x at `position` over the donor K/V kv = (keys, values)."""
@@ -159,11 +167,12 @@ class DecoderLayer(nn.Module):
         """The attention's Q of the layer input x (the fast paths split the layer here)."""
         return self.self_attn.query(self.input_layernorm(x), position)
 
-    def finish(self, x, attn):
+    def finish(self, x, attn, mlp=None):
         """The layer's output from its input x and the attention's output attn: x + attention,
-        then the MLP."""
+        then the MLP (`mlp`: what runs as the MLP, default self.mlp; a fast path's on transposed
+        weights)."""
         h = x + self.post_attention_layernorm(attn)
-        h = h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = h + self.post_feedforward_layernorm((mlp or self.mlp)(self.pre_feedforward_layernorm(h)))
         return h * self.layer_scalar
 
 
@@ -219,10 +228,11 @@ class Model(nn.Module):
         return self.final(h)
 
     def final(self, h):
-        """Final norm -> logits, next hidden, argmax (+ candidates)."""
+        """Final norm of the row h ([1, 1, H] or [1, H]) -> logits [V], next hidden [1, 1, B],
+        argmax [1, 1] (+ candidates)."""
         h = self.model.norm(h)
         logits, cand = self.logits(h)
-        out = (logits, self.post_projection(h), mx.argmax(logits).reshape(1, 1))
+        out = (logits, self.post_projection(h).reshape(1, 1, -1), mx.argmax(logits).reshape(1, 1))
         return out if cand is None else out + (cand,)
 
     @property
@@ -234,13 +244,14 @@ class Model(nn.Module):
         a = self.args
         if not a.use_ordered_embeddings:
             head = self.model.embed_tokens.as_linear if a.tie_word_embeddings else self.lm_head
-            return head(h)[0, 0], None
-        scores = self.masked_embedding.centroids(h)[0, 0]
+            return head(h).reshape(-1), None
+        # reshape, not [0, 0]: a view, where integer indices are gathers
+        scores = self.masked_embedding.centroids(h).reshape(-1)
         k = a.centroid_intermediate_top_k
         top = mx.argpartition(-scores, kth=k - 1, axis=-1)[:k]
         per = a.vocab_size // a.num_centroids
         cand = self.masked_embedding.token_ordering.reshape(a.num_centroids, per)[top].reshape(-1)
-        cand_logits = (h[0, 0][None, :] * self.model.embed_tokens.weight[cand]).sum(axis=-1)
+        cand_logits = (h.reshape(1, -1) * self.model.embed_tokens.weight[cand]).sum(axis=-1)
         full = mx.full((a.vocab_size,), -1e30, dtype=h.dtype)
         return mx.put_along_axis(full, cand.astype(mx.int32), cand_logits.astype(full.dtype), axis=-1), cand
 

@@ -21,26 +21,45 @@ from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from .. import assistant, targets
 from .. import compiled as pieces
+from . import fusion
 
 
-def enter(m: assistant.Model, emb, hidden_in, position):
-    """pre_projection and layer 0's Q."""
-    h = m.pre_projection(mx.concatenate([emb, hidden_in], axis=-1))
-    return h, m.model.layers[0].query(h, position)
+def enter(m: assistant.Model, emb, hidden_in, position, w):
+    """pre_projection and layer 0's Q, the row 2-D [1, H] from here on; `w`: Compiled.weights()."""
+    h = mx.concatenate([emb, hidden_in], axis=-1).reshape(1, -1) @ w["pre"]
+    return h, query(m, 0, h, position, w)
 
 
-def between(m: assistant.Model, i: int, h, o, position):
+def between(m: assistant.Model, i: int, h, o, position, w):
     """Layer i's output and layer i+1's Q."""
-    h = m.model.layers[i].finish(h, m.model.layers[i].self_attn.output(o))
-    return h, m.model.layers[i + 1].query(h, position)
+    h = finish(m, i, h, o, w)
+    return h, query(m, i + 1, h, position, w)
 
 
-def leave(m: assistant.Model, h, o):
+def leave(m: assistant.Model, h, o, w):
     """The last layer's output -> Model.final."""
-    return m.final(m.model.layers[-1].finish(h, m.model.layers[-1].self_attn.output(o)))
+    return m.final(finish(m, len(m.model.layers) - 1, h, o, w))
+
+
+def query(m: assistant.Model, i: int, h, position, w):
+    """DecoderLayer.query of layer i on the transposed weights."""
+    layer = m.model.layers[i]
+    return layer.self_attn.query_heads(layer.input_layernorm(h) @ w[f"q{i}"], position)
+
+
+def finish(m: assistant.Model, i: int, h, o, w):
+    """DecoderLayer.finish of layer i (the attention's output projected) on the transposed weights."""
+    layer = m.model.layers[i]
+    return layer.finish(h, layer.self_attn.rows(o) @ w[f"o{i}"], partial(mlp, w, i))
+
+
+def mlp(w: dict, i: int, x):
+    """assistant.MLP (down(gelu_approx(gate(x)) * up(x))) of layer i on the transposed weights."""
+    return (nn.gelu_approx(x @ w[f"gate{i}"]) * (x @ w[f"up{i}"])) @ w[f"down{i}"]
 
 
 class Compiled(assistant.Model):
@@ -50,6 +69,20 @@ class Compiled(assistant.Model):
         super().__init__(args)
         self.compiled, self.repeat_kv = compiled, repeat_kv
         self._pieces = pieces.Pieces()
+        self._weights = None
+
+    def weights(self) -> dict:
+        """The step's projections transposed (fusion.Transposed): "pre", and per layer i "q{i}",
+        "o{i}", "gate{i}", "up{i}", "down{i}"; with 2-D rows, a projection is one matmul node (nn.Linear
+        on a 3-D row adds a Transpose, a Flatten and an Unflatten; the step is host-bound on MLX CUDA)."""
+        if self._weights is None:
+            owners = {"pre": self.pre_projection}
+            for i, layer in enumerate(self.model.layers):
+                a, f = layer.self_attn, layer.mlp
+                owners.update({f"q{i}": a.q_proj, f"o{i}": a.o_proj, f"gate{i}": f.gate_proj, f"up{i}": f.up_proj,
+                               f"down{i}": f.down_proj})
+            self._weights = fusion.Transposed(owners)
+        return self._weights.current()
 
     def pieces(self) -> tuple:
         """(enter, [between_i], exit), plain or compiled."""
@@ -59,13 +92,13 @@ class Compiled(assistant.Model):
 
     def __call__(self, emb, hidden_in, views: dict, position):
         first, middle, last = self.pieces()
-        pos = pieces.position(self, position)
-        h, q = first(emb, hidden_in, pos)
+        pos, w = pieces.position(self, position), self.weights()
+        h, q = first(emb, hidden_in, pos, w)
         for i, layer in enumerate(self.model.layers):
             o = layer.self_attn.attend(q, *views[layer.layer_type])
             if i < len(middle):
-                h, q = middle[i](h, o, pos)
-        return last(h, o)
+                h, q = middle[i](h, o, pos, w)
+        return last(h, o, w)
 
     def repeat(self, views: dict) -> dict:
         return super().repeat(views) if self.repeat_kv else views
@@ -96,22 +129,22 @@ class Bucketed(Compiled):
                                          "window), not targets.donor_view's sliced K/V")
         fn = self._bucketed.get(self, "step", self.whole_step, [self.state])
         logits, next_hidden, token, *cand = fn(emb, hidden_in, mx.array(position, mx.int32),
-                                               {t: d["kv"] for t, d in donors.items()})
+                                               {t: d["kv"] for t, d in donors.items()}, self.weights())
         if pick is not None:
             token = mx.array([[int(pick(logits))]])
         return assistant.Step(token, logits, next_hidden, cand[0] if cand else None)
 
-    def whole_step(self, emb, hidden_in, position, donors):
+    def whole_step(self, emb, hidden_in, position, donors, w):
         """The whole step over donor buffers {layer type: (k, v, where)} (donor_seen)."""
         self._bucketed.traces += 1
         masks = {t: pieces.additive_mask(seen, emb.dtype) for t, (_, _, seen) in donor_seen(donors).items()}
-        h, q = enter(self, emb, hidden_in, position)
+        h, q = enter(self, emb, hidden_in, position, w)
         for i, layer in enumerate(self.model.layers):
             k, v, _ = donors[layer.layer_type]
             o = mx.fast.scaled_dot_product_attention(q, k, v, scale=layer.self_attn.scale, mask=masks[layer.layer_type])
             if i < len(self.model.layers) - 1:
-                h, q = between(self, i, h, o, position)
-        return leave(self, h, o)
+                h, q = between(self, i, h, o, position, w)
+        return leave(self, h, o, w)
 
 
 def donor_buffers(target, caches: list, window: str | int = "optiq") -> dict:
