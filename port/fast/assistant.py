@@ -1,7 +1,8 @@
 """Fast paths of the Gemma-4 assistant port (port/assistant.py), subclasses of its plain Model.
 
 Compiled (the serve loop's default): the step's shape-stable pieces run through mx.compile, the
-attention over the donor K/V (whose length changes every round) outside it; bit for bit the plain
+attention over the donor K/V (whose length changes every round) outside it; the row 2-D and the
+projections on transposed weight views (fusion.Transposed: fewer graph nodes); bit for bit the plain
 step (tests/test_speed.py). `repeat_kv=False` lets the attention kernel map the query heads onto
 the donor K/V heads (no copy); on the CPU the same bits, on MLX CUDA 1 ulp off optiq's repeat.
 

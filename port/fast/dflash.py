@@ -9,7 +9,9 @@ context row in a buffer a whole number of buckets long (port/compiled.py BucketC
 mask the window instead of rotating), presented whole with the tail masked, and the block
 (embedding, layers, final norm, the target's head) is one compiled call that retraces only when the
 buffer grows (or the block length changes); mx.fast's attention over [context | block] joined with a
-float mask, or (bucket_attention="two-segment") a two-segment softmax. Held to the plain forward
+float mask, or (bucket_attention="two-segment") a two-segment softmax. It builds few graph nodes,
+each host time on MLX CUDA: 2-D rows, projections on transposed weight views (fusion.Transposed),
+one mask per layer kind (docs/benchmarks.md, "Session 12"). Held to the plain forward
 within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured: tests/test_bucketed.py).
 window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
 
@@ -17,7 +19,7 @@ Exact (`kv_bucket` with bucket_attention="exact", opt-in; full non-causal layers
 rows folded into the query heads over a view of the buffers at the exact key length, one cuDNN
 plan per buffer length on MLX CUDA, no mask; the writes into the buffers in place. Bit for bit the
 compiled block on the CPU (tests/test_speed.py); measured on the H200 in docs/benchmarks.md
-("Session 11": not faster than the default there, so not the default)."""
+(sessions 11 and 12: not faster than the default there, so not the default)."""
 
 from __future__ import annotations
 
