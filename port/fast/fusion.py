@@ -15,8 +15,8 @@ the module's state as an input, hands the module new array objects for the same 
 records them after a call that traced, so a trace is not taken for a replacement. `adopt` hands the
 module views into the stack in place of its own weights, so the weights are not held twice.
 
-Transposed (DFlash's Bucketed, port/fast/dflash.py): each projection's weight as its evaluated
-transposed view [in, out]. `x @ view` is the product `nn.Linear` computes as `x @ weight.T` (the
+Transposed (DFlash's Bucketed, port/fast/dflash.py; the assistant's Compiled step,
+port/fast/assistant.py): each projection's weight as its transposed view [in, out]. `x @ view` is the product `nn.Linear` computes as `x @ weight.T` (the
 same array, the same strides: the same kernel and bits) without the Transpose node it adds to the
 graph on every call; on MLX CUDA a block is host-bound, and every node costs host time."""
 

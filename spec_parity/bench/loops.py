@@ -44,7 +44,7 @@ import numpy as np
 from ..case import Case
 from . import loop_sides, shapes
 from .loop_sides import Loop
-from .report import _identity
+from .report import _identity, _mlx_env
 from .runner import _can_build, _reason, machine, project, versions
 from .shapes import SOURCES
 from .sides import Side, torch_device
@@ -282,8 +282,8 @@ def markdown(doc: dict) -> str:
     m = doc["machine"]
     lines = ["# spec-parity bench --serve", "",
              f"`{doc['command']}`", "",
-             f"project {_identity(doc)}; {m['platform']}; mlx device {m['mlx_default_device']}"
-             + "".join(f", {k}={v}" for k, v in (m.get("mlx_env") or {}).items()) + f"; torch sides: {doc['torch_sides']}",
+             f"project {_identity(doc)}; {m['platform']}; mlx device {m['mlx_default_device']}{_mlx_env(m)}; "
+             f"torch sides: {doc['torch_sides']}",
              "", "Decode tokens/s per fresh request (prompt lengths never repeated), median and p10-p90 over the "
              "runs; x plain = speed-up over the target's plain decode; tau = decode tokens / verify rounds; "
              "split = median ms per round draft / verify / accept+trim; peak = MiB over the timed runs "

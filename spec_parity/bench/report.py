@@ -51,9 +51,8 @@ def header(doc: dict) -> str:
     o = doc["options"]
     bw = doc["bandwidth"]
     load = f", load average {m['loadavg'][0]:.1f} on {m['cpu_count']} CPUs" if m.get("loadavg") else ""
-    env = "".join(f", {k}={val}" for k, val in (m.get("mlx_env") or {}).items())
     return (f"`{doc['command']}`\n\n"
-            f"project {_identity(doc)}; MLX {v.get('mlx', '?')} on {dev} ({name}){env}{load}; python {m['python']}; "
+            f"project {_identity(doc)}; MLX {v.get('mlx', '?')} on {dev} ({name}){_mlx_env(m)}{load}; python {m['python']}; "
             f"shapes {o['shapes']}{' /' + str(o['scale']) if o['scale'] > 1 else ''}, {o['dtype']}, "
             f"{o['warmup']} warm-up + {o['iters']} timed runs; torch sides: {doc['torch_sides']}; "
             f"whole run {doc['wall_s']:.0f} s.\n\n"
@@ -304,3 +303,8 @@ def _identity(doc: dict) -> str:
     p = doc.get("project") or {}
     commit = (p.get("commit") or "unknown")[:12] + ("+dirty" if p.get("dirty") else "")
     return f"{commit} ({p.get('from', 'unknown')}; source sha256 {str(p.get('source_sha256', '?'))[:12]})"
+
+
+def _mlx_env(machine: dict) -> str:
+    """The run's MLX_* settings (machine.mlx_env) as ", KEY=value" each, for a report's header."""
+    return "".join(f", {k}={v}" for k, v in (machine.get("mlx_env") or {}).items())
