@@ -13,6 +13,8 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache
 
+from .fast import kernels
+
 
 class Pieces:
     """A model's pieces, compiled once on first use with the module's parameters as compile inputs
@@ -58,25 +60,48 @@ def position(model, value: int):
 # the context grows each round. With a bucket the context K/V is presented at its buffer's length,
 # a multiple of the bucket, with the unused tail masked, so every shape of a block is constant
 # within a bucket: the whole block runs as one compiled call that retraces only when the buffer
-# grows. The valid length enters as an array. Attention (`bucket_attention`): "sdpa" (default),
+# grows. The valid length enters as an array. Attention (`bucket_attention`; AUTO, the default:
+# "kernel" on MLX CUDA with bf16 weights, else "sdpa"): "sdpa",
 # mx.fast.scaled_dot_product_attention over [context buffer | block] joined with a float mask: one
 # fused kernel on the GPU, but a copy of the context per layer and call; measured bit-exact with
 # the default path on the CPU backend (fp32 and bf16), not guaranteed on the GPU (another kernel
 # over a padded key range). "two-segment": no copy, more ops, a softmax summed in another order
 # (fp32: within tolerance; bf16: the two PV products round apart, measured up to 0.16 on tiny
-# logits). Held to the plain path within fp32 tolerance (bit-exact on the CPU with "sdpa").
+# logits). "kernel" (MLX CUDA only): port/fast/kernels.py, two custom kernels that read the buffer in
+# place up to the valid length and mask by position, two launches a layer. Held to the plain path
+# within fp32 tolerance (bit-exact on the CPU with "sdpa").
 
 
-BUCKET_ATTENTIONS = ("sdpa", "two-segment")
+BUCKET_ATTENTIONS = ("sdpa", "two-segment", "kernel")
 BUCKET = 256   # rows: mlx-lm KVCache's own growth step; the providers' and serve loop's default
 AUTO = "auto"  # a provider's / the serve loop's kv_bucket default: BUCKET wherever the path holds
 
 
-def check_attention(attention: str, error) -> str:
-    """The bucketed attention: one of BUCKET_ATTENTIONS."""
+def check_attention(attention: str, error, head_dim: int | None = None) -> str:
+    """The bucketed attention: AUTO (resolve_attention) or one of BUCKET_ATTENTIONS ("kernel":
+    MLX CUDA only, and a head_dim the kernels take)."""
+    if attention == AUTO:
+        return attention
     if attention not in BUCKET_ATTENTIONS:
         raise error(f"bucket_attention={attention!r}: expected one of {BUCKET_ATTENTIONS}")
+    if attention == "kernel":
+        if not kernels.available():
+            raise error("bucket_attention='kernel' runs on MLX's CUDA backend only (mx.cuda.is_available() is "
+                        "False or the default device is the CPU); use bucket_attention='sdpa'")
+        if head_dim is not None:
+            try:
+                kernels.check(head_dim)
+            except kernels.KernelError as e:
+                raise error(str(e)) from None
     return attention
+
+
+def resolve_attention(attention: str, head_dim: int, dtype: mx.Dtype) -> str:
+    """AUTO: "kernel" where the kernels beat mx.fast's attention (MLX CUDA, bf16 weights: their
+    tensor-core path, docs/benchmarks.md; on fp32 their FMA path is the slower one), else "sdpa"."""
+    if attention != AUTO:
+        return attention
+    return "kernel" if kernels.available() and kernels.fits(head_dim) and dtype == mx.bfloat16 else "sdpa"
 
 
 def check_bucket(kv_bucket, error) -> int | None:
@@ -221,15 +246,28 @@ def joined_mask(ctx_seen, blk_seen, L: int, S: int, dtype: mx.Dtype) -> mx.array
     return additive_mask(mx.concatenate([mx.broadcast_to(ctx_seen, (L, S)), blk], axis=-1), dtype)
 
 
-def bucketed_mask(how: str, ctx_seen, blk_seen, L: int, S: int, dtype: mx.Dtype):
-    """The mask bucketed_attention takes, built once for every layer that shares it: joined_sdpa's
-    additive one, or two_segment_attention's pair."""
-    return joined_mask(ctx_seen, blk_seen, L, S, dtype) if how == "sdpa" else (ctx_seen, blk_seen)
+def bucketed_mask(how: str, valid, L: int, S: int, dtype: mx.Dtype, window: int | None = None,
+                  causal: bool = False):
+    """The mask bucketed_attention takes, built once for every layer that shares it. Block row i
+    (at position valid + i) sees context row j when j < valid and, with a `window`, valid + i - j <
+    window; block row m when not `causal` or m <= i. "sdpa": joined_sdpa's additive mask;
+    "two-segment": two_segment_attention's pair of bool masks; "kernel": the kernels' arguments
+    (they mask by position themselves)."""
+    if how == "kernel":
+        return valid, window, causal
+    seen = valid_rows(valid, S)
+    if window is not None:
+        seen = seen & (valid + mx.arange(L)[:, None] - mx.arange(S) < window)
+    blk_seen = mx.arange(L)[None] <= mx.arange(L)[:, None] if causal else None
+    return joined_mask(seen, blk_seen, L, S, dtype) if how == "sdpa" else (seen, blk_seen)
 
 
 def bucketed_attention(how: str, q, ctx_k, ctx_v, blk_k, blk_v, mask, scale: float):
-    """joined_sdpa or two_segment_attention (BUCKET_ATTENTIONS), same arguments; `mask` from
-    bucketed_mask."""
+    """joined_sdpa, two_segment_attention or the kernels (BUCKET_ATTENTIONS), same arguments;
+    `mask` from bucketed_mask."""
+    if how == "kernel":
+        valid, window, causal = mask
+        return kernels.attention(q, ctx_k, ctx_v, blk_k, blk_v, valid, scale, window, causal)
     return (joined_sdpa if how == "sdpa" else two_segment_attention)(q, ctx_k, ctx_v, blk_k, blk_v, mask, scale)
 
 

@@ -33,11 +33,13 @@ from port import compiled, dflash, dspark, serve, targets
 from port.fast import assistant as fast_assistant
 from port.fast import dflash as fast_dflash
 from port.fast import dspark as fast_dspark
+from port.fast import kernels
 from port.sources.assistant import AssistantSource
 from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import budgets, checkpoints, compare, controls, harness
 
 BUCKET = 8
+KERNELS = pytest.mark.skipif(not kernels.available(), reason="the kernels run on MLX CUDA only")
 FP32 = budgets.DTYPE_DEFAULTS["float32"]
 # context rows fed per round: 5 (the prompt's), then 3 per round: 5, 8, ..., 20 (buffers 8, 16, 24)
 FEEDS = [(0, 5)] + [(5 + 3 * r, 8 + 3 * r) for r in range(5)]
@@ -116,7 +118,8 @@ CASES = [("dspark", v) for v in ("gemma4", "qwen3", "gemma4-keqv", "gemma4-rnn")
         [("dflash", v) for v in DFLASH_VARIANTS]
 
 
-@pytest.mark.parametrize("attention", compiled.BUCKET_ATTENTIONS)
+@pytest.mark.parametrize("attention", [pytest.param(a, marks=KERNELS) if a == "kernel" else a
+                                       for a in compiled.BUCKET_ATTENTIONS])
 @pytest.mark.parametrize("source,variant", CASES, ids=[f"{s}-{v}" for s, v in CASES])
 def test_bucketed_block_within_fp32_of_default(source, variant, attention):
     """Six rounds, the context 5 -> 20 rows over buffers of 8, 16, 24: every block tensor within

@@ -195,16 +195,22 @@ class Bucketed(Compiled):
     same block function plain (the trace counter's control)."""
 
     def __init__(self, a: dflash.ModelArgs, window: str = "positional", embed: str = "scaled",
-                 kv_bucket: int = 256, attention: str = "sdpa", compiled: bool = True):
+                 kv_bucket: int = 256, attention: str = pieces.AUTO, compiled: bool = True):
         super().__init__(a, window, embed, compiled)
         self.kv_bucket = pieces.check_bucket(kv_bucket, dflash.DFlashError)
-        self.bucket_attention = pieces.check_attention(attention, dflash.DFlashError)
+        self.attention = pieces.check_attention(attention, dflash.DFlashError, a.head_dim)
         if window == "zlab-mlx" and "sliding_attention" in a.layer_types:
             raise dflash.DFlashError("kv_bucket with window='zlab-mlx': that window follows the rotating buffer's "
                                      "order, which a bucketed context (every row, in time order) does not have; use "
                                      "window='positional' (z-lab torch's semantics) or kv_bucket=None")
         self._bucketed = pieces.Bucketed()
         self._weights = None
+
+    @property
+    def bucket_attention(self) -> str:
+        """The attention asked for, AUTO resolved by the weights' dtype as they are now."""
+        return pieces.resolve_attention(self.attention, self.args.head_dim,
+                                        self.layers[0].self_attn.q_proj.weight.dtype)
 
     def make_caches(self) -> list:
         """Every layer every context row, in a BucketCache."""
@@ -268,14 +274,10 @@ def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid, mas
     valid row, sliding layers those within the window of each block row (window="positional");
     the block rows see each other (causal: the earlier ones only). `masks`: the block's masks by
     layer kind, built once per kind (mx.compile does not merge the layers' equal mask graphs)."""
-    L, S = q.shape[2], keys.shape[2]
     kind = (attn.sliding, attn.causal)
     if kind not in masks:
-        seen = pieces.valid_rows(valid, S)
-        if attn.sliding:
-            seen = seen & (valid + mx.arange(L)[:, None] - mx.arange(S) < attn.a.sliding_window)
-        causal = mx.arange(L)[None] <= mx.arange(L)[:, None] if attn.causal else None
-        masks[kind] = pieces.bucketed_mask(how, seen, causal, L, S, q.dtype)
+        window = attn.a.sliding_window if attn.sliding else None
+        masks[kind] = pieces.bucketed_mask(how, valid, q.shape[2], keys.shape[2], q.dtype, window, attn.causal)
     return pieces.bucketed_attention(how, q, keys, values, bk, bv, masks[kind], attn.scale)
 
 
@@ -283,7 +285,7 @@ EXACT = "exact"   # bucket_attention: the Exact block (DFlash only)
 
 
 def load(path: str | Path, window: str = "positional", embed: str = "scaled", compiled: bool = True,
-         kv_bucket: int | str | None = None, bucket_attention: str = "sdpa", scales: str = "either") -> Compiled:
+         kv_bucket: int | str | None = None, bucket_attention: str = pieces.AUTO, scales: str = "either") -> Compiled:
     """The drafter on a fast path: Compiled, or with a `kv_bucket` Bucketed (Exact with
     bucket_attention="exact"); pieces.AUTO: pieces.BUCKET rows unless window="zlab-mlx" meets
     sliding layers, which only Compiled holds."""

@@ -88,13 +88,19 @@ class Bucketed(Compiled):
     """The bucketed block over one BucketCache per layer (`make_cache`); `compiled` off runs the
     same block function plain (the trace counter's control)."""
 
-    def __init__(self, a: dspark.ModelArgs, kv_bucket: int, attention: str = "sdpa", compiled: bool = True):
+    def __init__(self, a: dspark.ModelArgs, kv_bucket: int, attention: str = pieces.AUTO, compiled: bool = True):
         super().__init__(a, compiled)
         self.kv_bucket = pieces.check_bucket(kv_bucket, dspark.DSparkError)
         if self.kv_bucket is None:
             raise dspark.DSparkError("kv_bucket=None: the bucketed path needs a bucket (the plain Model has none)")
-        self.bucket_attention = pieces.check_attention(attention, dspark.DSparkError)
+        self.attention = pieces.check_attention(attention, dspark.DSparkError, a.head_dim)
         self._bucketed = pieces.Bucketed()
+
+    @property
+    def bucket_attention(self) -> str:
+        """The attention asked for, AUTO resolved by the weights' dtype as they are now."""
+        return pieces.resolve_attention(self.attention, self.args.head_dim,
+                                        self.layers[0].self_attn.q_proj.weight.dtype)
 
     def make_cache(self) -> pieces.BucketCache:
         return pieces.BucketCache(self.kv_bucket)
@@ -116,7 +122,7 @@ class Bucketed(Compiled):
         """Every layer's mask (the same for all: rows past `valid` off, the block unmasked), built
         once (mx.compile does not merge the layers' equal mask graphs)."""
         L, S = q.shape[2], keys.shape[2]
-        return pieces.bucketed_mask(self.bucket_attention, pieces.valid_rows(valid, S), None, L, S, q.dtype)
+        return pieces.bucketed_mask(self.bucket_attention, valid, L, S, q.dtype)
 
     def attend(self, i: int, q, keys, values, mask, k, v):
         return pieces.bucketed_attention(self.bucket_attention, q, keys, values, k, v, mask,
@@ -156,7 +162,7 @@ class Fused(Bucketed):
     every layer's context K and one for their V (on commit); per layer one for the block's K and
     V and one for the MLP's gate and up: on Qwen3-4B's 5 layers 18 fewer matmuls a round."""
 
-    def __init__(self, a: dspark.ModelArgs, kv_bucket: int, attention: str = "sdpa", compiled: bool = True):
+    def __init__(self, a: dspark.ModelArgs, kv_bucket: int, attention: str = pieces.AUTO, compiled: bool = True):
         super().__init__(a, kv_bucket, attention, compiled)
         self._stacks = fusion.Stacks()
 
@@ -213,7 +219,7 @@ def fused_mlp(mlp: dspark.MLP, gate_up, x):
 
 
 def load(path: str | Path, compiled: bool = True, kv_bucket: int | str | None = None,
-         bucket_attention: str = "sdpa", fused: bool = True) -> Compiled:
+         bucket_attention: str = pieces.AUTO, fused: bool = True) -> Compiled:
     """The drafter on a fast path: Compiled, or with a `kv_bucket` Fused (Bucketed with `fused`
     off); pieces.AUTO: pieces.BUCKET rows (every DSpark variant holds it)."""
     kv_bucket = pieces.BUCKET if kv_bucket == pieces.AUTO else kv_bucket

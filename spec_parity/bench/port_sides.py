@@ -12,7 +12,7 @@ from functools import partial
 import mlx.core as mx
 
 from .shapes import Checkpoints, serve_weights
-from .sides import Prep, Side, Stepper
+from .sides import Prep, Side, Skip, Stepper
 
 BUCKET = 256  # mlx-lm KVCache's own growth step (port.compiled.BUCKET; port/ is imported lazily)
 # The port's modules whose host-filled buffers counters.HostBuffers counts (by name: not imported).
@@ -81,6 +81,10 @@ PATHS = {
     "bucketed-2seg": {"dspark": {"kv_bucket": BUCKET, "bucket_attention": "two-segment"},
                       "dflash": {"kv_bucket": BUCKET, "bucket_attention": "two-segment"}},
     "exact": {"dflash": {"kv_bucket": BUCKET, "bucket_attention": "exact"}},
+    "sdpa": {"dspark": {"kv_bucket": BUCKET, "bucket_attention": "sdpa"},
+             "dflash": {"kv_bucket": BUCKET, "bucket_attention": "sdpa"}},
+    "kernel": {"dspark": {"kv_bucket": BUCKET, "bucket_attention": "kernel"},
+               "dflash": {"kv_bucket": BUCKET, "bucket_attention": "kernel"}},
 }
 
 
@@ -148,7 +152,10 @@ def _source_class(ckpt: Checkpoints):
 
 
 def load_port_drafter(ckpt: Checkpoints, **options):
-    from port.fast import assistant, dflash, dspark
+    from port.fast import assistant, dflash, dspark, kernels
+
+    if options.get("bucket_attention") == "kernel" and not kernels.available():
+        raise Skip("bucket_attention='kernel' runs on MLX's CUDA backend only")
 
     mod = {"assistant": assistant, "dspark": dspark, "dflash": dflash}[ckpt.source]
     with serve_weights(ckpt):

@@ -1,0 +1,433 @@
+"""The bucketed block's attention as two custom CUDA kernels (MLX CUDA only; opt-in or the
+default there, see port/compiled.py `bucket_attention`).
+
+Why: on MLX CUDA a draft block is host-bound, and the default bucketed attention
+(compiled.joined_sdpa) costs five launches a layer: two copies to join the context buffer to the
+block's K and two for V, then mx.fast's attention over the whole padded buffer with a float mask
+(built by more ops). Here the context buffer is read in place up to `valid` (an array, so one
+compiled kernel serves every context length and every bucket), the mask is computed from
+positions inside the kernel, and padded rows cost nothing: two launches a layer.
+
+Kernel 1 (split): one CUDA block per (split of the keys, KV head, group of query rows). GQA: every
+query row of the KV head's query heads (rep x L rows) in one block, so K and V are read once.
+Keys are [context rows 0..valid-1 ; block rows 0..L-1]; each split walks its share of them in
+tiles held in shared memory (fp32; the next tile's loads in flight while one is computed) and keeps an online softmax (fp32: running max, sum, and the
+unnormalised output) per row; four threads share a row, a quarter of the head dimension each.
+Kernel 2 (combine): the splits' partial results rescaled to the common max and summed, written
+as [1, L, Hq, D] so that the layer's output projection reads its rows without a copy.
+
+Masking, as compiled.bucketed_mask states it: a context row j is seen by block row i when
+j < valid and (no window, or valid + i - j < window); a block row m when not causal or m <= i.
+Scores are scale * q.k in fp32, exp by expf (no fast math): held to joined_sdpa within tolerance
+on the H200 (tests/test_kernels.py; docs/benchmarks.md states the measured tier)."""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+
+import mlx.core as mx
+
+ROWS = 64          # query rows per CUDA block (4 threads each: 256 threads)
+CTAS = 264         # CUDA blocks aimed at: two per SM of an H200 (132 SMs)
+
+SPLIT = """
+constexpr int REP = HQ / HKV;
+constexpr int R = REP * L;
+constexpr int G4 = D / 16;
+const int split = blockIdx.x, g = blockIdx.y, splits = gridDim.x;
+const int tid = threadIdx.x, lane = tid & 3;
+const int r = blockIdx.z * RPB + (tid >> 2);
+const bool live = r < R;
+const int h = g * REP + (live ? r / L : 0);
+const int i = live ? r % L : 0;
+const int nv = valid[0];
+const int N = nv + L;
+const int tiles = (N + TK - 1) / TK;
+const int n0 = min(N, (int)((long long)split * tiles / splits) * TK);
+const int n1 = min(N, (int)((long long)(split + 1) * tiles / splits) * TK);
+const float sc = scale[0];
+
+__shared__ float4 ks[TK][D / 4];
+__shared__ float4 vs[TK][D / 4];
+
+float4 qr[G4], acc[G4];
+#pragma unroll
+for (int j = 0; j < G4; ++j) {
+  const int d = 4 * (lane + 4 * j);
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (live) {
+    const long long o = h * q_strides[1] + i * q_strides[2];
+    v.x = static_cast<float>(q[o + (d + 0) * q_strides[3]]) * sc;
+    v.y = static_cast<float>(q[o + (d + 1) * q_strides[3]]) * sc;
+    v.z = static_cast<float>(q[o + (d + 2) * q_strides[3]]) * sc;
+    v.w = static_cast<float>(q[o + (d + 3) * q_strides[3]]) * sc;
+  }
+  qr[j] = v;
+  acc[j] = make_float4(0.f, 0.f, 0.f, 0.f);
+}
+float m = -INFINITY, l = 0.f;
+
+constexpr int NT = RPB * 4;
+constexpr int NL = (TK * D + NT - 1) / NT;
+float kr[NL], vr[NL];
+auto fetch = [&](int t0) {
+#pragma unroll
+  for (int e = 0; e < NL; ++e) {
+    const int idx = e * NT + tid, k = idx / D, d = idx % D, n = t0 + k;
+    kr[e] = 0.f;
+    vr[e] = 0.f;
+    if (idx < TK * D && n < n1) {
+      if (n < nv) {
+        kr[e] = static_cast<float>(ck[g * ck_strides[1] + n * ck_strides[2] + d * ck_strides[3]]);
+        vr[e] = static_cast<float>(cv[g * cv_strides[1] + n * cv_strides[2] + d * cv_strides[3]]);
+      } else {
+        kr[e] = static_cast<float>(bk[g * bk_strides[1] + (n - nv) * bk_strides[2] + d * bk_strides[3]]);
+        vr[e] = static_cast<float>(bv[g * bv_strides[1] + (n - nv) * bv_strides[2] + d * bv_strides[3]]);
+      }
+    }
+  }
+};
+
+if (n0 < n1) fetch(n0);
+for (int t0 = n0; t0 < n1; t0 += TK) {
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < NL; ++e) {
+    const int idx = e * NT + tid;
+    if (idx < TK * D) {
+      reinterpret_cast<float*>(ks[idx / D])[idx % D] = kr[e];
+      reinterpret_cast<float*>(vs[idx / D])[idx % D] = vr[e];
+    }
+  }
+  __syncthreads();
+  if (t0 + TK < n1) fetch(t0 + TK);
+  float s[TK];
+  float tmax = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < TK; ++k) {
+    float p = 0.f;
+#pragma unroll
+    for (int j = 0; j < G4; ++j) {
+      const float4 kk = ks[k][lane + 4 * j];
+      p += qr[j].x * kk.x + qr[j].y * kk.y + qr[j].z * kk.z + qr[j].w * kk.w;
+    }
+    p += __shfl_xor_sync(0xffffffff, p, 1);
+    p += __shfl_xor_sync(0xffffffff, p, 2);
+    const int n = t0 + k;
+    const bool seen = live && n < n1 &&
+        (n < nv ? (W == 0 || nv + i - n < W) : (!CAUSAL || n - nv <= i));
+    s[k] = seen ? p : -INFINITY;
+    tmax = fmaxf(tmax, s[k]);
+  }
+  const float mnew = fmaxf(m, tmax);
+  if (mnew != -INFINITY) {
+    const float alpha = expf(m - mnew);
+    l *= alpha;
+#pragma unroll
+    for (int j = 0; j < G4; ++j) {
+      acc[j].x *= alpha; acc[j].y *= alpha; acc[j].z *= alpha; acc[j].w *= alpha;
+    }
+#pragma unroll
+    for (int k = 0; k < TK; ++k) {
+      const float p = expf(s[k] - mnew);
+      l += p;
+#pragma unroll
+      for (int j = 0; j < G4; ++j) {
+        const float4 vv = vs[k][lane + 4 * j];
+        acc[j].x += p * vv.x; acc[j].y += p * vv.y; acc[j].z += p * vv.z; acc[j].w += p * vv.w;
+      }
+    }
+    m = mnew;
+  }
+}
+
+if (live) {
+  const long long row = (long long)split * HQ * L + h * L + i;
+#pragma unroll
+  for (int j = 0; j < G4; ++j) {
+    reinterpret_cast<float4*>(po + row * D)[lane + 4 * j] = acc[j];
+  }
+  if (lane == 0) {
+    pm[row] = m;
+    pl[row] = l;
+  }
+}
+"""
+
+MMA_HEADER = """
+__device__ __forceinline__ void mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16(__nv_bfloat16 lo, __nv_bfloat16 hi) {
+  __nv_bfloat162 v = __halves2bfloat162(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+__device__ __forceinline__ void pack_split(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat16 ah = __float2bfloat16(a), bh = __float2bfloat16(b);
+  hi = pack_bf16(ah, bh);
+  lo = pack_bf16(__float2bfloat16(a - __bfloat162float(ah)), __float2bfloat16(b - __bfloat162float(bh)));
+}
+"""
+
+# The split kernel on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation), head_dim <= 128:
+# a warp owns 16 query rows; S = Q K^T and O += P V per tile of 32 keys. Q and K are bf16, so S is
+# their exact products summed in fp32; P enters its product as two bf16 parts (P = hi + lo, about 16
+# bits kept, where flash attention rounds P to one bf16), the softmax's max and sum in fp32.
+MMA = """
+constexpr int REP = HQ / HKV;
+constexpr int R = REP * L;
+constexpr int TK = 32;
+constexpr int KS = D / 16;
+constexpr int DN = D / 8;
+constexpr int KP = D + 8;
+constexpr int VP = TK + 8;
+constexpr int NT = WARPS * 32;
+constexpr int NP = (TK * D / 2 + NT - 1) / NT;
+const int split = blockIdx.x, g = blockIdx.y, splits = gridDim.x;
+const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+const int gid = lane >> 2, tig = lane & 3;
+const int nv = valid[0];
+const int N = nv + L;
+const int tiles = (N + TK - 1) / TK;
+const int n0 = min(N, (int)((long long)split * tiles / splits) * TK);
+const int n1 = min(N, (int)((long long)(split + 1) * tiles / splits) * TK);
+const float sc = scale[0];
+
+__shared__ __align__(16) __nv_bfloat16 ks[TK * KP];
+__shared__ __align__(16) __nv_bfloat16 vt[D * VP];
+
+const int rbase = blockIdx.z * (WARPS * 16) + warp * 16;
+bool live[2];
+int hh[2], ii[2];
+#pragma unroll
+for (int x = 0; x < 2; ++x) {
+  const int r = rbase + gid + 8 * x;
+  live[x] = r < R;
+  hh[x] = g * REP + (live[x] ? r / L : 0);
+  ii[x] = live[x] ? r % L : 0;
+}
+const __nv_bfloat16 zero = __float2bfloat16(0.f);
+uint32_t qa[KS][4];
+#pragma unroll
+for (int s = 0; s < KS; ++s) {
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int x = c & 1, d = 16 * s + tig * 2 + (c >> 1) * 8;
+    const long long o = hh[x] * q_strides[1] + ii[x] * q_strides[2];
+    qa[s][c] = live[x] ? pack_bf16(q[o + d * q_strides[3]], q[o + (d + 1) * q_strides[3]]) : 0u;
+  }
+}
+float o[DN][4];
+#pragma unroll
+for (int j = 0; j < DN; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+uint32_t kr[NP], vr[NP];
+auto fetch = [&](int t0) {
+#pragma unroll
+  for (int e = 0; e < NP; ++e) {
+    const int idx = e * NT + tid, k = idx / (D / 2), d = (idx % (D / 2)) * 2, n = t0 + k;
+    kr[e] = 0u;
+    vr[e] = 0u;
+    if (idx < TK * D / 2 && n < n1) {
+      if (n < nv) {
+        const long long ko = g * ck_strides[1] + n * ck_strides[2], vo = g * cv_strides[1] + n * cv_strides[2];
+        kr[e] = pack_bf16(ck[ko + d * ck_strides[3]], ck[ko + (d + 1) * ck_strides[3]]);
+        vr[e] = pack_bf16(cv[vo + d * cv_strides[3]], cv[vo + (d + 1) * cv_strides[3]]);
+      } else {
+        const long long ko = g * bk_strides[1] + (n - nv) * bk_strides[2];
+        const long long vo = g * bv_strides[1] + (n - nv) * bv_strides[2];
+        kr[e] = pack_bf16(bk[ko + d * bk_strides[3]], bk[ko + (d + 1) * bk_strides[3]]);
+        vr[e] = pack_bf16(bv[vo + d * bv_strides[3]], bv[vo + (d + 1) * bv_strides[3]]);
+      }
+    }
+  }
+};
+
+if (n0 < n1) fetch(n0);
+for (int t0 = n0; t0 < n1; t0 += TK) {
+  __syncthreads();
+#pragma unroll
+  for (int e = 0; e < NP; ++e) {
+    const int idx = e * NT + tid, k = idx / (D / 2), d = (idx % (D / 2)) * 2;
+    if (idx < TK * D / 2) {
+      *reinterpret_cast<uint32_t*>(&ks[k * KP + d]) = kr[e];
+      __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162*>(&vr[e]);
+      vt[d * VP + k] = v.x;
+      vt[(d + 1) * VP + k] = v.y;
+    }
+  }
+  __syncthreads();
+  if (t0 + TK < n1) fetch(t0 + TK);
+
+  float sf[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    sf[j][0] = sf[j][1] = sf[j][2] = sf[j][3] = 0.f;
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      const __nv_bfloat16* kp = &ks[(8 * j + gid) * KP + 16 * s + tig * 2];
+      mma_bf16(sf[j], qa[s], *reinterpret_cast<const uint32_t*>(kp), *reinterpret_cast<const uint32_t*>(kp + 8));
+    }
+  }
+  float tmax[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int x = c >> 1, n = t0 + 8 * j + tig * 2 + (c & 1);
+      const bool seen = live[x] && n < n1 &&
+          (n < nv ? (W == 0 || nv + ii[x] - n < W) : (!CAUSAL || n - nv <= ii[x]));
+      sf[j][c] = seen ? sf[j][c] * sc : -INFINITY;
+      tmax[x] = fmaxf(tmax[x], sf[j][c]);
+    }
+  }
+  float alpha[2], mnew[2];
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    tmax[x] = fmaxf(tmax[x], __shfl_xor_sync(0xffffffff, tmax[x], 1));
+    tmax[x] = fmaxf(tmax[x], __shfl_xor_sync(0xffffffff, tmax[x], 2));
+    mnew[x] = fmaxf(m[x], tmax[x]);
+    alpha[x] = mnew[x] == -INFINITY ? 1.f : expf(m[x] - mnew[x]);
+    l[x] *= alpha[x];
+    m[x] = mnew[x];
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int x = c >> 1;
+      sf[j][c] = sf[j][c] == -INFINITY ? 0.f : expf(sf[j][c] - mnew[x]);
+      l[x] += sf[j][c];
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < DN; ++j) {
+    o[j][0] *= alpha[0]; o[j][1] *= alpha[0]; o[j][2] *= alpha[1]; o[j][3] *= alpha[1];
+  }
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    uint32_t ph[4], pr[4];
+    pack_split(sf[2 * s][0], sf[2 * s][1], ph[0], pr[0]);
+    pack_split(sf[2 * s][2], sf[2 * s][3], ph[1], pr[1]);
+    pack_split(sf[2 * s + 1][0], sf[2 * s + 1][1], ph[2], pr[2]);
+    pack_split(sf[2 * s + 1][2], sf[2 * s + 1][3], ph[3], pr[3]);
+#pragma unroll
+    for (int j = 0; j < DN; ++j) {
+      const __nv_bfloat16* vp = &vt[(8 * j + gid) * VP + 16 * s + tig * 2];
+      const uint32_t b0 = *reinterpret_cast<const uint32_t*>(vp), b1 = *reinterpret_cast<const uint32_t*>(vp + 8);
+      mma_bf16(o[j], ph, b0, b1);
+      mma_bf16(o[j], pr, b0, b1);
+    }
+  }
+}
+
+#pragma unroll
+for (int x = 0; x < 2; ++x) {
+  l[x] += __shfl_xor_sync(0xffffffff, l[x], 1);
+  l[x] += __shfl_xor_sync(0xffffffff, l[x], 2);
+  if (live[x]) {
+    const long long row = (long long)split * HQ * L + hh[x] * L + ii[x];
+#pragma unroll
+    for (int j = 0; j < DN; ++j) {
+      reinterpret_cast<float2*>(po + row * D + 8 * j + tig * 2)[0] = make_float2(o[j][2 * x], o[j][2 * x + 1]);
+    }
+    if (tig == 0) {
+      pm[row] = m[x];
+      pl[row] = l[x];
+    }
+  }
+}
+"""
+
+COMBINE = """
+const long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+const int rows = HQ * L;
+if (t >= (long long)rows * D) return;
+const int row = t / D, d = t % D, splits = pm_shape[0];
+float mx_ = -INFINITY;
+#pragma unroll 8
+for (int s = 0; s < splits; ++s) mx_ = fmaxf(mx_, pm[s * rows + row]);
+float num = 0.f, den = 0.f;
+#pragma unroll 8
+for (int s = 0; s < splits; ++s) {
+  const float m = pm[s * rows + row];
+  if (m == -INFINITY) continue;
+  const float w = expf(m - mx_);
+  den += pl[s * rows + row] * w;
+  num += po[((long long)s * rows + row) * D + d] * w;
+}
+const int h = row / L, i = row % L;
+out[((long long)i * HQ + h) * D + d] = static_cast<T>(num / den);
+"""
+
+
+class KernelError(ValueError):
+    pass
+
+
+def available() -> bool:
+    """The kernels run: MLX's CUDA backend, and the GPU the default device."""
+    return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
+@cache
+def _kernels():
+    """The kernels (built once; MLX compiles each per template): split (fp32 FMA), split on bf16
+    tensor cores, combine."""
+    names = ["q", "ck", "cv", "bk", "bv", "valid", "scale"]
+    split = mx.fast.cuda_kernel(name="spec_parity_bucket_attention_split", input_names=names,
+                                output_names=["po", "pm", "pl"], source=SPLIT, ensure_row_contiguous=False)
+    mma = mx.fast.cuda_kernel(name="spec_parity_bucket_attention_mma", input_names=names,
+                              output_names=["po", "pm", "pl"], source=MMA, header=MMA_HEADER,
+                              ensure_row_contiguous=False)
+    combine = mx.fast.cuda_kernel(name="spec_parity_bucket_attention_combine", input_names=["po", "pm", "pl"],
+                                  output_names=["out"], source=COMBINE)
+    return split, mma, combine
+
+
+def fits(head_dim: int) -> bool:
+    """The shapes the kernels take: a head dimension that is a multiple of 16, at most 256."""
+    return head_dim % 16 == 0 and head_dim <= 256
+
+
+def check(head_dim: int) -> None:
+    if not fits(head_dim):
+        raise KernelError(f"bucket_attention='kernel' needs a head_dim that is a multiple of 16 and at most 256 "
+                          f"(this drafter's: {head_dim}); use bucket_attention='sdpa'")
+
+
+def attention(q, ctx_k, ctx_v, blk_k, blk_v, valid, scale: float, window: int | None = None,
+              causal: bool = False):
+    """softmax(scale q [ctx | block]^T, masked) [ctx | block], as a [1, Hq, L, D] view (its
+    memory laid out [1, L, Hq, D]). q [1, Hq, L, D]; ctx_k / ctx_v [1, Hkv, S, D] the bucketed
+    buffers, rows from `valid` (an int32 scalar array) unused; blk_k / blk_v [1, Hkv, L, D]."""
+    _, HQ, L, D = q.shape
+    HKV, S = ctx_k.shape[1], ctx_k.shape[2]
+    check(D)
+    rows = HQ // HKV * L
+    split, mma, combine = _kernels()
+    inputs = [q, ctx_k, ctx_v, blk_k, blk_v, valid, mx.array([scale], mx.float32)]
+    masking = [("HQ", HQ), ("HKV", HKV), ("L", L), ("D", D), ("W", window or 0), ("CAUSAL", bool(causal))]
+    if q.dtype == mx.bfloat16 and D <= 128:
+        warps = min(-(-rows // 16), ROWS // 16)
+        kernel, threads, tk, template = mma, warps * 32, 32, masking + [("WARPS", warps)]
+        groups = -(-rows // (warps * 16))
+    else:
+        rpb = min(-(-rows // 8) * 8, ROWS)   # whole warps: the row's four threads shuffle
+        tk = 32 if D <= 128 else 16
+        kernel, threads, template = split, rpb * 4, masking + [("RPB", rpb), ("TK", tk)]
+        groups = -(-rows // rpb)
+    splits = max(1, min(-(-(S + L) // tk), math.ceil(CTAS / (HKV * groups))))
+    po, pm, pl = kernel(inputs=inputs, template=template, grid=(splits * threads, HKV, groups),
+                        threadgroup=(threads, 1, 1),
+                        output_shapes=[(splits, HQ * L, D), (splits, HQ * L), (splits, HQ * L)],
+                        output_dtypes=[mx.float32] * 3)
+    out = combine(inputs=[po, pm, pl], template=[("T", q.dtype), ("HQ", HQ), ("L", L), ("D", D)],
+                  grid=(HQ * L * D, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(1, L, HQ, D)],
+                  output_dtypes=[q.dtype])[0]
+    return out.transpose(0, 2, 1, 3)

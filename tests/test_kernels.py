@@ -1,0 +1,123 @@
+"""The bucketed attention's custom CUDA kernels (port/fast/kernels.py) against the attention they
+replace (compiled.joined_sdpa over the joined keys with its float mask), on MLX CUDA.
+
+The reference runs in fp32 on the same inputs; the kernels' output is held to it within the
+fp32 budget (fp32 inputs) or the bf16 budget (bf16 inputs), over shapes that cross a tile and a
+split boundary, GQA, a sliding window, causal blocks, and `valid` at 0, inside and at the end of
+the buffer. Planted bugs, edited into the kernels' source from here (the port is not touched),
+must fail the same comparison. On the CPU only the refusal runs: the kernels need MLX CUDA."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from port import compiled, dflash, dspark
+from port.fast import dflash as fast_dflash
+from port.fast import dspark as fast_dspark
+from port.fast import kernels
+from spec_parity import budgets, checkpoints, compare
+
+CUDA = pytest.mark.skipif(not kernels.available(), reason="the kernels run on MLX CUDA only")
+
+# (Hq, Hkv, L, D, S, valid, window, causal)
+SHAPES = [
+    (4, 2, 8, 16, 24, 13, None, False),        # the tiny drafters' shape
+    (32, 8, 16, 128, 2304, 2048, None, False),  # Qwen3-4B DFlash, ctx 2048
+    (32, 8, 7, 128, 512, 300, None, False),     # DSpark's block of 7
+    (8, 1, 16, 256, 256, 256, None, False),     # Gemma-4's global head_dim, a full buffer
+    (16, 4, 16, 64, 64, 0, None, True),         # no context yet, causal
+    (8, 2, 16, 128, 512, 333, 40, True),        # a sliding window, causal
+    (8, 2, 16, 128, 512, 20, 64, False),        # a window wider than the context
+]
+
+
+def _inputs(shape, dtype, seed=0):
+    Hq, Hkv, L, D, S, valid, window, causal = shape
+    rng = np.random.default_rng(seed)
+
+    def a(*s):
+        return mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+
+    return (a(1, Hq, L, D), a(1, Hkv, S, D), a(1, Hkv, S, D), a(1, Hkv, L, D), a(1, Hkv, L, D),
+            mx.array(valid, mx.int32), D ** -0.5, window, causal)
+
+
+def _reference(q, ck, cv, bk, bv, valid, scale, window, causal):
+    f = [x.astype(mx.float32) for x in (q, ck, cv, bk, bv)]
+    mask = compiled.bucketed_mask("sdpa", valid, q.shape[2], ck.shape[2], mx.float32, window, causal)
+    return compiled.joined_sdpa(*f, mask, scale)
+
+
+def _outside(shape, dtype) -> list:
+    args = _inputs(shape, dtype)
+    got = kernels.attention(*args)
+    budget = budgets.DTYPE_DEFAULTS["float32" if dtype == mx.float32 else "bfloat16"]
+    m = compare.tensor_metrics(got.astype(mx.float32), _reference(*args), budget)
+    return [] if m["ok"] else [(shape, m.get("max_abs"), m.get("error"))]
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+def test_kernels_match_the_joined_attention(dtype):
+    bad = [b for shape in SHAPES for b in _outside(shape, dtype)]
+    assert not bad, bad
+
+
+# bug -> edits (source name, old, new): each applied where its text is (fp32 runs SPLIT, bf16 MMA)
+PLANTED = {
+    # each context key read from the next row (the last one kept in the valid rows)
+    "context rows": [(name, "g * ck_strides[1] + n * ck_strides[2]", "g * ck_strides[1] + min(n + 1, nv - 1) * ck_strides[2]")
+                     for name in ("SPLIT", "MMA")],
+    # a window one row too wide
+    "window": [("SPLIT", "nv + i - n < W", "nv + i - n <= W"), ("MMA", "nv + ii[x] - n < W", "nv + ii[x] - n <= W")],
+    # the causal block sees the next row
+    "causal": [("SPLIT", "n - nv <= i)", "n - nv <= i + 1)"), ("MMA", "n - nv <= ii[x])", "n - nv <= ii[x] + 1)")],
+    # the running output not rescaled when the max moves
+    "rescale": [("SPLIT", "acc[j].x *= alpha;", ""), ("MMA", "o[j][0] *= alpha[0];", "")],
+    # the splits summed without their max
+    "combine": [("COMBINE", "const float w = expf(m - mx_);", "const float w = 1.f;")],
+}
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_planted_kernel_bugs_fail(bug, dtype, monkeypatch):
+    for name, old, new in PLANTED[bug]:
+        source = getattr(kernels, name)
+        assert old in source, (name, old)
+        monkeypatch.setattr(kernels, name, source.replace(old, new))
+    kernels._kernels.cache_clear()
+    try:
+        assert [b for shape in SHAPES for b in _outside(shape, dtype)], f"planted {bug!r} passed"
+    finally:
+        monkeypatch.undo()
+        kernels._kernels.cache_clear()
+
+
+@pytest.mark.skipif(kernels.available(), reason="the refusal off MLX CUDA")
+def test_kernel_attention_is_refused_off_cuda():
+    with pytest.raises(dflash.DFlashError, match="CUDA backend only"):
+        fast_dflash.load(checkpoints.build("dflash-drafter", 0, {}), kv_bucket=8, bucket_attention="kernel")
+    with pytest.raises(dspark.DSparkError, match="CUDA backend only"):
+        fast_dspark.load(checkpoints.build("dspark-drafter", 0, {}), kv_bucket=8, bucket_attention="kernel")
+
+
+@CUDA
+def test_kernel_attention_refuses_a_head_dim_it_cannot_take():
+    with pytest.raises(dflash.DFlashError, match="multiple of 16"):
+        fast_dflash.load(checkpoints.build("dflash-drafter", 0, {"head_dim": 24}), kv_bucket=8,
+                         bucket_attention="kernel")
+
+
+def test_auto_attention_is_the_kernel_where_it_runs():
+    """The default (compiled.AUTO): the kernels on MLX CUDA with bf16 weights (their tensor-core
+    path), mx.fast's joined attention elsewhere: fp32 weights, the CPU, a head_dim they do not take."""
+    for m in (fast_dflash.load(checkpoints.build("dflash-drafter", 0, {}), kv_bucket=8),
+              fast_dspark.load(checkpoints.build("dspark-drafter", 0, {}), kv_bucket=8)):
+        assert m.bucket_attention == "sdpa"
+        m.set_dtype(mx.bfloat16)
+        assert m.bucket_attention == ("kernel" if kernels.available() else "sdpa")
+    odd = fast_dflash.load(checkpoints.build("dflash-drafter", 0, {"head_dim": 24}), kv_bucket=8)
+    odd.set_dtype(mx.bfloat16)
+    assert odd.bucket_attention == "sdpa"
