@@ -8,10 +8,13 @@ Bucketed (`kv_bucket`; the provider's default, port/sources/dflash.py): every la
 context row in a buffer a whole number of buckets long (port/compiled.py BucketCache; sliding layers
 mask the window instead of rotating), presented whole with the tail masked, and the block
 (embedding, layers, final norm, the target's head) is one compiled call that retraces only when the
-buffer grows (or the block length changes); mx.fast's attention over [context | block] joined with a
-float mask, or (bucket_attention="two-segment") a two-segment softmax. It builds few graph nodes,
-each host time on MLX CUDA: 2-D rows, projections on transposed weight views (fusion.Transposed),
-one mask per layer kind (docs/benchmarks.md, "Session 12"). Held to the plain forward
+buffer grows (or the block length changes). Its attention (`bucket_attention`, default AUTO:
+"kernel" on MLX CUDA with bf16 weights, else "sdpa"): mx.fast's over [context | block] joined with
+a float mask, the custom CUDA kernels of port/fast/kernels.py (the buffer read in place up to the
+valid length, two launches a layer; tests/test_kernels.py), or "two-segment", a two-segment
+softmax. It builds few graph nodes, each host time on MLX CUDA: 2-D rows, projections on
+transposed weight views (fusion.Transposed), one mask per layer kind (docs/benchmarks.md, "Session
+12"). Held to the plain forward
 within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured: tests/test_bucketed.py).
 window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
 

@@ -8,10 +8,12 @@ plain forward (tests/test_speed.py).
 Bucketed (`kv_bucket`; the provider's default, port/sources/dspark.py): the context K/V is presented
 at its buffer's length (a multiple of the bucket, port/compiled.py BucketCache) with the tail
 masked, and the whole block (embedding, layers, final norm, logits, Markov chain, confidence) is one
-compiled call that retraces only when the buffer grows; the attention is mx.fast's over [context |
-block] joined with a float mask, or (bucket_attention="two-segment") a two-segment softmax. Held to
-the plain forward within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured:
-tests/test_bucketed.py).
+compiled call that retraces only when the buffer grows; the attention (`bucket_attention`, default
+AUTO: "kernel" on MLX CUDA with bf16 weights, else "sdpa") is mx.fast's over [context | block]
+joined with a float mask, the custom CUDA kernels of port/fast/kernels.py (the buffer read in place
+up to the valid length, two launches a layer), or (bucket_attention="two-segment") a two-segment
+softmax. Held to the plain forward within fp32 tolerance (bit-exact on the CPU backend with "sdpa",
+measured: tests/test_bucketed.py; the kernels on the H200: tests/test_kernels.py).
 
 Fused (the provider's default; `fused=False` is Bucketed): the bucketed block on stacked projections
 (port/fast/fusion.py), fewer matmul launches for the same products; bit for bit Bucketed on the CPU
