@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from port.fast import kernels
 from spec_parity import cli, controls
 from spec_parity.bench import loop_sides, loops
 from spec_parity.bench.sides import Side
@@ -97,7 +98,9 @@ def test_the_command_runs_every_side_at_tiny_shapes(tmp_path):
         assert {s["side"] for s in c["sides"]} == {x.name for x in loop_sides.sides_for(c["source"], None)}
         for s in c["sides"]:
             assert (s["status"] == "ok" and s["decode_tokens_per_s"]["median"] > 0) or s.get("reason"), s
-            if s["side"] in loop_sides.OURS:
+            if s["side"] == "port-kernel" and not kernels.available():
+                assert s["status"] == "not run" and "CUDA" in s["reason"], s
+            elif s["side"] in loop_sides.OURS:
                 assert s["stream"]["lossless"] is True, (c["case"], s["side"])
 
 
@@ -108,3 +111,36 @@ def test_plain_and_our_default_are_in_every_selection():
         names = [s.name for s in loop_sides.sides_for(source, ["zlab-mlx"])]
         assert names[:2] == ["plain", "port"] and set(names) <= {"plain", "port", "zlab-mlx"}
         assert [s.name for s in loop_sides.sides_for(source, [])][:2] == ["plain", "port"]
+
+
+def test_sides_run_in_two_passes_the_second_reversed(monkeypatch, tmp_path):
+    """A B C, then C B A: each side built twice with half of its timed requests, its figures over
+    both passes; a side whose first pass could not run is not built again (one pass in sequence,
+    the design before, builds each side once: the order below fails)."""
+    built = []
+
+    def fake(name, fail=False):
+        def build(ckpt, env):
+            built.append(name)
+            if fail:
+                raise ImportError("No module named 'nothing'")
+
+            def generate(prompt, n):
+                return loop_sides.Run(tokens=list(range(n)), t_first=0.0, t_end=len(prompt) * 1e-3, n_first=1,
+                                      rounds=n - 1)
+            return loop_sides.Loop(generate)
+        return Side(name, ("dspark",), build, install="pip install nothing")
+
+    sides = [fake("plain"), fake("port"), fake("peer"), fake("gone", fail=True)]
+    monkeypatch.setattr(loop_sides, "sides_for", lambda source, wanted: sides)
+    opts = loops.Options(sources=("dspark",), conditions=("random",), prompt_len=16, new_tokens=4, runs=4)
+    case = loops.cases(opts)[0][1]
+    out = loops.run_case("random", case, opts, None, tmp_path, lambda msg: None)
+    assert built == ["plain", "port", "peer", "gone", "peer", "port", "plain"]
+    rows = {r["side"]: r for r in out["sides"]}
+    assert rows["gone"]["status"] == "not run"
+    _, _, per_side = loops.prompt_plan(opts, len(sides), 1000, 0)
+    for i, name in enumerate(["plain", "port", "peer"]):
+        assert rows[name]["status"] == "ok" and len(rows[name]["samples_tokens_per_s"]) == opts.runs
+        assert rows[name]["prompt_lens"] == [len(p) for p in per_side[i][0::2] + per_side[i][1::2]]
+    assert rows["port"]["stream"]["lossless"] is True

@@ -2,20 +2,24 @@
 side with each peer's own generation loop and the target's plain decode, on the same weights.
 
 Per case (a draft source at a condition) every side (spec_parity/bench/loop_sides.py) gets:
+  * two passes over the sides, the second in reverse order (A B C, then C B A), each building the
+    side anew and giving it half of its timed requests, so that a drift of the machine over the
+    case weighs on every side alike; per pass:
   * one untimed request on the check prompt (`--prompt-len` tokens): its warm-up, and its stream
     against the plain decode's stream on the same prompt (T=0 is lossless: any difference is a bug
-    or a knife-edge tie, named with its first divergent position);
-  * `--runs` timed requests, each a FRESH request at a prompt length no other request of this case
-    has used (so every round of every request is at a context length no side has seen: serving
-    conditions, where MLX CUDA plans a multi-row attention once per key length). The lengths are
-    interleaved across sides, and reversed on odd runs, so every side's mean length is the same;
+    or a knife-edge tie, named with its first divergent position; every pass's is compared);
+  * `--runs` timed requests in all (half per pass), each a FRESH request at a prompt length no
+    other request of this case has used (so every round of every request is at a context length no
+    side has seen: serving conditions, where MLX CUDA plans a multi-row attention once per key
+    length). The lengths are interleaved across sides, and reversed on odd runs, so every side's
+    mean length is the same;
   * decode tokens/s per request = the tokens after the first group the host sees / the time from
     that group to the last token (the prefill is not decode); median and p10-p90 over the runs;
   * tau = decode tokens / verify rounds (mean tokens committed per round: accepted + 1),
     acceptance = accepted / drafted where the side reports both; peak memory over the timed runs;
   * the round split (draft / verify / accept+trim) where the side exposes it: ours from one more
-    observed request (spec_parity/bench/serve.py's serve_loop instrumentation), dflash-mlx's from its
-    own cycle events.
+    observed request in the second pass (spec_parity/bench/serve.py's serve_loop instrumentation),
+    dflash-mlx's from its own cycle events.
 Conditions: `random` (the bench's cases, random drafters: tau ~ 1) and `agreeing` (the factory's
 agreeing kinds, spec_parity/checkpoints/agreeing.py: the target's greedy stream walks a known
 permutation and the drafter proposes it on a share `--agree-frac` of the tokens, the same weights
@@ -125,30 +129,51 @@ def _medians(rounds: list[dict]) -> dict:
     return {k: float(np.median([r[k] for r in steady])) for k in steady[0]} if steady else {}
 
 
-def measure(loop: Loop, prompts: list[list[int]], check: list[int], split_prompt: list[int], n: int) -> dict:
-    """The check request, the timed requests (one per prompt), then the round split."""
+def requests(loop: Loop, prompts: list[list[int]], check: list[int], split_prompt: list[int], n: int,
+             split: bool = True) -> dict:
+    """One pass on a built side, raw: the check request, the timed requests (one per prompt), and
+    with `split` the round split (the side's own per-round events need no request of their own)."""
     first = loop.generate(check, n)
     mem = _memory(loop)
     if mem:
         mem[0]()
     runs = [loop.generate(p, n) for p in prompts]
-    out = {"check_tokens": first.tokens}
+    out = {"check_tokens": first.tokens, "runs": runs, "prompt_lens": [len(p) for p in prompts]}
     if mem:
         out["peak_bytes"] = int(mem[2]())
+    if loop.split is not None:
+        if split:
+            out["split"] = loop.split(split_prompt, n)
+            out["split_from"] = "one more observed request (spec_parity/bench/serve.py serve_loop instrumentation)"
+    elif runs and all(r.split for r in runs):
+        out["split"] = [x for r in runs for x in r.split]
+        out["split_from"] = "the side's own per-round events"
+    return out
+
+
+def figures(passes: list[dict], reference: list[int] | None) -> dict:
+    """A side's figures over its passes' raw requests (`requests`): tok/s per request pooled, tau,
+    acceptance, the largest peak, the round split, and each pass's check stream against the
+    plain decode's (lossless only if every pass is)."""
+    runs = [r for p in passes for r in p["runs"]]
+    out = {"check_tokens": passes[0]["check_tokens"]}
+    peaks = [p["peak_bytes"] for p in passes if "peak_bytes" in p]
+    if peaks:
+        out["peak_bytes"] = max(peaks)
     rates = [r.decode_tokens / r.decode_s for r in runs if r.decode_s > 0]
     rounds = sum(r.rounds for r in runs)
     out.update(decode_tokens_per_s=summary(rates) if rates else None, samples_tokens_per_s=rates,
-               prompt_lens=[len(p) for p in prompts], decode_tokens=[r.decode_tokens for r in runs],
+               prompt_lens=[n for p in passes for n in p["prompt_lens"]], decode_tokens=[r.decode_tokens for r in runs],
                rounds=[r.rounds for r in runs], tau=sum(r.decode_tokens for r in runs) / rounds if rounds else None)
     drafted = [r.drafted for r in runs]
     if all(d is not None for d in drafted) and sum(drafted):
         out["acceptance"] = sum(r.accepted for r in runs) / sum(drafted)
-    if loop.split is not None:
-        out["round_split_s"] = _medians(loop.split(split_prompt, n))
-        out["round_split_from"] = "one more observed request (spec_parity/bench/serve.py serve_loop instrumentation)"
-    elif all(r.split for r in runs):
-        out["round_split_s"] = _medians([x for r in runs for x in r.split])
-        out["round_split_from"] = "the side's own per-round events"
+    split = [x for p in passes for x in p.get("split", [])]
+    if split:
+        out["round_split_s"] = _medians(split)
+        out["round_split_from"] = next(p["split_from"] for p in passes if "split_from" in p)
+    checks = [stream_check(p["check_tokens"], reference) for p in passes]
+    out["stream"] = next((c for c in checks if c["lossless"] is False), checks[0])
     return out
 
 
@@ -163,9 +188,9 @@ def _release(torch_cuda: bool) -> None:
             torch.cuda.empty_cache()
 
 
-def run_side(side: Side, ckpt, env, prompts, check, split_prompt, n, reference) -> dict:
-    """Build one side and measure it; any failure (an import, a loader, a CUDA error) is the side's
-    recorded reason, never the run's end."""
+def run_pass(side: Side, ckpt, env, prompts, check, split_prompt, n, split: bool = True) -> dict:
+    """Build one side, run one pass of its requests (`requests`), let it go; any failure (an
+    import, a loader, a CUDA error) is the pass's recorded reason, never the run's end."""
     t0 = time.perf_counter()
     try:
         _can_build(side, env)
@@ -176,14 +201,28 @@ def run_side(side: Side, ckpt, env, prompts, check, split_prompt, n, reference) 
     out = {"side": side.name, "status": "ok", "framework": loop.framework, "device": loop.device or str(mx.default_device()),
            "notes": loop.notes, "build_s": time.perf_counter() - t0}
     try:
-        out.update(measure(loop, prompts, check, split_prompt, n))
-        out["stream"] = stream_check(out["check_tokens"], reference if side.name != "plain" else None)
+        out["raw"] = requests(loop, prompts, check, split_prompt, n, split)
     except Exception as e:
         out.update(status="failed", reason=_reason(e))
     torch_cuda = loop.framework == "torch" and loop.device.startswith("cuda")
     del loop
     _release(torch_cuda)
     return out
+
+
+def side_result(passes: list[dict], reference: list[int] | None) -> dict:
+    """One side's row from its passes: the first pass that did not run or failed, else the
+    figures over all of them (the first pass's build time, device and notes)."""
+    bad = next((p for p in passes if p["status"] != "ok"), None)
+    if bad is not None:
+        return {k: v for k, v in bad.items() if k != "raw"}
+    head = {k: v for k, v in passes[0].items() if k != "raw"}
+    return {**head, **figures([p["raw"] for p in passes], reference)}
+
+
+def run_side(side: Side, ckpt, env, prompts, check, split_prompt, n, reference) -> dict:
+    """One side measured in one pass (run_case measures two)."""
+    return side_result([run_pass(side, ckpt, env, prompts, check, split_prompt, n)], reference)
 
 
 # ---- one case ------------------------------------------------------------------------------------
@@ -218,13 +257,22 @@ def run_case(condition: str, case: Case, opts: Options, env, root: Path, say) ->
         check, split_prompt, per_side = prompt_plan(opts, len(sides), ckpt.target_config["vocab_size"], opts.seed)
     except Exception as e:
         return {**out, "status": "failed", "reason": _reason(e)}
-    results, reference = [], None
-    for side, prompts in zip(sides, per_side):
-        say(f"{condition} {case.name}: {side.name}")
-        r = run_side(side, ckpt, env, prompts, check, split_prompt, opts.new_tokens, reference)
-        if side.name == "plain" and r["status"] == "ok":
-            reference = r["check_tokens"]
-        results.append(r)
+    # Two passes over the sides, the second in reverse order (A B C, then C B A), each side built
+    # anew with half of its timed requests: a drift of the machine over the case then weighs on
+    # every side alike, which one pass in sequence does not give.
+    passes: list[list[dict]] = [[] for _ in sides]
+    reference = None
+    order = list(range(len(sides)))
+    for p, pass_order in enumerate((order, order[::-1])):
+        for i in pass_order:
+            if passes[i] and passes[i][0]["status"] != "ok":
+                continue
+            say(f"{condition} {case.name}: {sides[i].name} (pass {p + 1})")
+            passes[i].append(run_pass(sides[i], ckpt, env, per_side[i][p::2], check, split_prompt,
+                                      opts.new_tokens, split=p == 1))
+            if sides[i].name == "plain" and reference is None and passes[i][-1]["status"] == "ok":
+                reference = passes[i][-1]["raw"]["check_tokens"]
+    results = [side_result(ps, reference if side.name != "plain" else None) for side, ps in zip(sides, passes)]
     _ratios(results)
     del ckpt
     _release(False)
