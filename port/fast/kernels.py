@@ -31,22 +31,27 @@ import mlx.core as mx
 ROWS = 64          # query rows per CUDA block (4 threads each: 256 threads)
 CTAS = 264         # CUDA blocks aimed at: two per SM of an H200 (132 SMs)
 
-SPLIT = """
+# Both split kernels start here: which keys of [context rows 0..valid-1 ; block rows] this CUDA
+# block walks (its split's whole tiles of TK keys).
+KEYS = """
 constexpr int REP = HQ / HKV;
 constexpr int R = REP * L;
-constexpr int G4 = D / 16;
 const int split = blockIdx.x, g = blockIdx.y, splits = gridDim.x;
-const int tid = threadIdx.x, lane = tid & 3;
-const int r = blockIdx.z * RPB + (tid >> 2);
-const bool live = r < R;
-const int h = g * REP + (live ? r / L : 0);
-const int i = live ? r % L : 0;
 const int nv = valid[0];
 const int N = nv + L;
 const int tiles = (N + TK - 1) / TK;
 const int n0 = min(N, (int)((long long)split * tiles / splits) * TK);
 const int n1 = min(N, (int)((long long)(split + 1) * tiles / splits) * TK);
 const float sc = scale[0];
+"""
+
+SPLIT = KEYS + """
+constexpr int G4 = D / 16;
+const int tid = threadIdx.x, lane = tid & 3;
+const int r = blockIdx.z * RPB + (tid >> 2);
+const bool live = r < R;
+const int h = g * REP + (live ? r / L : 0);
+const int i = live ? r % L : 0;
 
 __shared__ float4 ks[TK][D / 4];
 __shared__ float4 vs[TK][D / 4];
@@ -177,25 +182,16 @@ __device__ __forceinline__ void pack_split(float a, float b, uint32_t& hi, uint3
 # a warp owns 16 query rows; S = Q K^T and O += P V per tile of 32 keys. Q and K are bf16, so S is
 # their exact products summed in fp32; P enters its product as two bf16 parts (P = hi + lo, about 16
 # bits kept, where flash attention rounds P to one bf16), the softmax's max and sum in fp32.
-MMA = """
-constexpr int REP = HQ / HKV;
-constexpr int R = REP * L;
-constexpr int TK = 32;
+MMA = KEYS + """
+static_assert(TK == 32, "four n-tiles of 8 keys, two k-steps of 16");
 constexpr int KS = D / 16;
 constexpr int DN = D / 8;
 constexpr int KP = D + 8;
 constexpr int VP = TK + 8;
 constexpr int NT = WARPS * 32;
 constexpr int NP = (TK * D / 2 + NT - 1) / NT;
-const int split = blockIdx.x, g = blockIdx.y, splits = gridDim.x;
 const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
 const int gid = lane >> 2, tig = lane & 3;
-const int nv = valid[0];
-const int N = nv + L;
-const int tiles = (N + TK - 1) / TK;
-const int n0 = min(N, (int)((long long)split * tiles / splits) * TK);
-const int n1 = min(N, (int)((long long)(split + 1) * tiles / splits) * TK);
-const float sc = scale[0];
 
 __shared__ __align__(16) __nv_bfloat16 ks[TK * KP];
 __shared__ __align__(16) __nv_bfloat16 vt[D * VP];
@@ -415,7 +411,8 @@ def attention(q, ctx_k, ctx_v, blk_k, blk_v, valid, scale: float, window: int | 
     masking = [("HQ", HQ), ("HKV", HKV), ("L", L), ("D", D), ("W", window or 0), ("CAUSAL", bool(causal))]
     if q.dtype == mx.bfloat16 and D <= 128:
         warps = min(-(-rows // 16), ROWS // 16)
-        kernel, threads, tk, template = mma, warps * 32, 32, masking + [("WARPS", warps)]
+        kernel, threads, tk = mma, warps * 32, 32
+        template = masking + [("WARPS", warps), ("TK", tk)]
         groups = -(-rows // (warps * 16))
     else:
         rpb = min(-(-rows // 8) * 8, ROWS)   # whole warps: the row's four threads shuffle
