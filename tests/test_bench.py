@@ -371,6 +371,15 @@ def test_port_steps_build_no_host_filled_buffers(name, tmp_path):
         assert _host_buffers(prep, port_sides.port_side) == 1
 
 
+def test_port_side_notes_name_the_attention_it_resolved(tmp_path):
+    """A reader of bench.md sees which attention the default block ran (the bench's weights are
+    bf16: the kernels on MLX CUDA, mx.fast's elsewhere); an explicit path says what it asked for."""
+    case = next(c for c in shapes.tiny_cases() if c.name == "dflash-qwen3")
+    prep = runner.prepare(shapes.build(case, tmp_path), (None, "off"), 0)
+    assert port_sides.port_side(prep).notes[-1] == f"attention={'kernel' if kernels.available() else 'sdpa'}"
+    assert port_sides.port_side(prep, "sdpa").notes[-1] == "attention=sdpa"
+
+
 def test_project_identity_from_a_copy_inside_another_repository(tmp_path, monkeypatch):
     """A copy of the project without .git, inside some other repository, records no commit of that
     other repository (the defect: bench.json read the enclosing one's), the commit the copier

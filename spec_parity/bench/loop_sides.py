@@ -124,7 +124,7 @@ def port_side(ckpt: Checkpoints, env, path: str = "") -> Loop:
 
     verify = f"verify kv_bucket={provider.kv_bucket}" if provider.kv_bucket else "verify mlx-lm caches"
     options = port_sides.PATHS[path][ckpt.source]
-    notes = [", ".join([f"{k}={v}" for k, v in options.items()] + [verify])]
+    notes = [", ".join([f"{k}={v}" for k, v in options.items()] + port_sides.resolved(provider.drafter) + [verify])]
     return Loop(generate, notes=notes, split=split, keep=(target, provider))
 
 

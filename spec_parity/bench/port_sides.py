@@ -100,10 +100,10 @@ def port_side(prep: Prep, path: str = "") -> Stepper:
     from port import serve
 
     options = PATHS[path][prep.source]
-    view = serve.TargetView(prep.target, prep.caches)
-    src = open_port_source(prep.ckpt, view, **options)
+    drafter = load_port_drafter(prep.ckpt, **options)
+    src = _source_class(prep.ckpt)(drafter, serve.TargetView(prep.target, prep.caches))
     tok, hid, g = prep.anchor, prep.anchor_hidden, prep.gamma
-    notes = [f"{k}={v}" for k, v in options.items()]
+    notes = [f"{k}={v}" for k, v in options.items()] + resolved(drafter)
     if prep.source == "assistant":
         return Stepper(lambda: src.draft_device([tok], g, hid), keep=src, tokens=_host_list, notes=notes)
     src.prefill(list(range(prep.ctx)), [prep.taps])
@@ -162,8 +162,11 @@ def load_port_drafter(ckpt: Checkpoints, **options):
         return mod.load(ckpt.drafter_dir, **options)
 
 
-def open_port_source(ckpt: Checkpoints, view, **options):
-    return _source_class(ckpt)(load_port_drafter(ckpt, **options), view)
+def resolved(drafter) -> list[str]:
+    """What the drafter's options resolved to here: its bucketed block's attention (the default
+    takes the kernels on MLX CUDA with bf16 weights, port/compiled.py resolve_attention)."""
+    attention = getattr(drafter, "bucket_attention", None)
+    return [f"attention={attention}"] if attention else []
 
 
 # ---- port.serve's seams, for the serve-loop figures ---------------------------------------------
