@@ -1,5 +1,5 @@
-"""The bucketed block's attention as two custom CUDA kernels (MLX CUDA only; opt-in or the
-default there, see port/compiled.py `bucket_attention`).
+"""The bucketed block's attention as two custom CUDA kernels (MLX CUDA only; the default there
+with bf16 weights, see port/compiled.py resolve_attention).
 
 Why: on MLX CUDA a draft block is host-bound, and the default bucketed attention
 (compiled.joined_sdpa) costs five launches a layer: two copies to join the context buffer to the
@@ -11,8 +11,11 @@ positions inside the kernel, and padded rows cost nothing: two launches a layer.
 Kernel 1 (split): one CUDA block per (split of the keys, KV head, group of query rows). GQA: every
 query row of the KV head's query heads (rep x L rows) in one block, so K and V are read once.
 Keys are [context rows 0..valid-1 ; block rows 0..L-1]; each split walks its share of them in
-tiles held in shared memory (fp32; the next tile's loads in flight while one is computed) and keeps an online softmax (fp32: running max, sum, and the
-unnormalised output) per row; four threads share a row, a quarter of the head dimension each.
+tiles of TK keys held in shared memory, the next tile's loads in flight while one is computed,
+and keeps an online softmax per row (fp32: running max, sum, unnormalised output). Two versions:
+MMA, bf16 with head_dim <= 128 (the default's): a warp owns 16 rows, both products on tensor
+cores; SPLIT, the rest (fp32, fp16, head_dim 144-256): four threads share a row, a quarter of
+the head dimension each, fp32 FMAs (slower on the GPU, docs/benchmarks.md "Session 13").
 Kernel 2 (combine): the splits' partial results rescaled to the common max and summed, written
 as [1, L, Hq, D] so that the layer's output projection reads its rows without a copy.
 
