@@ -5,7 +5,11 @@ The reference runs in fp32 on the same inputs; the kernels' output is held to it
 fp32 budget (fp32 inputs) or the bf16 budget (bf16 inputs), over shapes that cross a tile and a
 split boundary, GQA, a sliding window, causal blocks, and `valid` at 0, inside and at the end of
 the buffer. Planted bugs, edited into the kernels' source from here (the port is not touched),
-must fail the same comparison. On the CPU only the refusal runs: the kernels need MLX CUDA."""
+must fail the same comparison. On the CPU the refusal and the default's resolution run (the
+kernels need MLX CUDA), and, where nvcc is installed, the kernels' source is compiled for sm_90a."""
+
+import shutil
+import subprocess
 
 import mlx.core as mx
 import numpy as np
@@ -121,3 +125,65 @@ def test_auto_attention_is_the_kernel_where_it_runs():
     odd = fast_dflash.load(checkpoints.build("dflash-drafter", 0, {"head_dim": 24}), kv_bucket=8)
     odd.set_dtype(mx.bfloat16)
     assert odd.bucket_attention == "sdpa"
+
+
+NVCC = shutil.which("nvcc")
+STUB = """#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cooperative_groups.h>
+using Shape = cuda::std::array<int32_t, 10>;
+using Strides = cuda::std::array<int64_t, 10>;
+"""
+CTYPES = {"float": "float", "bf16": "__nv_bfloat16"}
+
+
+def _kernel(name: str, source: str, inputs: list, outputs: list, template: list) -> str:
+    """One kernel as mx.fast.cuda_kernel writes it (MLX 0.32's custom_kernel.cpp): the signature
+    from the input names, `<name>_shape` / `_strides` arguments where the source names them, the
+    template as constants, the body inside namespace mlx::core::cu."""
+    args = []
+    for n, t, ndim in inputs:
+        args.append(f"const {t}* {n}")
+        args += [f"const __grid_constant__ {k} {n}_{s}" for k, s in (("Shape", "shape"), ("Strides", "strides"))
+                 if ndim and f"{n}_{s}" in source]
+    args += [f"{t}* {n}" for n, t in outputs]
+    consts = "".join(f"  using {k} = {v};\n" if isinstance(v, str) else
+                     f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};\n"
+                     for k, v in template)
+    return (f"namespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n__global__ void {name}(\n    "
+            + ",\n    ".join(args) + f") {{\n{consts}{source}\n}}\n}}\n")
+
+
+def _translation_unit(split: str, mma: str) -> str:
+    """Every kernel variant the port launches, in one file over a stub of MLX's device header."""
+    masking = [("HQ", 32), ("HKV", 8), ("L", 16), ("W", 40), ("CAUSAL", True)]
+    parts = [STUB, kernels.MMA_HEADER]
+    for dtype, d, tk, kind in (("float", 128, 32, "split"), ("bf16", 256, 16, "split"), ("bf16", 128, 32, "mma")):
+        t = CTYPES[dtype]
+        inputs = [(n, t, 4) for n in ("q", "ck", "cv", "bk", "bv")] + [("valid", "int32_t", 0), ("scale", "float", 1)]
+        extra = [("RPB", 64), ("TK", tk)] if kind == "split" else [("WARPS", 4), ("TK", tk)]
+        parts.append(_kernel(f"{kind}_{dtype}_{d}", split if kind == "split" else mma, inputs,
+                             [("po", "float"), ("pm", "float"), ("pl", "float")], masking + [("D", d)] + extra))
+        parts.append(_kernel(f"combine_{dtype}_{d}", kernels.COMBINE,
+                             [("po", "float", 3), ("pm", "float", 2), ("pl", "float", 2)], [("out", t)],
+                             [("T", t), ("HQ", 32), ("L", 16), ("D", d)]))
+    return "\n".join(parts)
+
+
+def _compiles(source: str, tmp_path) -> subprocess.CompletedProcess:
+    (tmp_path / "k.cu").write_text(source)
+    return subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-c", "k.cu", "-o", "k.o"], cwd=tmp_path,
+                          capture_output=True, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+def test_kernel_sources_compile_for_the_h200(tmp_path):
+    """The kernels' CUDA source compiles for sm_90a wherever nvcc is installed, so an edit is
+    checked before it reaches the device. Control: a statement's semicolon dropped fails."""
+    done = _compiles(_translation_unit(kernels.SPLIT, kernels.MMA), tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    broken = kernels.MMA.replace("l[x] *= alpha[x];", "l[x] *= alpha[x]")
+    assert _compiles(_translation_unit(kernels.SPLIT, broken), tmp_path).returncode != 0
