@@ -104,6 +104,15 @@ def resolve_attention(attention: str, head_dim: int, dtype: mx.Dtype) -> str:
     return "kernel" if kernels.available() and kernels.fits(head_dim) and dtype == mx.bfloat16 else "sdpa"
 
 
+class ResolvedAttention:
+    """A bucketed block's `bucket_attention`: the one asked for (`self.attention`), AUTO resolved
+    by its weights' dtype as they are now (a mixin of DSpark's and DFlash's Bucketed)."""
+
+    @property
+    def bucket_attention(self) -> str:
+        return resolve_attention(self.attention, self.args.head_dim, self.layers[0].self_attn.q_proj.weight.dtype)
+
+
 def check_bucket(kv_bucket, error) -> int | None:
     """A bucket is None (off) or a positive int number of rows."""
     if kv_bucket is None:

@@ -193,7 +193,7 @@ class Exact(Compiled):
         return dflash.Block(*out)
 
 
-class Bucketed(Compiled):
+class Bucketed(pieces.ResolvedAttention, Compiled):
     """The bucketed block over one BucketCache per layer (`make_caches`); `compiled` off runs the
     same block function plain (the trace counter's control)."""
 
@@ -208,12 +208,6 @@ class Bucketed(Compiled):
                                      "window='positional' (z-lab torch's semantics) or kv_bucket=None")
         self._bucketed = pieces.Bucketed()
         self._weights = None
-
-    @property
-    def bucket_attention(self) -> str:
-        """The attention asked for, AUTO resolved by the weights' dtype as they are now."""
-        return pieces.resolve_attention(self.attention, self.args.head_dim,
-                                        self.layers[0].self_attn.q_proj.weight.dtype)
 
     def make_caches(self) -> list:
         """Every layer every context row, in a BucketCache."""

@@ -86,7 +86,7 @@ class Compiled(dspark.Model):
         return rows, tokens, conf[0] if conf else None
 
 
-class Bucketed(Compiled):
+class Bucketed(pieces.ResolvedAttention, Compiled):
     """The bucketed block over one BucketCache per layer (`make_cache`); `compiled` off runs the
     same block function plain (the trace counter's control)."""
 
@@ -97,12 +97,6 @@ class Bucketed(Compiled):
             raise dspark.DSparkError("kv_bucket=None: the bucketed path needs a bucket (the plain Model has none)")
         self.attention = pieces.check_attention(attention, dspark.DSparkError, a.head_dim)
         self._bucketed = pieces.Bucketed()
-
-    @property
-    def bucket_attention(self) -> str:
-        """The attention asked for, AUTO resolved by the weights' dtype as they are now."""
-        return pieces.resolve_attention(self.attention, self.args.head_dim,
-                                        self.layers[0].self_attn.q_proj.weight.dtype)
 
     def make_cache(self) -> pieces.BucketCache:
         return pieces.BucketCache(self.kv_bucket)
