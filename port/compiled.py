@@ -89,10 +89,7 @@ def check_attention(attention: str, error, head_dim: int | None = None) -> str:
             raise error("bucket_attention='kernel' runs on MLX's CUDA backend only (mx.cuda.is_available() is "
                         "False or the default device is the CPU); use bucket_attention='sdpa'")
         if head_dim is not None:
-            try:
-                kernels.check(head_dim)
-            except kernels.KernelError as e:
-                raise error(str(e)) from None
+            kernels.check(head_dim, error)
     return attention
 
 

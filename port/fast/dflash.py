@@ -14,8 +14,8 @@ a float mask, the custom CUDA kernels of port/fast/kernels.py (the buffer read i
 valid length, two launches a layer; tests/test_kernels.py), or "two-segment", a two-segment
 softmax. It builds few graph nodes, each host time on MLX CUDA: 2-D rows, projections on
 transposed weight views (fusion.Transposed), one mask per layer kind (docs/benchmarks.md, "Session
-12"). Held to the plain forward
-within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured: tests/test_bucketed.py).
+12"). Held to the plain forward within fp32 tolerance (bit-exact on the CPU backend with "sdpa",
+measured: tests/test_bucketed.py).
 window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
 
 Exact (`kv_bucket` with bucket_attention="exact", opt-in; full non-causal layers only): the block

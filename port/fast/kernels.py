@@ -26,12 +26,11 @@ on the H200 (tests/test_kernels.py; docs/benchmarks.md states the measured tier)
 
 from __future__ import annotations
 
-import math
 from functools import cache
 
 import mlx.core as mx
 
-ROWS = 64          # query rows per CUDA block (4 threads each: 256 threads)
+ROWS = 64          # query rows per CUDA block at most (FMA: 4 threads a row; tensor cores: 16 a warp)
 CTAS = 264         # CUDA blocks aimed at: two per SM of an H200 (132 SMs)
 
 # Both split kernels start here: which keys of [context rows 0..valid-1 ; block rows] this CUDA
@@ -394,9 +393,10 @@ def fits(head_dim: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256
 
 
-def check(head_dim: int) -> None:
+def check(head_dim: int, error=None) -> None:
+    """fits(), or `error` (the caller's error class; KernelError by default) naming the fix."""
     if not fits(head_dim):
-        raise KernelError(f"bucket_attention='kernel' needs a head_dim that is a multiple of 16 and at most 256 "
+        raise (error or KernelError)(f"bucket_attention='kernel' needs a head_dim that is a multiple of 16 and at most 256 "
                           f"(this drafter's: {head_dim}); use bucket_attention='sdpa'")
 
 
@@ -422,7 +422,7 @@ def attention(q, ctx_k, ctx_v, blk_k, blk_v, valid, scale: float, window: int | 
         tk = 32 if D <= 128 else 16
         kernel, threads, template = split, rpb * 4, masking + [("RPB", rpb), ("TK", tk)]
         groups = -(-rows // rpb)
-    splits = max(1, min(-(-(S + L) // tk), math.ceil(CTAS / (HKV * groups))))
+    splits = max(1, min(-(-(S + L) // tk), -(-CTAS // (HKV * groups))))
     po, pm, pl = kernel(inputs=inputs, template=template, grid=(splits * threads, HKV, groups),
                         threadgroup=(threads, 1, 1),
                         output_shapes=[(splits, HQ * L, D), (splits, HQ * L), (splits, HQ * L)],
