@@ -55,12 +55,8 @@ def query(m: assistant.Model, i: int, h, position, w):
 def finish(m: assistant.Model, i: int, h, o, w):
     """DecoderLayer.finish of layer i (the attention's output projected) on the transposed weights."""
     layer = m.model.layers[i]
-    return layer.finish(h, layer.self_attn.rows(o) @ w[f"o{i}"], partial(mlp, w, i))
-
-
-def mlp(w: dict, i: int, x):
-    """assistant.MLP (down(gelu_approx(gate(x)) * up(x))) of layer i on the transposed weights."""
-    return (nn.gelu_approx(x @ w[f"gate{i}"]) * (x @ w[f"up{i}"])) @ w[f"down{i}"]
+    # assistant.MLP: down(gelu_approx(gate(x)) * up(x))
+    return layer.finish(h, layer.self_attn.rows(o) @ w[f"o{i}"], partial(fusion.gated_mlp, nn.gelu_approx, w, i))
 
 
 class Compiled(assistant.Model):
@@ -79,9 +75,8 @@ class Compiled(assistant.Model):
         if self._weights is None:
             owners = {"pre": self.pre_projection}
             for i, layer in enumerate(self.model.layers):
-                a, f = layer.self_attn, layer.mlp
-                owners.update({f"q{i}": a.q_proj, f"o{i}": a.o_proj, f"gate{i}": f.gate_proj, f"up{i}": f.up_proj,
-                               f"down{i}": f.down_proj})
+                a = layer.self_attn
+                owners.update({f"q{i}": a.q_proj, f"o{i}": a.o_proj, **fusion.mlp_weights(i, layer.mlp)})
             self._weights = fusion.Transposed(owners)
         return self._weights.current()
 

@@ -219,9 +219,9 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
         if self._weights is None:
             owners = {"fc": self.fc}
             for i, layer in enumerate(self.layers):
-                a, mlp = layer.self_attn, layer.mlp
+                a = layer.self_attn
                 owners.update({f"q{i}": a.q_proj, f"k{i}": a.k_proj, f"v{i}": a.v_proj, f"o{i}": a.o_proj,
-                               f"gate{i}": mlp.gate_proj, f"up{i}": mlp.up_proj, f"down{i}": mlp.down_proj})
+                               **fusion.mlp_weights(i, layer.mlp)})
             self._weights = fusion.Transposed(owners)
         return self._weights.current()
 
@@ -254,15 +254,11 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
             x = layer.input_layernorm(h)
             q, bk, bv = a.block_heads(x @ w[f"q{i}"], x @ w[f"k{i}"], x @ w[f"v{i}"], valid)
             o = attend(a, self.bucket_attention, q, bk, bv, keys[i], values[i], valid, masks)
-            h = layer.finish(h, a.rows(o) @ w[f"o{i}"], partial(mlp, w, i))
+            # mlx-lm's Qwen3 MLP: down(silu(gate(x)) * up(x))
+            h = layer.finish(h, a.rows(o) @ w[f"o{i}"], partial(fusion.gated_mlp, nn.silu, w, i))
         hidden = self.norm(h[1:])
         logits = self.logits(target, hidden)
         return hidden, logits, mx.argmax(logits, axis=-1)
-
-
-def mlp(w: dict, i: int, x):
-    """mlx-lm's Qwen3 MLP (down(silu(gate(x)) * up(x))) of layer i on Bucketed.weights()."""
-    return (nn.silu(x @ w[f"gate{i}"]) * (x @ w[f"up{i}"])) @ w[f"down{i}"]
 
 
 def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid, masks: dict):

@@ -87,3 +87,14 @@ class Transposed:
             self.views = {name: o["weight"].T for name, o in self.owners.items()}
             self.parts = [o["weight"] for o in self.owners.values()]
         return self.views
+
+
+def mlp_weights(i: int, mlp) -> dict:
+    """Transposed's owners for layer i's gated MLP: "gate{i}", "up{i}", "down{i}"."""
+    return {f"gate{i}": mlp.gate_proj, f"up{i}": mlp.up_proj, f"down{i}": mlp.down_proj}
+
+
+def gated_mlp(act, w: dict, i: int, x):
+    """down(act(gate(x)) * up(x)) of layer i on Transposed views `w` (mlp_weights' names): the
+    product the plain MLP module computes, one matmul node per projection."""
+    return (act(x @ w[f"gate{i}"]) * (x @ w[f"up{i}"])) @ w[f"down{i}"]
