@@ -70,7 +70,7 @@ def test_a_side_that_cannot_run_records_why(monkeypatch):
     def broken(case, env):
         raise ImportError("No module named 'nothing'")
     monkeypatch.setitem(loop_sides.SIDES, "port", Side("port", ("dspark",), broken, install="pip install nothing"))
-    port = loops.run_side(loop_sides.SIDES["port"], None, None, [], [], [], 4, None)
+    port = loops.side_result([loops.run_pass(loop_sides.SIDES["port"], None, None, [], [], [], 4)], None)
     assert port["status"] == "not run" and "install: pip install nothing" in port["reason"]
 
 
@@ -80,7 +80,7 @@ def test_a_side_that_fails_while_it_runs_records_why(monkeypatch):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return loop_sides.Loop(generate)
     monkeypatch.setitem(loop_sides.SIDES, "port", Side("port", ("dspark",), failing))
-    port = loops.run_side(loop_sides.SIDES["port"], None, None, [[3]], [3], [3], 4, None)
+    port = loops.side_result([loops.run_pass(loop_sides.SIDES["port"], None, None, [[3]], [3], [3], 4)], None)
     assert port["status"] == "failed" and port["reason"].startswith("RuntimeError: CUDA error")
 
 

@@ -220,11 +220,6 @@ def side_result(passes: list[dict], reference: list[int] | None) -> dict:
     return {**head, **figures([p["raw"] for p in passes], reference)}
 
 
-def run_side(side: Side, ckpt, env, prompts, check, split_prompt, n, reference) -> dict:
-    """One side measured in one pass (run_case measures two)."""
-    return side_result([run_pass(side, ckpt, env, prompts, check, split_prompt, n)], reference)
-
-
 # ---- one case ------------------------------------------------------------------------------------
 
 def prompt_plan(opts: Options, n_sides: int, vocab: int, seed: int) -> tuple[list[int], list[int], list[list[list[int]]]]:
