@@ -344,9 +344,9 @@ def main(argv=None) -> int:
     bp.add_argument("--sources", default=",".join(("assistant", "dspark", "dflash")),
                     help="comma-separated draft sources (assistant, dspark, dflash)")
     bp.add_argument("--peers", default="auto", help="auto (every other side of a source), none, or a comma list "
-                    "of: port-plain (DSpark / DFlash without buckets), port-bucketed (the assistant's bucketed step), "
-                    "port-bucketed-2seg (the two-segment softmax), port-exact (DFlash: the block rows folded into the query heads over the exact keys), optiq, hf-torch, zlab-mlx, dflash-mlx, "
-                    "zlab-torch, dspark-mlx, deepspec-torch")
+                    "of sides: our port's other paths (port-plain, port-sdpa, port-kernel, ...) and the peers "
+                    "(optiq, zlab-mlx, dspark-mlx, ...); docs/bench.md says what each is, and a wrong name is "
+                    "answered with the whole list")
     bp.add_argument("--case", help="only these cases (comma-separated names, see bench.md)")
     bp.add_argument("--warmup", type=int, help="untimed runs first (default 3 tiny, 10 real)")
     bp.add_argument("--iters", type=int, help="timed runs (default 15 tiny, 40 real)")

@@ -152,11 +152,11 @@ def _source_class(ckpt: Checkpoints):
 
 
 def load_port_drafter(ckpt: Checkpoints, **options):
-    from port.fast import assistant, dflash, dspark, kernels
+    from port import compiled
+    from port.fast import assistant, dflash, dspark
 
-    if options.get("bucket_attention") == "kernel" and not kernels.available():
-        raise Skip("bucket_attention='kernel' runs on MLX's CUDA backend only")
-
+    if options.get("bucket_attention") in compiled.BUCKET_ATTENTIONS:
+        compiled.check_attention(options["bucket_attention"], Skip)  # the port's own refusal, as a Skip
     mod = {"assistant": assistant, "dspark": dspark, "dflash": dflash}[ckpt.source]
     with serve_weights(ckpt):
         return mod.load(ckpt.drafter_dir, **options)
