@@ -2,7 +2,7 @@
 replace (compiled.joined_sdpa over the joined keys with its float mask), on MLX CUDA.
 
 The reference runs in fp32 on the same inputs; the kernels' output is held to it within the
-fp32 budget (fp32 inputs) or the bf16 budget (bf16 inputs), over shapes that cross a tile and a
+budget of the inputs' dtype (fp32, bf16, fp16), over shapes that cross a tile and a
 split boundary, GQA, a sliding window, causal blocks, and `valid` at 0, inside and at the end of
 the buffer. Planted bugs, edited into the kernels' source from here (the port is not touched),
 must fail the same comparison. On the CPU the refusal and the default's resolution run (the
@@ -55,14 +55,15 @@ def _reference(q, ck, cv, bk, bv, valid, scale, window, causal):
 def _outside(shape, dtype) -> list:
     args = _inputs(shape, dtype)
     got = kernels.attention(*args)
-    budget = budgets.DTYPE_DEFAULTS["float32" if dtype == mx.float32 else "bfloat16"]
+    budget = budgets.DTYPE_DEFAULTS[str(dtype).removeprefix("mlx.core.")]
     m = compare.tensor_metrics(got.astype(mx.float32), _reference(*args), budget)
     return [] if m["ok"] else [(shape, m.get("max_abs"), m.get("error"))]
 
 
 @CUDA
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16], ids=["fp32", "bf16", "fp16"])
 def test_kernels_match_the_joined_attention(dtype):
+    """fp16 takes the FMA path as fp32 does (the tensor-core path is bf16's), within fp16's budget."""
     bad = [b for shape in SHAPES for b in _outside(shape, dtype)]
     assert not bad, bad
 
