@@ -7,6 +7,7 @@ imported when a function runs: neither is a spec-parity dependency.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 # ---- dflash-mlx ---------------------------------------------------------------------------------
@@ -63,12 +64,31 @@ def dflash_mlx_block(backend, target, ops, draft, cache, first, tail, taps):
                                 async_launch=False)
 
 
-def dflash_mlx_loop_ops(target):
-    """The TargetOps dflash-mlx's own loop runs with: resolved and its speculative hooks installed
-    on the target (`install_speculative_hooks`)."""
-    ops = dflash_mlx_target_ops(target)
+@contextlib.contextmanager
+def dflash_mlx_hooks(target, ops):
+    """dflash-mlx's speculative hooks on the target for the duration (`install_speculative_hooks`,
+    what its own loop runs with), then undone: they replace `__call__` of mlx-lm's attention
+    classes for the whole process, so every later target of that class (another side's, ours)
+    would run through them."""
+    text = ops.text_model(target)
+    classes = {type(m) for layer in text.layers
+               for m in (getattr(layer, "self_attn", None), getattr(layer, "linear_attn", None)) if m is not None}
+    saved = {cls: dict(vars(cls)) for cls in classes}
     ops.install_speculative_hooks(target)
-    return ops
+    try:
+        yield
+    finally:
+        for cls, before in saved.items():
+            for name in set(vars(cls)) - set(before):
+                delattr(cls, name)
+            for name, value in before.items():
+                if vars(cls).get(name) is not value:
+                    setattr(cls, name, value)
+        if hasattr(text, _DFLASH_MLX_INSTALLED):
+            delattr(text, _DFLASH_MLX_INSTALLED)
+
+
+_DFLASH_MLX_INSTALLED = "_dflash_speculative_hooks_installed"  # install_speculative_hooks' once-flag on the model
 
 
 def dflash_mlx_generate(target, ops, draft, prompt: list[int], max_new_tokens: int):

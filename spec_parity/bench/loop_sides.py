@@ -173,14 +173,15 @@ def dflash_mlx_side(ckpt: Checkpoints, env) -> Loop:
     round its own draft / verify / acceptance + rollback times. Its prompt lookup ("copyspec")
     stays on, as it ships."""
     model = _mlx_target(ckpt)
-    ops = third_party.dflash_mlx_loop_ops(model)
+    ops = third_party.dflash_mlx_target_ops(model)
     with serve_weights(ckpt):
         draft = third_party.dflash_mlx_draft(ckpt.drafter_dir)
     third_party.dflash_mlx_bind(draft, model, ops)
     token_event, cycle_event = third_party.dflash_mlx_event_types()
 
     def generate(prompt, n):
-        events, times = _timed(third_party.dflash_mlx_generate(model, ops, draft, prompt, n))
+        with third_party.dflash_mlx_hooks(model, ops):   # its hooks for its own requests only
+            events, times = _timed(third_party.dflash_mlx_generate(model, ops, draft, prompt, n))
         at = [t for e, t in zip(events, times) if isinstance(e, token_event)]
         cycles = [e for e in events if isinstance(e, cycle_event)]
         split = [{"draft_s": c.draft_us / 1e6, "verify_s": c.verify_us / 1e6,
