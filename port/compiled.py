@@ -187,8 +187,7 @@ class VerifyCache(BucketCache):
         """[1, 1, n, S] for the n rows about to be written at offset (S: the buffer's length after
         them): row i sees keys j <= offset + i (causal over the new rows), -inf past them; with a
         `window` only the newest `window` of those (mlx-lm's sliding mask)."""
-        end = self.offset + n
-        j, pos = mx.arange(self.length_after(n))[None], mx.arange(self.offset, end)[:, None]
+        j, pos = mx.arange(self.length_after(n))[None], mx.arange(n)[:, None] + self.offset  # offset: int or array
         seen = (j <= pos) if window is None else (j <= pos) & (j > pos - window)
         return additive_mask(seen, dtype)[None, None]
 

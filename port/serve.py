@@ -36,6 +36,9 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from . import sampling, targets
 from .compiled import AUTO, VerifyCache
+from .fast import verify as fast_verify
+
+VERIFIES = ("compiled", "plain")
 
 
 @dataclass
@@ -102,6 +105,7 @@ class Stats:
     target_cache_bytes: int = 0  # peak bytes of this request's target K/V caches
     source_bytes: int = 0        # peak bytes the source holds for this request (its context K/V)
     kv_bucket: int | None = None  # the verify's bucket (None: mlx-lm's caches)
+    verify: str = "plain"        # the verify's forward: "compiled" (port/fast/verify.py) or "plain"
 
     @property
     def request_bytes(self) -> int:
@@ -127,7 +131,8 @@ class Stats:
                 "accepted_by_position": self.accepted_by_position, "drafted_by_position": self.drafted_by_position,
                 "tokens_per_s": self.tokens_per_s, "stop": self.stop, "trace": [list(r) for r in self.trace],
                 "weights_bytes": self.weights_bytes, "target_cache_bytes": self.target_cache_bytes,
-                "source_bytes": self.source_bytes, "request_bytes": self.request_bytes, "kv_bucket": self.kv_bucket}
+                "source_bytes": self.source_bytes, "request_bytes": self.request_bytes, "kv_bucket": self.kv_bucket,
+                "verify": self.verify}
 
 
 def trim_caches(caches: list, n: int) -> None:
@@ -366,7 +371,7 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
              gamma: int = 4, eos: set[int] | None = None, record: bool = False,
              sampler: sampling.Sampler | None = None, processors=(), mode: str = "match",
              draft_sampler: sampling.Sampler | None = None,
-             kv_bucket: int | str | None = AUTO) -> tuple[list[int], Stats]:
+             kv_bucket: int | str | None = AUTO, verify: str = AUTO) -> tuple[list[int], Stats]:
     """Speculative decoding. Returns the content tokens and the stats (with the per-round
     trace). With no source it is plain decoding through the same verify path.
 
@@ -384,6 +389,10 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     DFlash: compiled.BUCKET; the assistant and plain decoding: None) where the target's caches
     allow it (targets.make_caches); `stats.kv_bucket` says what the request ran with.
 
+    `verify`: "compiled" (port/fast/verify.py: the bucketed verify as one compiled call, traced
+    once per bucket; Qwen3 targets with a kv_bucket), "plain" (targets.forward, op by op), or
+    "auto" (default): compiled where it fits; `stats.verify` says which ran.
+
     Its negative controls (planted bugs) live in spec_parity/controls/serve.py."""
     if mode not in sampling.MODES:
         raise sampling.SamplingError(f"unknown acceptance mode {mode!r}; known: {sampling.MODES}")
@@ -399,12 +408,14 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     auto = kv_bucket == AUTO
     caches = targets.make_caches(target, getattr(provider, "kv_bucket", None) if auto else kv_bucket, strict=not auto)
     kv_bucket = caches[0].step if caches and isinstance(caches[0], VerifyCache) else None
+    verify = resolve_verify(verify, target, kv_bucket)
     source = provider.open(TargetView(target, caches)) if provider is not None else None
     stats = Stats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma, kv_bucket=kv_bucket,
-                  weights_bytes=int(getattr(provider, "weights_bytes", 0) or 0) if provider is not None else 0)
+                  weights_bytes=int(getattr(provider, "weights_bytes", 0) or 0) if provider is not None else 0,
+                  verify=verify)
     taps = source.tap_layers if source is not None else None
     t0 = time.perf_counter()
-    trace = targets.forward(target, mx.array([prompt]), caches=caches)
+    trace = target_forward(target, mx.array([prompt]), caches, verify)
     stats.target_calls += 1
     if source is not None:
         source.prefill(prompt, _taps(trace, taps, slice(None)))
@@ -422,7 +433,7 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
         drafts, q = verifier.draft(source, pending, gamma, anchor, history()) if source is not None else ([], None)
         drafts = drafts[:gamma]
         n = len(drafts)
-        trace = targets.forward(target, _verify_ids(pending, drafts), caches=caches)
+        trace = target_forward(target, _verify_ids(pending, drafts), caches, verify)
         stats.target_calls += 1
         # trace.logits[0, ...]: a view, where [0] would be a Gather (see port/dflash.py Model.block)
         k, stop, last, new = verifier.verify(drafts, q, trace.logits[0, ...], history())
@@ -460,6 +471,26 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     if source is not None:
         source.dispose()
     return _content(committed, eos), stats
+
+
+def resolve_verify(verify: str, target: targets.Target, kv_bucket: int | None) -> str:
+    """The request's verify forward: AUTO is "compiled" where port/fast/verify.py takes it."""
+    why = fast_verify.unsupported(target, kv_bucket)
+    if verify == AUTO:
+        return "plain" if why else "compiled"
+    if verify not in VERIFIES:
+        raise ValueError(f"verify={verify!r}: expected one of {VERIFIES} or {AUTO!r}")
+    if verify == "compiled" and why:
+        raise ValueError(f"verify='compiled' cannot run here: {why}; use verify='plain'")
+    return verify
+
+
+def target_forward(target: targets.Target, ids: mx.array, caches: list, verify: str) -> targets.Trace:
+    """The loop's target forward, the prefill and every verify (the seam tests and the bench wrap):
+    the compiled verify once the caches hold their buffers (after the prefill), else targets.forward."""
+    if verify == "compiled" and fast_verify.ready(caches):
+        return fast_verify.forward(target, ids, caches)
+    return targets.forward(target, ids, caches=caches)
 
 
 def _content(committed: list[int], eos: set[int]) -> list[int]:

@@ -35,6 +35,7 @@ class Target:
     config: dict
     family: str
     path: Path
+    compiled: dict = field(default_factory=dict, repr=False, compare=False)  # fast paths' mx.compile'd calls
 
     @property
     def num_layers(self) -> int:
@@ -186,11 +187,18 @@ def forward(target: Target, ids: mx.array, layer_inputs: list[mx.array] | None =
     With `layer_inputs` (teacher-forced mode) layer i runs on `layer_inputs[i]` instead of the
     previous layer's output, so its error against a reference is its own, not inherited.
     Donor K/V are read off only in an uncached forward (with caches, see `donor_view`).
+    Tests and the bench wrap this function; `walk` is the same forward for compiled callers.
     """
-    walk = _walk_gemma4 if target.family == "gemma4" else _walk_qwen3
+    return walk(target, ids, layer_inputs, caches)
+
+
+def walk(target: Target, ids: mx.array, layer_inputs: list[mx.array] | None = None,
+         caches: list | None = None) -> Trace:
+    """`forward`, never wrapped (port/fast/verify.py traces it)."""
+    layers = _walk_gemma4 if target.family == "gemma4" else _walk_qwen3
     n = len(target.model.model.layers)
     caches = list(caches) + [None] * (n - len(caches)) if caches is not None else [None] * n
-    hidden, donors = walk(target, ids, layer_inputs, caches)
+    hidden, donors = layers(target, ids, layer_inputs, caches)
     final = target.model.model.norm(hidden[-1])
     return Trace(head(target, final), hidden, final, donors)
 

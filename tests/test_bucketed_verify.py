@@ -33,6 +33,7 @@ from port import compiled, serve, targets
 from port.fast import assistant as fast_assistant
 from port.fast import dflash as fast_dflash
 from port.fast import dspark as fast_dspark
+from port.fast import verify as fast_verify
 from port.sources.assistant import AssistantProvider
 from port.sources.dflash import DflashProvider
 from port.sources.dspark import DeepspecProvider
@@ -79,22 +80,26 @@ def _bucketed_drafter(make):
     return prov
 
 
-def _loop(name, kv_bucket, bucketed_drafter=False):
-    """The serve loop's tokens, stats and every target forward's (logits, final, layer outputs)."""
+def _loop(name, kv_bucket, bucketed_drafter=False, verify="auto"):
+    """The serve loop's tokens, stats and every target forward's (logits, final, layer outputs).
+    The target's compiled verify is dropped first: one traced before a control was planted would
+    replay the unplanted graph."""
     target, make, gamma = _setup(name)
+    target.compiled.clear()
     prov = None if make is None else (_bucketed_drafter(make) if bucketed_drafter else make())
-    forwards, forward = [], serve.targets.forward
+    forwards, forward = [], serve.target_forward
 
     def recorded(*args, **kwargs):
         t = forward(*args, **kwargs)
         forwards.append([t.logits, t.final, *t.hidden[1:]])
         return t
 
-    serve.targets.forward = recorded
+    serve.target_forward = recorded
     try:
-        tokens, stats = serve.generate(target, PROMPT, TOKENS, prov, gamma=gamma, eos=set(), kv_bucket=kv_bucket)
+        tokens, stats = serve.generate(target, PROMPT, TOKENS, prov, gamma=gamma, eos=set(), kv_bucket=kv_bucket,
+                                       verify=verify)
     finally:
-        serve.targets.forward = forward
+        serve.target_forward = forward
     return tokens, stats, forwards
 
 
@@ -156,7 +161,7 @@ def test_planted_window_off_by_one_fails_the_comparison(name):
 def test_attention_sees_only_bucket_lengths(name, monkeypatch):
     """The key lengths mx.fast.scaled_dot_product_attention gets in the target's forwards: only
     multiples of the bucket on the bucketed verify (a few over the request), many on the default."""
-    seen, inside, sdpa, forward = [], [False], mx.fast.scaled_dot_product_attention, serve.targets.forward
+    seen, inside, sdpa, forward = [], [False], mx.fast.scaled_dot_product_attention, serve.target_forward
 
     def recorded(q, k, v, **kwargs):
         if inside[0]:
@@ -171,8 +176,9 @@ def test_attention_sees_only_bucket_lengths(name, monkeypatch):
             inside[0] = False
 
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
-    monkeypatch.setattr(serve.targets, "forward", flagged)
+    monkeypatch.setattr(serve, "target_forward", flagged)
     target, make, gamma = _setup(name)
+    target.compiled.clear()   # the compiled verify's attention is seen while it is traced
     lengths = {}
     for kv_bucket in (BUCKET, None):
         seen.clear()
@@ -180,6 +186,66 @@ def test_attention_sees_only_bucket_lengths(name, monkeypatch):
         lengths[kv_bucket] = set(seen)
     assert lengths[BUCKET] and all(s % BUCKET == 0 for s in lengths[BUCKET])
     assert len(lengths[BUCKET]) <= -(-(len(PROMPT) + TOKENS + 8) // BUCKET) < len(lengths[None])
+
+
+QWEN3_LOOPS = [None, "dspark-threshold", "dflash"]   # the loops on Qwen3 targets: the compiled verify's
+
+
+@pytest.mark.parametrize("name", harness.slow_except(QWEN3_LOOPS, "dflash"), ids=IDS)
+def test_compiled_verify_equals_the_plain_verify(name):
+    """The compiled verify (port/fast/verify.py, the default on Qwen3 targets) against the same
+    loop's bucketed verify op by op: every forward within the fp32 budget, bit for bit on the CPU,
+    the same tokens and drafts."""
+    plain_tokens, plain_stats, plain = _loop(name, BUCKET, verify="plain")
+    tokens, stats, fast = _loop(name, BUCKET)
+    assert (stats.verify, plain_stats.verify) == ("compiled", "plain")
+    assert tokens == plain_tokens and stats.proposals == plain_stats.proposals and len(fast) == len(plain) > 5
+    assert not _outside_fp32(fast, plain)
+    if mx.default_device().type == mx.DeviceType.cpu:
+        assert all(_bits_equal(a, b) for f, p in zip(fast, plain) for a, b in zip(f, p))
+
+
+@pytest.mark.parametrize("name", harness.slow_except(QWEN3_LOOPS, "dflash"), ids=IDS)
+def test_planted_compiled_write_off_by_one_fails_the_comparison(name):
+    """Negative control: the compiled verify writing its rows one before the offset is caught at
+    the first verify (the prefill runs op by op)."""
+    _, _, plain = _loop(name, BUCKET, verify="plain")
+    with controls.planted("serve", "compiled_verify_write_off_by_one"):
+        _, _, planted = _loop(name, BUCKET)
+    bad = _outside_fp32(planted[: len(plain)], plain[: len(planted)])
+    assert bad and bad[0][0] == 1
+
+
+def test_compiled_verify_traces_once_per_buffer_length(monkeypatch):
+    """A request traces the verify once per buffer length its verifies meet (the buffer grows a
+    bucket at a time), not once per round; a second request of the same lengths traces nothing."""
+    target, make, gamma = _setup("dflash")
+    target.compiled.clear()
+    lengths, traced = [], fast_verify.traced
+
+    def counted(*args):
+        lengths.append(args[4][0].shape[2])   # keys: the buffers' length
+        return traced(*args)
+
+    monkeypatch.setattr(fast_verify, "traced", counted)
+    _, stats = serve.generate(target, PROMPT, TOKENS, make(), gamma=gamma, eos=set(), kv_bucket=BUCKET)
+    first = list(lengths)
+    serve.generate(target, PROMPT, TOKENS, make(), gamma=gamma, eos=set(), kv_bucket=BUCKET)
+    assert stats.verify == "compiled" and len(set(first)) == len(first) > 1
+    assert len(first) < stats.target_calls - 1 and lengths == first
+
+
+def test_compiled_verify_where_it_fits_else_refused():
+    """"auto" compiles the bucketed verify of a Qwen3 target only; asked for elsewhere, or unknown,
+    it is refused with the fix."""
+    qwen, gemma = _setup(None)[0], _setup("gemma4")[0]
+    assert serve.generate(qwen, PROMPT, 4, None, kv_bucket=None)[1].verify == "plain"
+    assert serve.generate(gemma, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "plain"
+    for target, kv_bucket in ((qwen, None), (gemma, BUCKET)):
+        with pytest.raises(ValueError, match="verify='compiled' cannot run here: .*; use verify='plain'"):
+            serve.generate(target, PROMPT, 4, None, kv_bucket=kv_bucket, verify="compiled")
+    with pytest.raises(ValueError, match="verify='fast': expected one of"):
+        serve.generate(qwen, PROMPT, 4, None, verify="fast")
 
 
 @pytest.mark.slow
@@ -252,3 +318,24 @@ def test_default_path_is_bucketed_where_it_holds():
     got = {k: serve.generate(target, PROMPT, 6, p, gamma=4, eos=set(), kv_bucket=b)[1].kv_bucket
            for k, (p, b) in runs.items()}
     assert got == {"auto": compiled.BUCKET, "request-off": None, "provider-off": None, "plain": None}
+
+
+def test_a_replaced_attention_keeps_the_plain_verify_and_dflash_mlx_hooks_are_undone():
+    """dflash-mlx's loader replaces `__call__` of mlx-lm's Qwen3 Attention class for the whole
+    process (its hook reads the cache offset as an int): while it is in place "auto" verifies op by
+    op and "compiled" is refused naming the hook; the bench runs dflash-mlx's requests inside
+    third_party.dflash_mlx_hooks, after which the class is mlx-lm's own again."""
+    pytest.importorskip("dflash_mlx", reason="dflash-mlx is not installed (pip install --no-deps dflash-mlx==0.1.8)")
+    from mlx_lm.models import qwen3
+
+    from spec_parity import third_party
+
+    target, own = _setup(None)[0], qwen3.Attention.__call__
+    ops = third_party.dflash_mlx_target_ops(target.model)
+    with third_party.dflash_mlx_hooks(target.model, ops):
+        assert qwen3.Attention.__call__ is not own
+        assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "plain"
+        with pytest.raises(ValueError, match="replaced in this process by dflash_mlx.*; use verify='plain'"):
+            serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET, verify="compiled")
+    assert qwen3.Attention.__call__ is own
+    assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "compiled"

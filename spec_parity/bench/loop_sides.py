@@ -97,17 +97,17 @@ def plain_side(ckpt: Checkpoints, env) -> Loop:
     return Loop(generate, keep=model, notes=["mlx_lm.generate.generate_step, argmax"])
 
 
-def port_side(ckpt: Checkpoints, env, path: str = "") -> Loop:
-    """port.serve.generate on one of the port's paths (port_sides.PATHS), wrapped as the bench's
-    serve section wraps it (bench/serve.py `_probe`): the first draft marks the prefill's end;
-    `split` times one request's rounds (`_timed_forward`, `_rounds`: the drafts evaluated in the
-    draft, the forward in the verify)."""
+def port_side(ckpt: Checkpoints, env, path: str = "", verify: str = "auto") -> Loop:
+    """port.serve.generate on one of the port's paths (port_sides.PATHS) and verify forwards,
+    wrapped as the bench's serve section wraps it (bench/serve.py `_probe`): the first draft marks
+    the prefill's end; `split` times one request's rounds (`_timed_forward`, `_rounds`: the drafts
+    evaluated in the draft, the forward in the verify)."""
     target = port_sides.load_target(ckpt)
     provider = port_sides.PortProvider(ckpt, path)
     gamma = ckpt.case.shapes.gamma
 
     def request(prompt, n, events, split=False):
-        tokens, stats = port_sides.generate(target, prompt, n, _probe(provider, events, split=split), gamma)
+        tokens, stats = port_sides.generate(target, prompt, n, _probe(provider, events, split=split), gamma, verify)
         return tokens, stats, time.perf_counter()
 
     def generate(prompt, n):
@@ -122,9 +122,9 @@ def port_side(ckpt: Checkpoints, env, path: str = "") -> Loop:
             _, _, t_end = request(prompt, n, events, split=True)
         return _rounds(events, t_end)
 
-    verify = f"verify kv_bucket={provider.kv_bucket}" if provider.kv_bucket else "verify mlx-lm caches"
     options = port_sides.PATHS[path][ckpt.source]
-    notes = [", ".join([f"{k}={v}" for k, v in options.items()] + port_sides.resolved(provider.drafter) + [verify])]
+    notes = [", ".join([f"{k}={v}" for k, v in options.items()] + port_sides.resolved(provider.drafter)
+                       + [port_sides.verify_note(target, provider, verify)])]
     return Loop(generate, notes=notes, split=split, keep=(target, provider))
 
 
@@ -259,6 +259,8 @@ def deepspec_side(ckpt: Checkpoints, env) -> Loop:
     return Loop(generate, "torch", str(dev), keep=(target, draft), notes=[f"torch {dev}, {ckpt.dtype}"])
 
 
+PLAIN_VERIFY = "port-plain-verify"  # our default loop with its verify op by op (before port/fast/verify.py)
+
 # plain first (the reference stream and the baseline), then ours, then the peers' loops: each peer's
 # Side of the step bench (its name, sources, framework, modules and install line) with its loop.
 _PEERS = {s.name: s for s in PEER_SIDES}
@@ -266,11 +268,12 @@ SIDES: dict[str, Side] = {s.name: s for s in (
     Side("plain", SOURCES, plain_side, peer=False, needs=("mlx_lm",), install="mlx-lm"),
     *(Side(port_sides.path_name(p), tuple(by_source), partial(port_side, path=p), peer=False)
       for p, by_source in port_sides.PATHS.items() if p != "bucketed-2seg"),
+    Side(PLAIN_VERIFY, ("dspark", "dflash"), partial(port_side, verify="plain"), peer=False),
     *(replace(_PEERS[name], build=build) for name, build in (
         ("optiq", optiq_side), ("zlab-mlx", zlab_mlx_side), ("dflash-mlx", dflash_mlx_side),
         ("dspark-mlx", dspark_mlx_side), ("deepspec-torch", deepspec_side))),
 )}
-OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS)
+OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS) + (PLAIN_VERIFY,)
 
 
 ALWAYS = ("plain", "port")   # the baseline and our default path: in every --serve run, as in the step bench

@@ -18,7 +18,7 @@ BUCKET = 256  # mlx-lm KVCache's own growth step (port.compiled.BUCKET; port/ is
 # The port's modules whose host-filled buffers counters.HostBuffers counts (by name: not imported).
 PORT_MODULES = ("port.assistant", "port.compiled", "port.dflash", "port.dspark", "port.heads", "port.sampling",
                 "port.serve", "port.targets", "port.fast.assistant", "port.fast.dflash", "port.fast.dspark",
-                "port.sources.assistant", "port.sources.dflash", "port.sources.dspark")
+                "port.fast.verify", "port.sources.assistant", "port.sources.dflash", "port.sources.dspark")
 
 
 def prepare(ckpt: Checkpoints, torch: tuple[str | None, str], prompt: list[int]) -> Prep:
@@ -171,11 +171,20 @@ def resolved(drafter) -> list[str]:
 
 # ---- port.serve's seams, for the serve-loop figures ---------------------------------------------
 
-def generate(target, prompt: list[int], max_tokens: int, provider, gamma: int):
-    """port.serve.generate at T=0 with EOS off, its verify as the provider's path wants: (tokens, stats)."""
+def generate(target, prompt: list[int], max_tokens: int, provider, gamma: int, verify: str = "auto"):
+    """port.serve.generate at T=0 with EOS off, its verify's caches as the provider's path wants and
+    its forward as `verify` says: (tokens, stats)."""
     from port import serve
 
-    return serve.generate(target, prompt, max_tokens, provider, gamma=gamma, eos=set())
+    return serve.generate(target, prompt, max_tokens, provider, gamma=gamma, eos=set(), verify=verify)
+
+
+def verify_note(target, provider, verify: str = "auto") -> str:
+    """The verify a loop of ours runs, in words: its caches and its forward (port.serve.resolve_verify)."""
+    from port import serve
+
+    caches = f"kv_bucket={provider.kv_bucket}" if provider.kv_bucket else "mlx-lm caches"
+    return f"verify {caches}, {serve.resolve_verify(verify, target, provider.kv_bucket)}"
 
 
 def observed(provider, around):
@@ -187,11 +196,11 @@ def observed(provider, around):
 
 @contextlib.contextmanager
 def wrapped_forward(wrap):
-    """The loop's target forward (port.targets.forward, as port.serve calls it) is `wrap(forward)`
-    meanwhile."""
+    """The loop's target forward (port.serve.target_forward: the prefill and every verify) is
+    `wrap(forward)` meanwhile."""
     from port import serve
 
-    with _wrapped(serve.targets, "forward", wrap):
+    with _wrapped(serve, "target_forward", wrap):
         yield
 
 

@@ -110,11 +110,12 @@ def _cold_round(sv: dict) -> str:
 
 def _serve_rows(doc: dict):
     """(row name, serve-loop figures) per case: the port's loop on each path the run has, the
-    default first, each named with its verify (kv_bucket or mlx-lm's caches)."""
+    default first, each named with its verify (kv_bucket or mlx-lm's caches; compiled or plain)."""
     for c in doc["cases"]:
         for key in sorted((k for k in c if k == "serve" or k.startswith("serve_")), key=lambda k: k != "serve"):
             sv = c[key]
             verify = f"verify kv_bucket={sv['kv_bucket']}" if sv.get("kv_bucket") else "verify mlx-lm caches"
+            verify += f", {sv['verify']}" if sv.get("verify") else ""
             yield f"{c['case']} ({sv.get('path', 'port')}, {verify})", sv
 
 

@@ -115,7 +115,7 @@ def serve_loop(ckpt: Checkpoints, target, prompt: list[int], max_tokens: int, ru
         first = next(e[1] for e in events if e[0] == "draft")
         cold_out = {"cold": {"prompt_len": len(short), "decode_tokens_per_s": (cstats.emitted - 1) / (t_end - first),
                              "round_median_s": medians(_rounds(events, t_end)[1:])}}
-    return {**cold_out, "kv_bucket": stats.kv_bucket, "gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
+    return {**cold_out, "kv_bucket": stats.kv_bucket, "verify": stats.verify, "gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
             "tau": stats.tau, "acceptance": stats.acceptance,
             "decode_tokens_per_s": summary(decode), "loop_tokens_per_s": summary(looped),
             "round_median_s": med, "first_round_s": split[0] if split else {},
