@@ -390,8 +390,8 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     allow it (targets.make_caches); `stats.kv_bucket` says what the request ran with.
 
     `verify`: "compiled" (port/fast/verify.py: the bucketed verify as one compiled call, traced
-    once per bucket; Qwen3 targets with a kv_bucket), "plain" (targets.forward, op by op), or
-    "auto" (default): compiled where it fits; `stats.verify` says which ran.
+    once per buffer length; needs a kv_bucket), "plain" (targets.forward, op by op), or "auto"
+    (default): compiled where it fits; `stats.verify` says which ran.
 
     Its negative controls (planted bugs) live in spec_parity/controls/serve.py."""
     if mode not in sampling.MODES:

@@ -14,6 +14,7 @@ or a window one row too wide, must fail the comparison.
 """
 
 import contextlib
+import dataclasses
 import functools
 
 import mlx.core as mx
@@ -188,14 +189,12 @@ def test_attention_sees_only_bucket_lengths(name, monkeypatch):
     assert len(lengths[BUCKET]) <= -(-(len(PROMPT) + TOKENS + 8) // BUCKET) < len(lengths[None])
 
 
-QWEN3_LOOPS = [None, "dspark-threshold", "dflash"]   # the loops on Qwen3 targets: the compiled verify's
-
-
-@pytest.mark.parametrize("name", harness.slow_except(QWEN3_LOOPS, "dflash"), ids=IDS)
+@pytest.mark.parametrize("name", harness.slow_except([*LOOPS, "gemma4"], "dflash"), ids=IDS)
 def test_compiled_verify_equals_the_plain_verify(name):
-    """The compiled verify (port/fast/verify.py, the default on Qwen3 targets) against the same
-    loop's bucketed verify op by op: every forward within the fp32 budget, bit for bit on the CPU,
-    the same tokens and drafts."""
+    """The compiled verify (port/fast/verify.py, the default wherever the verify is bucketed)
+    against the same loop's bucketed verify op by op, on Qwen3 and Gemma-4 targets (sliding
+    windows; the assistant's donors read from the compiled verify's buffers): every forward within
+    the fp32 budget, bit for bit on the CPU, the same tokens and drafts."""
     plain_tokens, plain_stats, plain = _loop(name, BUCKET, verify="plain")
     tokens, stats, fast = _loop(name, BUCKET)
     assert (stats.verify, plain_stats.verify) == ("compiled", "plain")
@@ -205,7 +204,7 @@ def test_compiled_verify_equals_the_plain_verify(name):
         assert all(_bits_equal(a, b) for f, p in zip(fast, plain) for a, b in zip(f, p))
 
 
-@pytest.mark.parametrize("name", harness.slow_except(QWEN3_LOOPS, "dflash"), ids=IDS)
+@pytest.mark.parametrize("name", harness.slow_except([None, "dflash", "gemma4"], "dflash"), ids=IDS)
 def test_planted_compiled_write_off_by_one_fails_the_comparison(name):
     """Negative control: the compiled verify writing its rows one before the offset is caught at
     the first verify (the prefill runs op by op)."""
@@ -236,13 +235,14 @@ def test_compiled_verify_traces_once_per_buffer_length(monkeypatch):
 
 
 def test_compiled_verify_where_it_fits_else_refused():
-    """"auto" compiles the bucketed verify of a Qwen3 target only; asked for elsewhere, or unknown,
-    it is refused with the fix."""
+    """"auto" compiles a bucketed verify of a family whose walk the tests hold; asked for
+    elsewhere (no bucket, another family), or unknown, it is refused with the reason and the fix."""
     qwen, gemma = _setup(None)[0], _setup("gemma4")[0]
     assert serve.generate(qwen, PROMPT, 4, None, kv_bucket=None)[1].verify == "plain"
-    assert serve.generate(gemma, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "plain"
-    for target, kv_bucket in ((qwen, None), (gemma, BUCKET)):
-        with pytest.raises(ValueError, match="verify='compiled' cannot run here: .*; use verify='plain'"):
+    assert serve.generate(gemma, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "compiled"
+    other = dataclasses.replace(qwen, family="llama", compiled={})
+    for target, kv_bucket, why in ((qwen, None, "kv_bucket"), (other, BUCKET, "this one: llama")):
+        with pytest.raises(ValueError, match=f"verify='compiled' cannot run here: .*{why}.*; use verify='plain'"):
             serve.generate(target, PROMPT, 4, None, kv_bucket=kv_bucket, verify="compiled")
     with pytest.raises(ValueError, match="verify='fast': expected one of"):
         serve.generate(qwen, PROMPT, 4, None, verify="fast")

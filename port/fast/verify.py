@@ -1,4 +1,5 @@
-"""The bucketed verify as one compiled call (port.serve.generate's `verify`, default on Qwen3 targets).
+"""The bucketed verify as one compiled call (port.serve.generate's `verify`, the default wherever
+the verify is bucketed).
 
 On the bucketed verify (port/compiled.py VerifyCache) a round's target forward has the same shapes
 as the last round's until the buffers grow by a bucket; only the offset moves. Here the offset enters
@@ -7,11 +8,9 @@ as an int32 array and mlx-lm's own decoder layers are traced once per buffer len
 ops a layer, 36 layers for Qwen3-4B, each host time while the GPU waits (the verify is most of a
 serve round on MLX CUDA, docs/benchmarks.md). Nothing is re-written: the traced function is
 targets.walk over BufferViews, the same layers, masks and head; the writes and the mask read the
-offset array where the plain caches read an int. Bit for bit the plain bucketed verify on the CPU
-(tests/test_bucketed_verify.py).
-
-Qwen3 targets only: Gemma-4's walk also reads its caches' offsets on the host (kv-shared layers,
-rotating windows); it keeps the plain verify.
+offset array where the plain caches read an int (Gemma-4's kv-shared layers take it from their
+owner's, its sliding layers' window is in the mask). Bit for bit the plain bucketed verify on the
+CPU, Qwen3 and Gemma-4 targets (tests/test_bucketed_verify.py).
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import mlx.core as mx
 from .. import compiled as pieces
 from .. import targets
 
-FAMILIES = ("qwen3",)
+FAMILIES = ("qwen3", "gemma4")   # the walks of port/targets.py, each held by the tests
 
 
 class BufferView(pieces.VerifyCache):
