@@ -187,7 +187,7 @@ def forward(target: Target, ids: mx.array, layer_inputs: list[mx.array] | None =
     With `layer_inputs` (teacher-forced mode) layer i runs on `layer_inputs[i]` instead of the
     previous layer's output, so its error against a reference is its own, not inherited.
     Donor K/V are read off only in an uncached forward (with caches, see `donor_view`).
-    Tests and the bench wrap this function; `walk` is the same forward for compiled callers.
+    Tests may wrap this function; `walk` is the same forward, never wrapped, for compiled callers.
     """
     return walk(target, ids, layer_inputs, caches)
 
