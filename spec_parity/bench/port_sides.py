@@ -180,11 +180,16 @@ def generate(target, prompt: list[int], max_tokens: int, provider, gamma: int, v
 
 
 def verify_note(target, provider, verify: str = "auto") -> str:
-    """The verify a loop of ours runs, in words: its caches and its forward (port.serve.resolve_verify)."""
+    """The verify a loop of ours runs, in words (verify_words), as port.serve.resolve_verify resolves it."""
     from port import serve
 
-    caches = f"kv_bucket={provider.kv_bucket}" if provider.kv_bucket else "mlx-lm caches"
-    return f"verify {caches}, {serve.resolve_verify(verify, target, provider.kv_bucket)}"
+    return verify_words(provider.kv_bucket, serve.resolve_verify(verify, target, provider.kv_bucket))
+
+
+def verify_words(kv_bucket: int | None, verify: str | None) -> str:
+    """A verify in words: its caches (kv_bucket or mlx-lm's) and, where known, its forward."""
+    caches = f"kv_bucket={kv_bucket}" if kv_bucket else "mlx-lm caches"
+    return f"verify {caches}" + (f", {verify}" if verify else "")
 
 
 def observed(provider, around):

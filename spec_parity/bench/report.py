@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from ..goldens import atomic_write
+from .port_sides import verify_words
 
 MIB = 1 << 20
 
@@ -114,9 +115,7 @@ def _serve_rows(doc: dict):
     for c in doc["cases"]:
         for key in sorted((k for k in c if k == "serve" or k.startswith("serve_")), key=lambda k: k != "serve"):
             sv = c[key]
-            verify = f"verify kv_bucket={sv['kv_bucket']}" if sv.get("kv_bucket") else "verify mlx-lm caches"
-            verify += f", {sv['verify']}" if sv.get("verify") else ""
-            yield f"{c['case']} ({sv.get('path', 'port')}, {verify})", sv
+            yield f"{c['case']} ({sv.get('path', 'port')}, {verify_words(sv.get('kv_bucket'), sv.get('verify'))})", sv
 
 
 def serve_table(doc: dict) -> list[str]:
