@@ -23,6 +23,11 @@ built on the device, the accept runs there, and the round syncs once, for one 8-
 read when the request ends (`read_at_end`). On MLX CUDA a host read of more than 8 bytes would cost
 the next round page faults. (DSpark / the DFlash extension with confidence thresholds sync once
 more, for the proposal length the verify's shape needs.)
+
+Pipelined (`pipeline`, on by default where it fits: the compiled verify, and DFlash's bucketed
+block or no source): that verdict is read one round late. Round r + 1 is built from device arrays
+(the pending token, the committed length) and queued before round r's verdict is read, so the
+host's graph building overlaps the device's work (`_pipelined`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from .compiled import AUTO, VerifyCache
 from .fast import verify as fast_verify
 
 VERIFIES = ("compiled", "plain")
+PIPELINES = ("on", "off")
 
 
 @dataclass
@@ -106,6 +112,7 @@ class Stats:
     source_bytes: int = 0        # peak bytes the source holds for this request (its context K/V)
     kv_bucket: int | None = None  # the verify's bucket (None: mlx-lm's caches)
     verify: str = "plain"        # the verify's forward: "compiled" (port/fast/verify.py) or "plain"
+    pipeline: str = "off"        # "on": the pipelined loop (serve._pipelined)
 
     @property
     def request_bytes(self) -> int:
@@ -132,7 +139,7 @@ class Stats:
                 "tokens_per_s": self.tokens_per_s, "stop": self.stop, "trace": [list(r) for r in self.trace],
                 "weights_bytes": self.weights_bytes, "target_cache_bytes": self.target_cache_bytes,
                 "source_bytes": self.source_bytes, "request_bytes": self.request_bytes, "kv_bucket": self.kv_bucket,
-                "verify": self.verify}
+                "verify": self.verify, "pipeline": self.pipeline}
 
 
 def trim_caches(caches: list, n: int) -> None:
@@ -174,7 +181,7 @@ def _device_drafter(source):
     return source.draft_device
 
 
-SEAM = ("prefill", "draft", "draft_device", "draft_sampled", "commit")
+SEAM = ("prefill", "draft", "draft_device", "draft_sampled", "commit", "draft_pipelined", "commit_pipelined")
 
 
 class Observed:
@@ -362,16 +369,88 @@ def read_at_end(groups: list[list]) -> list[list[list[int]]]:
     return out
 
 
-def _request_bytes(caches: list, source) -> tuple[int, int]:
+def _count_bytes(stats: Stats, caches: list, source) -> None:
+    """The request's peak bytes so far: its target caches, and what the source holds."""
     own = int(getattr(source, "nbytes", 0) or 0) if source is not None else 0
-    return sum(c.nbytes for c in caches), own
+    stats.target_cache_bytes = max(stats.target_cache_bytes, sum(c.nbytes for c in caches))
+    stats.source_bytes = max(stats.source_bytes, own)
+
+
+def _count_round(stats: Stats, n: int, k: int, stop: int, left: int) -> int:
+    """A round of n drafts, k accepted and the first EOS of its new tokens at `stop`, into the
+    stats; the tokens it emits (`left`: what max_tokens leaves)."""
+    stats.drafted += n
+    stats.accepted += k
+    for i in range(n):
+        stats.drafted_by_position[i] += 1
+        stats.accepted_by_position[i] += i < k
+    kept = _kept(n, k)
+    emitted = min(left, stop + 1 if stop < kept else kept)
+    stats.trace.append((n, k, emitted))
+    return emitted
+
+
+def _pipelined(target: targets.Target, caches: list, source, verifier: _Greedy, eos: set[int], pending: int,
+               gamma: int, left: int, stats: Stats, pieces: list, proposals: list) -> None:
+    """The greedy rounds, each queued before the last one's verdict is read, so that the host
+    builds round r + 1 while the device runs round r (on MLX CUDA the host's graph building is
+    most of a round, docs/benchmarks.md). Nothing a round needs comes from the host: the pending
+    token, the committed length (`offset`: where the verify writes, and what the drafter's next
+    block attends) and the accept stay on the device; the source keeps every row of the verify and
+    counts those before the offset (`draft_pipelined`, `commit_pipelined`). The host reads round
+    r's 8-byte verdict after queuing round r + 1, for the stats, EOS and max_tokens. A round queued
+    after the one that ends the request runs and is dropped; where max_tokens may end it (what is
+    left is within the rounds' mean tokens so far) the host reads the verdict first instead. The
+    same tokens, drafts and trace as the sequential loop (tests/test_pipelined.py).
+
+    Each round writes at most n + 1 rows past the committed length the host last read, so the
+    target's and the drafter's buffers are reserved to that bound (`room`)."""
+    taps = source.tap_layers if source is not None else None
+    exact = caches[0].offset
+    offset, tok = mx.array(exact, mx.int32), mx.array(pending, mx.int32)
+    queued, emitted = None, 0   # emitted: the tokens of the rounds read so far
+
+    def settle(drafts, greedy, verdict) -> bool:
+        """A round's verdict read into the stats and tokens; whether it ends the request."""
+        nonlocal left, exact, emitted
+        v = verdict.item()
+        k, stop, last = v & _FIELD, (v >> _BITS) & _FIELD, v >> (2 * _BITS)
+        proposals.append(drafts)
+        out = _count_round(stats, drafts.shape[0], k, stop, left)
+        pieces.append(greedy[:out])
+        left, exact, emitted = left - out, exact + k + 1, emitted + out
+        _count_bytes(stats, caches, source)
+        return out < _kept(drafts.shape[0], k) or last in eos or not left
+
+    while True:
+        if queued is not None and left * max(len(stats.trace), 1) <= max(emitted, 1):
+            if settle(*queued):
+                return
+            queued = None
+        room = exact + (queued[0].shape[0] + 1 if queued is not None else 0)
+        drafts = (source.draft_pipelined(tok, gamma, offset, room)[:gamma].astype(mx.int32) if source is not None
+                  else mx.zeros((0,), mx.int32))
+        for c in caches:
+            c.offset = room
+        trace = target_forward(target, mx.concatenate([tok.reshape(1), drafts])[None], caches, "compiled", offset)
+        stats.target_calls += 1
+        greedy = mx.argmax(trace.logits[0, ...], axis=-1).astype(mx.int32)
+        verdict = _verdict(drafts, greedy, verifier.eos)
+        accepted = (verdict & _FIELD).astype(mx.int32)
+        tok, offset = mx.take(greedy, accepted), offset + accepted + 1
+        if source is not None:
+            source.commit_pipelined(_taps(trace, taps, slice(None)))
+        mx.async_eval(verdict, tok, offset)
+        if queued is not None and settle(*queued):
+            return
+        queued = drafts, greedy, verdict
 
 
 def generate(target: targets.Target, prompt: list[int], max_tokens: int, provider: DraftProvider | None = None,
              gamma: int = 4, eos: set[int] | None = None, record: bool = False,
              sampler: sampling.Sampler | None = None, processors=(), mode: str = "match",
              draft_sampler: sampling.Sampler | None = None,
-             kv_bucket: int | str | None = AUTO, verify: str = AUTO) -> tuple[list[int], Stats]:
+             kv_bucket: int | str | None = AUTO, verify: str = AUTO, pipeline: str = AUTO) -> tuple[list[int], Stats]:
     """Speculative decoding. Returns the content tokens and the stats (with the per-round
     trace). With no source it is plain decoding through the same verify path.
 
@@ -392,6 +471,10 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     `verify`: "compiled" (port/fast/verify.py: the bucketed verify as one compiled call, traced
     once per buffer length; needs a kv_bucket), "plain" (targets.forward, op by op), or "auto"
     (default): compiled where it fits; `stats.verify` says which ran.
+
+    `pipeline`: "on" (`_pipelined`: round r + 1 is built while the device runs round r; the
+    greedy verify, compiled, and a source with `draft_pipelined` or none), "off" (the sequential
+    loop below), or "auto" (default): on where it fits; `stats.pipeline` says which ran.
 
     Its negative controls (planted bugs) live in spec_parity/controls/serve.py."""
     if mode not in sampling.MODES:
@@ -429,7 +512,10 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
 
     if record:
         stats.logits.append(trace.logits[0, -1])
-    while pending not in eos and count < max_tokens:
+    stats.pipeline = resolve_pipeline(pipeline, verifier, verify, source, record, gamma)
+    if stats.pipeline == "on" and pending not in eos and count < max_tokens:
+        _pipelined(target, caches, source, verifier, eos, pending, gamma, max_tokens - count, stats, pieces, proposals)
+    while stats.pipeline == "off" and pending not in eos and count < max_tokens:
         drafts, q = verifier.draft(source, pending, gamma, anchor, history()) if source is not None else ([], None)
         drafts = drafts[:gamma]
         n = len(drafts)
@@ -438,24 +524,16 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
         # trace.logits[0, ...]: a view, where [0] would be a Gather (see port/dflash.py Model.block)
         k, stop, last, new = verifier.verify(drafts, q, trace.logits[0, ...], history())
         proposals.append(drafts)
-        stats.drafted += n
-        stats.accepted += k
-        for i in range(n):
-            stats.drafted_by_position[i] += 1
-            stats.accepted_by_position[i] += i < k
         kept = _kept(n, k)
-        emitted = min(max_tokens - count, stop + 1 if stop < kept else kept)
+        emitted = _count_round(stats, n, k, stop, max_tokens - count)
         pieces.append(new[:emitted])
         count += emitted
         if record:
             stats.logits += [trace.logits[0, i] for i in range(emitted)]
-        stats.trace.append((n, k, emitted))
         trim_caches(caches, n - kept + 1)
         if source is not None:
             source.commit(n, k, _taps(trace, taps, slice(None)))
-        cache_bytes, source_bytes = _request_bytes(caches, source)
-        stats.target_cache_bytes = max(stats.target_cache_bytes, cache_bytes)
-        stats.source_bytes = max(stats.source_bytes, source_bytes)
+        _count_bytes(stats, caches, source)
         if emitted < kept:
             break
         pending = last
@@ -463,9 +541,7 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     pieces, stats.proposals = read_at_end([pieces, proposals])
     committed = [t for p in pieces for t in p]
     stats.elapsed_s = time.perf_counter() - t0
-    cache_bytes, source_bytes = _request_bytes(caches, source)
-    stats.target_cache_bytes = max(stats.target_cache_bytes, cache_bytes)
-    stats.source_bytes = max(stats.source_bytes, source_bytes)
+    _count_bytes(stats, caches, source)
     stats.stop = "eos" if committed[-1] in eos else "length"
     stats.emitted = len(committed)
     if source is not None:
@@ -485,9 +561,42 @@ def resolve_verify(verify: str, target: targets.Target, kv_bucket: int | None) -
     return verify
 
 
-def target_forward(target: targets.Target, ids: mx.array, caches: list, verify: str) -> targets.Trace:
+def resolve_pipeline(pipeline: str, verifier, verify: str, source, record: bool, gamma: int) -> str:
+    """The request's loop: AUTO is "on" wherever `_pipelined` runs."""
+    why = _unpipelined(verifier, verify, source, record, gamma)
+    if pipeline == AUTO:
+        return "off" if why else "on"
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline={pipeline!r}: expected one of {PIPELINES} or {AUTO!r}")
+    if pipeline == "on" and why:
+        raise ValueError(f"pipeline='on' cannot run here: {why}; use pipeline='off'")
+    return pipeline
+
+
+def _unpipelined(verifier, verify: str, source, record: bool, gamma: int) -> str | None:
+    """Why `_pipelined` cannot run a request (None: it can)."""
+    if not isinstance(verifier, _Greedy):
+        return "it runs the greedy verify only (no sampler, processors or rejection mode)"
+    if verify != "compiled":
+        return "it needs the compiled verify (verify='compiled' on a kv_bucket)"
+    if record:
+        return "record=True keeps every round's logits"
+    if source is None:
+        return None
+    if not gamma:
+        return "gamma=0: a source that drafts nothing keeps its context in the sequential loop"
+    if _device_drafter(source) is None or not hasattr(source, "draft_pipelined"):
+        return f"{type(getattr(source, 'inner', source)).__name__} has no draft_pipelined"
+    return source.pipelines()
+
+
+def target_forward(target: targets.Target, ids: mx.array, caches: list, verify: str,
+                   offset: mx.array | None = None) -> targets.Trace:
     """The loop's target forward, the prefill and every verify (the seam tests and the bench wrap):
-    the compiled verify once the caches hold their buffers (after the prefill), else targets.forward."""
+    the compiled verify once the caches hold their buffers (after the prefill), else targets.forward;
+    with an `offset` (the pipelined loop's, on the device) fast_verify.forward_at."""
+    if offset is not None:
+        return fast_verify.forward_at(target, ids, caches, offset)
     if verify == "compiled" and fast_verify.ready(caches):
         return fast_verify.forward(target, ids, caches)
     return targets.forward(target, ids, caches=caches)

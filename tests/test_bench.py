@@ -235,15 +235,18 @@ def test_serve_loop_counts_a_planted_sync_per_round(tmp_path):
     class Planted(port_sides.PortProvider):
         def open(self, view):
             src = super().open(view)
-            draft = src.draft_device   # the loop's T=0 path: drafts stay on the device
+            for name in ("draft_device", "draft_pipelined"):   # the loop's T=0 paths: drafts on the device
+                setattr(src, name, self.extra(getattr(src, name)))
+            return src
 
-            def extra(*args):
+        @staticmethod
+        def extra(draft):
+            def drafted(*args):
                 out = draft(*args)
                 out.tolist()   # planted
                 return out
 
-            src.draft_device = extra
-            return src
+            return drafted
 
     base = serve.serve_loop(ckpt, prep.target, prompt, 6, 1)
     planted = serve.serve_loop(ckpt, prep.target, prompt, 6, 1, provider=Planted(ckpt))

@@ -82,9 +82,9 @@ def _bucketed_drafter(make):
 
 
 def _loop(name, kv_bucket, bucketed_drafter=False, verify="auto"):
-    """The serve loop's tokens, stats and every target forward's (logits, final, layer outputs).
-    The target's compiled verify is dropped first: one traced before a control was planted would
-    replay the unplanted graph."""
+    """The sequential serve loop's tokens, stats and every target forward's (logits, final, layer
+    outputs); tests/test_pipelined.py holds the pipelined loop to it. The target's compiled verify
+    is dropped first: one traced before a control was planted would replay the unplanted graph."""
     target, make, gamma = _setup(name)
     target.compiled.clear()
     prov = None if make is None else (_bucketed_drafter(make) if bucketed_drafter else make())
@@ -98,7 +98,7 @@ def _loop(name, kv_bucket, bucketed_drafter=False, verify="auto"):
     serve.target_forward = recorded
     try:
         tokens, stats = serve.generate(target, PROMPT, TOKENS, prov, gamma=gamma, eos=set(), kv_bucket=kv_bucket,
-                                       verify=verify)
+                                       verify=verify, pipeline="off")
     finally:
         serve.target_forward = forward
     return tokens, stats, forwards

@@ -243,6 +243,30 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
                                 [self.state, self.borrowed(target)])
         return dflash.Block(*fn(ids, mx.array(caches[0].offset, mx.int32), list(keys), list(values), w))
 
+    def block_at(self, target: targets.Target, ids, rows, at, valid, room: int, caches: list) -> dflash.Block:
+        """`block` where the host knows neither where the new context rows go nor how many of them
+        count (the pipelined loop, port/serve.py): every row of `rows` [1, R, H] is written at
+        `at` and the block attends the rows before `valid` (int32 arrays; rows from `valid` on are
+        masked, and the next join overwrites them). `room`: a bound on `at`, for the buffers' room.
+        One compiled call, the join with the block, traced once per buffer length."""
+        for cache in caches:
+            cache.offset = room
+            cache.reserve(rows.shape[1], (1, self.layers[0].self_attn.n_kv, self.args.head_dim, self.args.head_dim),
+                          self.fc.weight.dtype)
+        fn = self._bucketed.get(self, ("joined", id(target), self.bucket_attention), partial(self.joined, target),
+                                [self.state, self.borrowed(target)])
+        return dflash.Block(*pieces.over_buffers(caches, fn, ids, rows.reshape(-1, rows.shape[-1]), at, valid,
+                                                 self.weights()))
+
+    def joined(self, target: targets.Target, ids, rows, at, valid, w, keys, values):
+        """The rows' K/V written at `at` into every layer's buffer, then `bucketed` over them: its
+        arrays and the buffers."""
+        c = self.hidden_norm(rows @ w["fc"])
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.kv_heads(c @ w[f"k{i}"], c @ w[f"v{i}"], at)
+            keys[i], values[i] = written(keys[i], values[i], k, v, at)
+        return self.bucketed(target, ids, valid, keys, values, w) + (keys, values)
+
     def bucketed(self, target: targets.Target, ids, valid, keys, values, w):
         """The whole block over the bucketed buffers (rows from `valid` masked), as arrays:
         hidden, logits, tokens."""

@@ -75,14 +75,21 @@ def forward(target: targets.Target, ids, caches: list) -> targets.Trace:
     """targets.forward(target, ids, caches=caches) for `ready` caches, as one compiled call (traced
     again only for a new buffer length or row count); the caches' buffers are handed over, so the
     writes can be in place."""
+    trace = forward_at(target, ids, caches, mx.array(caches[0].offset, mx.int32))
+    for c in caches:
+        c.offset += ids.shape[1]
+    return trace
+
+
+def forward_at(target: targets.Target, ids, caches: list, offset: mx.array) -> targets.Trace:
+    """`forward` with the rows written at `offset`, an int32 array the host need not know (the
+    pipelined loop's, port/serve.py); the caches' own offset is a bound on it, for their room, and
+    does not move."""
     n, bucket = ids.shape[1], caches[0].step
     for c in caches:
         c.reserve(n, c.keys.shape[:2] + (c.keys.shape[3], c.values.shape[3]), c.keys.dtype)
     key = ("verify", bucket)
     if key not in target.compiled:
         target.compiled[key] = mx.compile(partial(traced, target, bucket), inputs=[target.model.state])
-    offset = mx.array(caches[0].offset, mx.int32)
     logits, final, hidden = pieces.over_buffers(caches, partial(target.compiled[key], ids, offset))
-    for c in caches:
-        c.offset += n
     return targets.Trace(logits, hidden, final)

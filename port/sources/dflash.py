@@ -37,6 +37,8 @@ class DflashSource:
         self.pending: mx.array | None = None
         self.emitted = 0
         self.last_block: Block | None = None
+        self.rows = self.at = None   # the pipelined loop's: the last verify's tap rows, where they go
+        self.room = 0
 
     def _queue(self, rows: mx.array) -> None:
         self.pending = rows if self.pending is None else mx.concatenate([self.pending, rows], axis=1)
@@ -88,6 +90,35 @@ class DflashSource:
         if block.confidence is not None and self.thresholds:
             return block.token_ids[: prune_length(block.confidence, self.thresholds)]
         return block.token_ids
+
+    def pipelines(self) -> str | None:
+        """Why this source cannot draft in the pipelined loop (port/serve.py; None: it can)."""
+        if not isinstance(self.m, fast.Bucketed):
+            return "the DFlash drafter needs its bucketed block (kv_bucket)"
+        if self.extension is not None:
+            return "the DSpark-on-DFlash extension reads its confidence on the host"
+        if self.max_tokens is not None:
+            return "max_tokens (z-lab's last block) shrinks the block by the emitted count"
+        return None
+
+    def draft_pipelined(self, pending: mx.array, n: int, offset: mx.array, room: int) -> mx.array:
+        """`draft_device` from the pending token and the committed length `offset` as device
+        scalars (`room`: a bound on `offset` the host knows): the last commit's rows all join the
+        context at the previous call's offset, and the block attends those before `offset`."""
+        n = min(n, self.m.args.block_size - 1)
+        if self.pending is not None:
+            block = self.m.block(self.target, pending, n, self.pending, self.caches)
+            self.pending = None
+        else:
+            ids = targets.block_ids(pending, self.m.args.mask_token_id, n).reshape(-1)
+            block = self.m.block_at(self.target, ids, self.rows, self.at, offset, self.room, self.caches)
+        self.at, self.room, self.last_block = offset, room, block
+        return block.token_ids
+
+    def commit_pipelined(self, tapped) -> None:
+        """`commit` with the accepted count on the device: every row of the verify is kept, and
+        the next draft_pipelined counts those before its offset."""
+        self.rows = mx.concatenate(tapped, axis=-1)
 
     def extend(self, block: Block, anchor: int, pick) -> Block:
         """The extension on the block's rows: the Markov bias added to row k after the softcap,

@@ -97,23 +97,28 @@ def plain_side(ckpt: Checkpoints, env) -> Loop:
     return Loop(generate, keep=model, notes=["mlx_lm.generate.generate_step, argmax"])
 
 
-def port_side(ckpt: Checkpoints, env, path: str = "", verify: str = "auto") -> Loop:
-    """port.serve.generate on one of the port's paths (port_sides.PATHS) and verify forwards,
+def port_side(ckpt: Checkpoints, env, path: str = "", verify: str = "auto", pipeline: str = "auto") -> Loop:
+    """port.serve.generate on one of the port's paths (port_sides.PATHS), verify forwards and loops,
     wrapped as the bench's serve section wraps it (bench/serve.py `_probe`): the first draft marks
     the prefill's end; `split` times one request's rounds (`_timed_forward`, `_rounds`: the drafts
-    evaluated in the draft, the forward in the verify)."""
+    evaluated in the draft, the forward in the verify; a pipelined loop is then sequential in
+    effect). The notes name the loop a request ran ("pipelined" or "sequential")."""
     target = port_sides.load_target(ckpt)
     provider = port_sides.PortProvider(ckpt, path)
     gamma = ckpt.case.shapes.gamma
 
     def request(prompt, n, events, split=False):
-        tokens, stats = port_sides.generate(target, prompt, n, _probe(provider, events, split=split), gamma, verify)
+        tokens, stats = port_sides.generate(target, prompt, n, _probe(provider, events, split=split), gamma, verify,
+                                            pipeline)
         return tokens, stats, time.perf_counter()
 
     def generate(prompt, n):
         events: list = []
         tokens, stats, t_end = request(prompt, n, events)
         first = next((e[1] for e in events if e[0] == "draft"), t_end)
+        loop = "pipelined" if stats.pipeline == "on" else "sequential"
+        if loop not in notes:
+            notes.append(loop)
         return Run(tokens, first, t_end, 1, len(stats.trace), stats.drafted, stats.accepted)
 
     def split(prompt, n):
@@ -260,6 +265,7 @@ def deepspec_side(ckpt: Checkpoints, env) -> Loop:
 
 
 PLAIN_VERIFY = "port-plain-verify"  # our default loop with its verify op by op (before port/fast/verify.py)
+SEQUENTIAL = "port-sequential"      # our default loop, its rounds one after the other (before serve._pipelined)
 
 # plain first (the reference stream and the baseline), then ours, then the peers' loops: each peer's
 # Side of the step bench (its name, sources, framework, modules and install line) with its loop.
@@ -269,11 +275,12 @@ SIDES: dict[str, Side] = {s.name: s for s in (
     *(Side(port_sides.path_name(p), tuple(by_source), partial(port_side, path=p), peer=False)
       for p, by_source in port_sides.PATHS.items() if p != "bucketed-2seg"),
     Side(PLAIN_VERIFY, ("dspark", "dflash"), partial(port_side, verify="plain"), peer=False),
+    Side(SEQUENTIAL, ("dflash",), partial(port_side, pipeline="off"), peer=False),
     *(replace(_PEERS[name], build=build) for name, build in (
         ("optiq", optiq_side), ("zlab-mlx", zlab_mlx_side), ("dflash-mlx", dflash_mlx_side),
         ("dspark-mlx", dspark_mlx_side), ("deepspec-torch", deepspec_side))),
 )}
-OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS) + (PLAIN_VERIFY,)
+OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS) + (PLAIN_VERIFY, SEQUENTIAL)
 
 
 ALWAYS = ("plain", "port")   # the baseline and our default path: in every --serve run, as in the step bench

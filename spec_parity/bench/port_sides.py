@@ -171,12 +171,14 @@ def resolved(drafter) -> list[str]:
 
 # ---- port.serve's seams, for the serve-loop figures ---------------------------------------------
 
-def generate(target, prompt: list[int], max_tokens: int, provider, gamma: int, verify: str = "auto"):
+def generate(target, prompt: list[int], max_tokens: int, provider, gamma: int, verify: str = "auto",
+             pipeline: str = "auto"):
     """port.serve.generate at T=0 with EOS off, its verify's caches as the provider's path wants and
-    its forward as `verify` says: (tokens, stats)."""
+    its forward and loop as `verify` and `pipeline` say: (tokens, stats)."""
     from port import serve
 
-    return serve.generate(target, prompt, max_tokens, provider, gamma=gamma, eos=set(), verify=verify)
+    return serve.generate(target, prompt, max_tokens, provider, gamma=gamma, eos=set(), verify=verify,
+                          pipeline=pipeline)
 
 
 def verify_note(target, provider, verify: str = "auto") -> str:

@@ -21,12 +21,12 @@ def _probe(provider, events: list, hook=None, split: bool = False):
     overlaps them with the verify) are the draft phase; in the split run they are evaluated
     inside it, so their work is counted in the draft, not the verify."""
     def around(name, src, args, call):
-        kind = "draft" if name.startswith("draft") else name
+        kind = next((k for k in ("draft", "commit") if name.startswith(k)), name)   # draft_device, commit_pipelined
         if kind == "draft" and hook is not None and not any(e[0] == "draft" for e in events):
             hook()
         t0 = time.perf_counter()
         out = call()
-        if name == "draft_device" and split:
+        if name in ("draft_device", "draft_pipelined") and split:
             mx.eval(out)
         events.append((kind, t0, time.perf_counter()))
         return out
@@ -115,7 +115,7 @@ def serve_loop(ckpt: Checkpoints, target, prompt: list[int], max_tokens: int, ru
         first = next(e[1] for e in events if e[0] == "draft")
         cold_out = {"cold": {"prompt_len": len(short), "decode_tokens_per_s": (cstats.emitted - 1) / (t_end - first),
                              "round_median_s": medians(_rounds(events, t_end)[1:])}}
-    return {**cold_out, "kv_bucket": stats.kv_bucket, "verify": stats.verify, "gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
+    return {**cold_out, "kv_bucket": stats.kv_bucket, "verify": stats.verify, "pipeline": stats.pipeline, "gamma": gamma, "max_tokens": max_tokens, "prompt_len": len(prompt), "rounds": rounds_n,
             "tau": stats.tau, "acceptance": stats.acceptance,
             "decode_tokens_per_s": summary(decode), "loop_tokens_per_s": summary(looped),
             "round_median_s": med, "first_round_s": split[0] if split else {},

@@ -86,3 +86,27 @@ def _compiled_verify_write(case):
             self.offset = offset
 
     return {(verify.BufferView, "update_and_fetch"): shifted}
+
+
+@control("serve", "pipelined_rows_shifted", "pipelined loop: the drafter's context rows one late")
+def _pipelined_rows(case):
+    """DFlash's pipelined commit keeps the verify's rows from the first draft's on (the pending
+    token's row lost), the last repeated so that the shapes hold."""
+    import mlx.core as mx
+
+    from port.sources.dflash import DflashSource
+
+    commit = DflashSource.commit_pipelined
+
+    def shifted(self, tapped):
+        commit(self, [mx.concatenate([t[:, 1:], t[:, -1:]], axis=1) for t in tapped])
+
+    return {(DflashSource, "commit_pipelined"): shifted}
+
+
+@control("serve", "pipelined_offset_behind", "pipelined loop: the verify writes one row before the offset")
+def _pipelined_offset(case):
+    from port.fast import verify
+
+    forward_at = verify.forward_at
+    return {(verify, "forward_at"): lambda target, ids, caches, offset: forward_at(target, ids, caches, offset - 1)}
