@@ -48,6 +48,11 @@ class PiecesBy:
         return self.by.setdefault(key, Pieces()).get(model, build)
 
 
+def scalar(value: int | mx.array) -> mx.array:
+    """An int32 scalar array of a host int, or the array already on the device as it is."""
+    return value if isinstance(value, mx.array) else mx.array(value, mx.int32)
+
+
 def position(model, value: int):
     """A position for the pieces: an array when compiled (no retrace per value), else the int."""
     return mx.array(value, mx.int32) if model.compiled else value
@@ -203,6 +208,13 @@ def over_buffers(caches: list, fn, *args):
         for cache, k, v in zip(caches, keys, values, strict=True):
             cache.take(k, v)
     return out
+
+
+def written(keys, values, k, v, at):
+    """K/V rows k, v [B, H, T, D] written into the buffers keys / values at row `at` (an int32
+    scalar array: where the host need not know it): the buffers after."""
+    at = at.reshape(1)
+    return mx.slice_update(keys, k, at, axes=(2,)), mx.slice_update(values, v, at, axes=(2,))
 
 
 def additive_mask(seen, dtype: mx.Dtype) -> mx.array:

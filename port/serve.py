@@ -24,8 +24,8 @@ read when the request ends (`read_at_end`). On MLX CUDA a host read of more than
 the next round page faults. (DSpark / the DFlash extension with confidence thresholds sync once
 more, for the proposal length the verify's shape needs.)
 
-Pipelined (`pipeline`, on by default where it fits: the compiled verify, and DFlash's bucketed
-block or no source): that verdict is read one round late. Round r + 1 is built from device arrays
+Pipelined (`pipeline`, on by default where it fits: the compiled verify, and DFlash's or
+DSpark's bucketed block, or no source): that verdict is read one round late. Round r + 1 is built from device arrays
 (the pending token, the committed length) and queued before round r's verdict is read, so the
 host's graph building overlaps the device's work (`_pipelined`).
 """
@@ -79,6 +79,11 @@ class DraftSource(Protocol):
     #       [m] (m known on the host); the T=0 loop uses it unless `draft` was replaced on the
     #       instance (an observer wrapping `draft` still sees every draft).
     #   nbytes: the bytes the source holds for this request (its context K/V), for admission.
+    #   draft_pipelined(pending, n, offset, room) -> mx.array, commit_pipelined(tapped) and
+    #       pipelines() -> str | None: the pipelined loop's seam (`_pipelined`): `draft_device`
+    #       with the pending token and the committed length as device scalars (room: a bound on it
+    #       the host knows), `commit` keeping every row of the verify; pipelines() says why this
+    #       request's source cannot (None: it can).
 
 
 class DraftProvider(Protocol):
@@ -473,7 +478,7 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     (default): compiled where it fits; `stats.verify` says which ran.
 
     `pipeline`: "on" (`_pipelined`: round r + 1 is built while the device runs round r; the
-    greedy verify, compiled, and a source with `draft_pipelined` or none), "off" (the sequential
+    greedy verify, compiled, and a source with `draft_pipelined` (DFlash, DSpark) or none), "off" (the sequential
     loop below), or "auto" (default): on where it fits; `stats.pipeline` says which ran.
 
     Its negative controls (planted bugs) live in spec_parity/controls/serve.py."""

@@ -18,7 +18,8 @@ from test_speed import _bits_equal
 from port import sampling, serve
 from spec_parity import controls, harness
 
-LOOPS = ["dflash", None]   # the sources that pipeline: DFlash's bucketed block, and none (plain decode)
+# the sources that pipeline: DFlash's and DSpark's bucketed blocks (Qwen3 and Gemma-4 targets), none
+LOOPS = ["dflash", "dspark", "dspark-dflash-variant", None]
 
 
 def _run(name, max_tokens, eos, pipeline):
@@ -95,7 +96,8 @@ def test_pipeline_refused_where_it_cannot_run():
                ("dflash", {"verify": "plain"}, "the compiled verify"),
                ("dflash", {"record": True}, "record=True"),
                ("dflash-extras", {}, "extension"),
-               ("dspark", {}, "DeepspecSource has no draft_pipelined"),
+               ("dspark-threshold", {}, "confidence threshold"),
+               ("assistant-tied", {"kv_bucket": 8}, "AssistantSource has no draft_pipelined"),
                ("dflash", {"gamma": 0}, "gamma=0"),
                (None, {"kv_bucket": None}, "the compiled verify")]
     for name, kwargs, why in refused:
@@ -106,12 +108,13 @@ def test_pipeline_refused_where_it_cannot_run():
         serve.generate(target, PROMPT, 8, None, pipeline="yes")
 
 
-@pytest.mark.parametrize("bug", ["pipelined_rows_shifted", "pipelined_offset_behind"])
-def test_planted_pipeline_bugs_fail_the_comparison(bug):
-    """Negative controls: the drafter's context rows one late (its drafts move), the verify writing
-    one row before the committed length (its forwards move)."""
-    sequential = _run("dflash", 40, set(), "off")
+@pytest.mark.parametrize("name,bug", [("dflash", "pipelined_rows_shifted"), ("dspark", "pipelined_rows_shifted"),
+                                      (None, "pipelined_offset_behind")], ids=lambda v: IDS(v) if v is None else v)
+def test_planted_pipeline_bugs_fail_the_comparison(name, bug):
+    """Negative controls: the drafter's context rows one late (its draft blocks move), the verify
+    writing one row before the committed length (its forwards move)."""
+    sequential = _run(name, 40, set(), "off")
     with controls.planted("serve", bug):
-        planted = _run("dflash", 40, set(), "on")
+        planted = _run(name, 40, set(), "on")
     with pytest.raises(AssertionError):
         _same_request(sequential, planted)

@@ -92,19 +92,13 @@ def heads_as_rows(o, heads: int):
     return o.reshape(o.shape[0], heads, -1, o.shape[-1])
 
 
-def written(k, v, bk, bv, at):
-    """The block's K/V written into the buffers k / v at row `at` (a scalar array)."""
-    at = at.reshape(1)
-    return mx.slice_update(k, bk, at, axes=(2,)), mx.slice_update(v, bv, at, axes=(2,))
-
-
 def exact_context(m: dflash.Model, rows, offset, keys, values):
     """The new context rows' K/V (projected from their raw taps) written into every layer's buffer
     at `offset`."""
     c = m.project(rows)
     keys, values = list(keys), list(values)
     for i, layer in enumerate(m.layers):
-        keys[i], values[i] = written(keys[i], values[i], *layer.self_attn.context_kv(c, offset), offset)
+        keys[i], values[i] = pieces.written(keys[i], values[i], *layer.self_attn.context_kv(c, offset), offset)
     return [keys, values]
 
 
@@ -112,14 +106,14 @@ def exact_enter(m: dflash.Model, target, ids, at, k, v):
     """The block's embedding; layer 0's query (rows as heads) and its K/V written at `at`."""
     h = m.embed(target, ids)
     q, bk, bv = m.layers[0].qkv(h, at)
-    return (h, rows_as_heads(q)) + written(k, v, bk, bv, at)
+    return (h, rows_as_heads(q)) + pieces.written(k, v, bk, bv, at)
 
 
 def exact_between(m: dflash.Model, i: int, h, o, at, k, v):
     """Layer i's output; layer i+1's query (rows as heads) and its K/V written at `at`."""
     h = m.layers[i].finish(h, m.layers[i].self_attn.output(heads_as_rows(o, m.layers[i].self_attn.n_heads)))
     q, bk, bv = m.layers[i + 1].qkv(h, at)
-    return (h, rows_as_heads(q)) + written(k, v, bk, bv, at)
+    return (h, rows_as_heads(q)) + pieces.written(k, v, bk, bv, at)
 
 
 def exact_leave(m: dflash.Model, target, h, o):
@@ -264,7 +258,7 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
         c = self.hidden_norm(rows @ w["fc"])
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv_heads(c @ w[f"k{i}"], c @ w[f"v{i}"], at)
-            keys[i], values[i] = written(keys[i], values[i], k, v, at)
+            keys[i], values[i] = pieces.written(keys[i], values[i], k, v, at)
         return self.bucketed(target, ids, valid, keys, values, w) + (keys, values)
 
     def bucketed(self, target: targets.Target, ids, valid, keys, values, w):

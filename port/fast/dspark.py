@@ -133,7 +133,18 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
         """Arrays the block reads besides the module's state (Fused: its stacks)."""
         return {}
 
-    def draft_block(self, anchor: int, ctx, start: int, pick=None) -> dspark.Block:
+    def join_at(self, ctx, rows, at, room: int) -> None:
+        """The projected tap rows [1, R, taps * H] written into every layer's buffer at `at`, an
+        int32 array the host need not know (the pipelined loop, port/serve.py); `room`: a bound
+        on it, for the buffers' room. The caches' own offset is that bound after."""
+        for c, (k, v) in zip(ctx, self.context_kv(self.project(rows), at)):
+            c.offset = room
+            c.reserve(k.shape[2], k.shape[:2] + (k.shape[3], v.shape[3]), k.dtype)
+            c.keys, c.values = pieces.written(c.keys, c.values, k, v, at)
+
+    def draft_block(self, anchor: int, ctx, start: int, pick=None, valid=None) -> dspark.Block:
+        """`valid`: the context rows attended (default the caches' offset); it and `start` may be
+        int32 arrays (the pipelined loop's)."""
         if not all(isinstance(c, pieces.BucketCache) for c in ctx):
             raise dspark.DSparkError("kv_bucket: draft_block needs the context as one BucketCache per layer "
                                      "(Model.make_cache; DeepspecSource makes them), not (k, v) pairs or a KVCache")
@@ -142,8 +153,8 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
         keys, values = zip(*(c.buffers() for c in ctx))
         greedy = pick is None
         fn = self._bucketed.get(self, (greedy, self.bucket_attention), partial(self.block, greedy), [self.state])
-        out = fn(ids, mx.array(start, mx.int32), mx.array(ctx[0].offset, mx.int32), list(keys), list(values),
-                 self.weights())
+        out = fn(ids, pieces.scalar(start), pieces.scalar(ctx[0].offset if valid is None else valid),
+                 list(keys), list(values), self.weights())
         hidden, base = out[:2]
         if greedy:
             rows, tokens, *conf = out[2:]
@@ -178,9 +189,9 @@ class Fused(Bucketed):
                 self._stacks.add(f"gate_up{i}", [layer.mlp.gate_proj, layer.mlp.up_proj], adopt=True)
         return self._stacks.current()
 
-    def draft_block(self, anchor: int, ctx, start: int, pick=None) -> dspark.Block:
+    def draft_block(self, anchor: int, ctx, start: int, pick=None, valid=None) -> dspark.Block:
         traces = self._bucketed.traces
-        out = super().draft_block(anchor, ctx, start, pick)
+        out = super().draft_block(anchor, ctx, start, pick, valid)
         if self._bucketed.traces != traces:
             self._stacks.seen()
         return out

@@ -38,9 +38,7 @@ class BufferView(pieces.VerifyCache):
         return self.keys.shape[2]
 
     def update_and_fetch(self, keys, values):
-        at = self.offset.reshape(1)
-        self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
-        self.values = mx.slice_update(self.values, values, at, axes=(2,))
+        self.keys, self.values = pieces.written(self.keys, self.values, keys, values, self.offset)
         return self.keys, self.values
 
 

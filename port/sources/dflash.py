@@ -136,8 +136,7 @@ class DflashSource:
             self.samples += [ConfSample(k, float(c), k < accepted) for k, c in enumerate(conf)]
 
     def dispose(self) -> None:
-        self.caches = None
-        self.pending = None
+        self.caches = self.pending = self.rows = None
 
 
 def prune_length(confidence: mx.array, thresholds: list[float]) -> int:

@@ -27,6 +27,8 @@ class DeepspecSource:
         self.length = 0
         self.pending = None
         self.last_block: Block | None = None
+        self.rows = self.at = None   # the pipelined loop's: the last verify's tap rows, where they go
+        self.room = 0
 
     def prefill(self, prompt_ids, tapped) -> None:
         self.pending = mx.concatenate(tapped, axis=-1)
@@ -66,8 +68,33 @@ class DeepspecSource:
     def commit(self, n_drafted: int, accepted: int, tapped) -> None:
         self.pending = targets.verified_rows(tapped, accepted)
 
+    def pipelines(self) -> str | None:
+        """Why this source cannot draft in the pipelined loop (port/serve.py; None: it can)."""
+        if not isinstance(self.m, fast.Bucketed):
+            return "the DSpark drafter needs its bucketed block (kv_bucket)"
+        if self.threshold > 0:
+            return "a confidence threshold reads the proposal's length on the host"
+        return None
+
+    def draft_pipelined(self, pending: mx.array, n: int, offset: mx.array, room: int) -> mx.array:
+        """`draft_device` from the pending token and the committed length `offset` as device
+        scalars (`room`: a bound on `offset` the host knows): the last commit's rows all join the
+        context at the previous call's offset, and the block attends those before `offset`."""
+        if self.pending is not None:
+            block = self._block([pending], None)
+        else:
+            self.m.join_at(self.cache, self.rows, self.at, self.room)
+            self.last_block = block = self.m.draft_block(pending, self.cache, offset, valid=offset)
+        self.at, self.room = offset, room
+        return block.token_ids[:n]
+
+    def commit_pipelined(self, tapped) -> None:
+        """`commit` with the accepted count on the device: every row of the verify is kept, and
+        the next draft_pipelined counts those before its offset."""
+        self.rows = mx.concatenate(tapped, axis=-1)
+
     def dispose(self) -> None:
-        self.cache = None
+        self.cache = self.rows = None
 
 
 class DeepspecProvider:

@@ -275,7 +275,7 @@ SIDES: dict[str, Side] = {s.name: s for s in (
     *(Side(port_sides.path_name(p), tuple(by_source), partial(port_side, path=p), peer=False)
       for p, by_source in port_sides.PATHS.items() if p != "bucketed-2seg"),
     Side(PLAIN_VERIFY, ("dspark", "dflash"), partial(port_side, verify="plain"), peer=False),
-    Side(SEQUENTIAL, ("dflash",), partial(port_side, pipeline="off"), peer=False),
+    Side(SEQUENTIAL, ("dspark", "dflash"), partial(port_side, pipeline="off"), peer=False),
     *(replace(_PEERS[name], build=build) for name, build in (
         ("optiq", optiq_side), ("zlab-mlx", zlab_mlx_side), ("dflash-mlx", dflash_mlx_side),
         ("dspark-mlx", dspark_mlx_side), ("deepspec-torch", deepspec_side))),
