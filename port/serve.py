@@ -246,8 +246,7 @@ class _Greedy:
         greedy = mx.argmax(logits, axis=-1).astype(mx.int32)
         if not isinstance(drafts, mx.array):
             drafts = mx.array(drafts, mx.int32)
-        v = _verdict(drafts, greedy, self.eos).item()
-        return v & _FIELD, (v >> _BITS) & _FIELD, v >> (2 * _BITS), greedy
+        return _read(_verdict(drafts, greedy, self.eos)) + (greedy,)
 
 
 _BITS = 10
@@ -272,6 +271,12 @@ def _verdict(drafts: mx.array, greedy: mx.array, eos: mx.array | None) -> mx.arr
         stop = targets.first_index((greedy[:, None] == eos[None, :]).any(axis=1), n + 1)
     tok = mx.take(greedy, k)
     return (k.astype(mx.int64) + (stop.astype(mx.int64) << _BITS) + (tok.astype(mx.int64) << (2 * _BITS)))
+
+
+def _read(verdict: mx.array) -> tuple[int, int, int]:
+    """A `_verdict` read on the host (its one 8-byte sync): (accepted, first EOS, last token)."""
+    v = verdict.item()
+    return v & _FIELD, (v >> _BITS) & _FIELD, v >> (2 * _BITS)
 
 
 class _Sampled:
@@ -418,8 +423,7 @@ def _pipelined(target: targets.Target, caches: list, source, verifier: _Greedy, 
     def settle(drafts, greedy, verdict) -> bool:
         """A round's verdict read into the stats and tokens; whether it ends the request."""
         nonlocal left, exact, emitted
-        v = verdict.item()
-        k, stop, last = v & _FIELD, (v >> _BITS) & _FIELD, v >> (2 * _BITS)
+        k, stop, last = _read(verdict)
         proposals.append(drafts)
         out = _count_round(stats, drafts.shape[0], k, stop, left)
         pieces.append(greedy[:out])
@@ -556,26 +560,25 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
 
 def resolve_verify(verify: str, target: targets.Target, kv_bucket: int | None) -> str:
     """The request's verify forward: AUTO is "compiled" where port/fast/verify.py takes it."""
-    why = fast_verify.unsupported(target, kv_bucket)
-    if verify == AUTO:
-        return "plain" if why else "compiled"
-    if verify not in VERIFIES:
-        raise ValueError(f"verify={verify!r}: expected one of {VERIFIES} or {AUTO!r}")
-    if verify == "compiled" and why:
-        raise ValueError(f"verify='compiled' cannot run here: {why}; use verify='plain'")
-    return verify
+    return _resolve("verify", verify, VERIFIES, fast_verify.unsupported(target, kv_bucket))
 
 
 def resolve_pipeline(pipeline: str, verifier, verify: str, source, record: bool, gamma: int) -> str:
     """The request's loop: AUTO is "on" wherever `_pipelined` runs."""
-    why = _unpipelined(verifier, verify, source, record, gamma)
-    if pipeline == AUTO:
-        return "off" if why else "on"
-    if pipeline not in PIPELINES:
-        raise ValueError(f"pipeline={pipeline!r}: expected one of {PIPELINES} or {AUTO!r}")
-    if pipeline == "on" and why:
-        raise ValueError(f"pipeline='on' cannot run here: {why}; use pipeline='off'")
-    return pipeline
+    return _resolve("pipeline", pipeline, PIPELINES, _unpipelined(verifier, verify, source, record, gamma))
+
+
+def _resolve(option: str, value: str, choices: tuple[str, str], why: str | None) -> str:
+    """A two-way option (choices: the fast path, then the plain one): AUTO is the fast path unless
+    `why` says it cannot run; asked for where it cannot, it is refused with the reason and the fix."""
+    fast, plain = choices
+    if value == AUTO:
+        return plain if why else fast
+    if value not in choices:
+        raise ValueError(f"{option}={value!r}: expected one of {choices} or {AUTO!r}")
+    if value == fast and why:
+        raise ValueError(f"{option}={fast!r} cannot run here: {why}; use {option}={plain!r}")
+    return value
 
 
 def _unpipelined(verifier, verify: str, source, record: bool, gamma: int) -> str | None:

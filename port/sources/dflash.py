@@ -14,10 +14,10 @@ from ..calibration import ConfSample, resolve_thresholds
 from ..compiled import AUTO
 from ..dflash import Block, Model, check_pairing, load_extension
 from ..fast import dflash as fast
-from . import context_bytes
+from . import PipelinedRows, context_bytes
 
 
-class DflashSource:
+class DflashSource(PipelinedRows):
     """DFlash behind the serve-loop seam. It owns the per-layer context K/V; prefill queues the
     tapped prompt rows, each draft projects the queued rows into the K/V (at their absolute
     positions) while drafting, and commit queues only the pending + accepted rows of the verify.
@@ -37,8 +37,6 @@ class DflashSource:
         self.pending: mx.array | None = None
         self.emitted = 0
         self.last_block: Block | None = None
-        self.rows = self.at = None   # the pipelined loop's: the last verify's tap rows, where they go
-        self.room = 0
 
     def _queue(self, rows: mx.array) -> None:
         self.pending = rows if self.pending is None else mx.concatenate([self.pending, rows], axis=1)
@@ -114,11 +112,6 @@ class DflashSource:
             block = self.m.block_at(self.target, ids, self.rows, self.at, offset, self.room, self.caches)
         self.at, self.room, self.last_block = offset, room, block
         return block.token_ids
-
-    def commit_pipelined(self, tapped) -> None:
-        """`commit` with the accepted count on the device: every row of the verify is kept, and
-        the next draft_pipelined counts those before its offset."""
-        self.rows = mx.concatenate(tapped, axis=-1)
 
     def extend(self, block: Block, anchor: int, pick) -> Block:
         """The extension on the block's rows: the Markov bias added to row k after the softcap,

@@ -11,10 +11,10 @@ from .. import checkpoint, targets
 from ..compiled import AUTO
 from ..dspark import Block, Model, check_pairing
 from ..fast import dspark as fast
-from . import context_bytes
+from . import PipelinedRows, context_bytes
 
 
-class DeepspecSource:
+class DeepspecSource(PipelinedRows):
     """DSpark behind the serve-loop seam. It owns the per-layer context K/V: prefill queues the
     tapped prompt rows, each draft first appends the queued rows (projected, at their absolute
     positions), and commit queues only the anchor + accepted rows of the verify."""
@@ -27,8 +27,6 @@ class DeepspecSource:
         self.length = 0
         self.pending = None
         self.last_block: Block | None = None
-        self.rows = self.at = None   # the pipelined loop's: the last verify's tap rows, where they go
-        self.room = 0
 
     def prefill(self, prompt_ids, tapped) -> None:
         self.pending = mx.concatenate(tapped, axis=-1)
@@ -87,11 +85,6 @@ class DeepspecSource:
             self.last_block = block = self.m.draft_block(pending, self.cache, offset, valid=offset)
         self.at, self.room = offset, room
         return block.token_ids[:n]
-
-    def commit_pipelined(self, tapped) -> None:
-        """`commit` with the accepted count on the device: every row of the verify is kept, and
-        the next draft_pipelined counts those before its offset."""
-        self.rows = mx.concatenate(tapped, axis=-1)
 
     def dispose(self) -> None:
         self.cache = self.rows = None

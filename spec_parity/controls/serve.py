@@ -90,17 +90,19 @@ def _compiled_verify_write(case):
 
 @control("serve", "pipelined_rows_shifted", "pipelined loop: the drafter's context rows one late")
 def _pipelined_rows(case):
-    """DFlash's and DSpark's pipelined commits keep the verify's rows from the first draft's on
-    (the pending token's row lost), the last repeated so that the shapes hold."""
+    """DFlash's and DSpark's pipelined commit (their shared PipelinedRows) keeps the verify's rows
+    from the first draft's on (the pending token's row lost), the last repeated so that the shapes
+    hold."""
     import mlx.core as mx
 
-    from port.sources.dflash import DflashSource
-    from port.sources.dspark import DeepspecSource
+    from port.sources import PipelinedRows
 
-    def shifted(commit):
-        return lambda self, tapped: commit(self, [mx.concatenate([t[:, 1:], t[:, -1:]], axis=1) for t in tapped])
+    commit = PipelinedRows.commit_pipelined
 
-    return {(cls, "commit_pipelined"): shifted(cls.commit_pipelined) for cls in (DflashSource, DeepspecSource)}
+    def shifted(self, tapped):
+        commit(self, [mx.concatenate([t[:, 1:], t[:, -1:]], axis=1) for t in tapped])
+
+    return {(PipelinedRows, "commit_pipelined"): shifted}
 
 
 @control("serve", "pipelined_offset_behind", "pipelined loop: the verify writes one row before the offset")
