@@ -410,7 +410,7 @@ def _pipelined(target: targets.Target, caches: list, source, verifier: _Greedy, 
     counts those before the offset (`draft_pipelined`, `commit_pipelined`). The host reads round
     r's 8-byte verdict after queuing round r + 1, for the stats, EOS and max_tokens. A round queued
     after the one that ends the request runs and is dropped; where max_tokens may end it (what is
-    left is within the rounds' mean tokens so far) the host reads the verdict first instead. The
+    left is within the largest round so far) the host reads the verdict first instead. The
     same tokens, drafts and trace as the sequential loop (tests/test_pipelined.py).
 
     Each round writes at most n + 1 rows past the committed length the host last read, so the
@@ -418,21 +418,21 @@ def _pipelined(target: targets.Target, caches: list, source, verifier: _Greedy, 
     taps = source.tap_layers if source is not None else None
     exact = caches[0].offset
     offset, tok = mx.array(exact, mx.int32), mx.array(pending, mx.int32)
-    queued, emitted = None, 0   # emitted: the tokens of the rounds read so far
+    queued, most = None, 1   # most: the largest round read so far, in tokens
 
     def settle(drafts, greedy, verdict) -> bool:
         """A round's verdict read into the stats and tokens; whether it ends the request."""
-        nonlocal left, exact, emitted
+        nonlocal left, exact, most
         k, stop, last = _read(verdict)
         proposals.append(drafts)
         out = _count_round(stats, drafts.shape[0], k, stop, left)
         pieces.append(greedy[:out])
-        left, exact, emitted = left - out, exact + k + 1, emitted + out
+        left, exact, most = left - out, exact + k + 1, max(most, out)
         _count_bytes(stats, caches, source)
         return out < _kept(drafts.shape[0], k) or last in eos or not left
 
     while True:
-        if queued is not None and left * max(len(stats.trace), 1) <= max(emitted, 1):
+        if queued is not None and left <= most:
             if settle(*queued):
                 return
             queued = None

@@ -26,6 +26,7 @@ from test_speed import (
     _bits_equal,
     _host_argmax,
     extended,
+    most_per_round,
     round_syncs,
 )
 
@@ -230,8 +231,8 @@ def test_serve_loop_with_bucketed_source_is_lossless(name, monkeypatch):
     tokens, stats = serve.generate(target, PROMPT, 40, prov, gamma=gamma, eos=set())
     assert tokens == plain and stats.drafted > 0 and (stats.accepted > 0) == LOOPS[name]
     assert prov.drafter._bucketed.traces < len(stats.trace)
-    per_round = round_syncs(target, _bucketed_provider(make), 30, gamma, monkeypatch)[0]
-    assert max(per_round) <= bound, per_round
+    per_round, stats = round_syncs(target, _bucketed_provider(make), 30, gamma, monkeypatch)[:2]
+    assert max(per_round) <= most_per_round(bound, stats), per_round
 
 
 def test_bad_bucket_and_window_are_refused():

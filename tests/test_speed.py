@@ -50,6 +50,12 @@ def round_syncs(target, provider, max_tokens: int, gamma: int, monkeypatch):
     return [b - a for a, b in zip(marks, marks[1:])], stats, largest, end
 
 
+def most_per_round(bound: int, stats) -> int:
+    """The syncs one round may hold: `bound`, one more in the pipelined loop (it reads the queued
+    round's verdict early where max_tokens may end that round, so two verdicts in one round)."""
+    return bound + (stats.pipeline == "on")
+
+
 def _dflash(kind: str, overrides: dict, **kw):
     return lambda: DflashProvider(checkpoints.build(kind, 0, overrides), **kw)
 
@@ -91,7 +97,7 @@ def test_syncs_per_round_at_t0(name, kind, overrides, make, gamma, bound, monkey
     per_round, stats, largest, end = round_syncs(target, make(), 30, gamma, monkeypatch)
     assert len(per_round) >= 3 and stats.drafted > 0
     assert sum(per_round) <= bound * len(stats.trace) and bound <= 2, per_round
-    assert max(per_round) <= bound + (stats.pipeline == "on"), per_round
+    assert max(per_round) <= most_per_round(bound, stats), per_round
     assert end == 1, f"the request's tokens and proposals must reach the host in one read, not {end}"
     # on MLX CUDA a buffer over 8 bytes the host read is managed memory the next round's kernels
     # fault on (docs/benchmarks-history.md "Unified memory"); the control is test_planted_extra_sync_is_counted
@@ -163,9 +169,9 @@ def test_planted_extra_sync_is_counted(name, how, monkeypatch):
     round; a planted `tolist` of the drafts also as a read over 8 bytes."""
     _, kind, overrides, make, gamma, bound = next(s for s in SOURCES if s[0] == name)
     target = targets.load(checkpoints.build(kind, 0, overrides))
-    clean, _, clean_reads, _ = round_syncs(target, make(), 30, gamma, monkeypatch)
+    clean, stats, clean_reads, _ = round_syncs(target, make(), 30, gamma, monkeypatch)
     planted, _, reads, _ = round_syncs(target, _PlantedSync(make(), how), 30, gamma, monkeypatch)
-    assert max(clean) <= bound and max(clean_reads) <= 8
+    assert max(clean) <= most_per_round(bound, stats) and max(clean_reads) <= 8
     assert planted == [n + 1 for n in clean] and max(planted) > bound
     assert (max(reads) > 8) == (how == "tolist"), reads
 
