@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from . import exchange, goldens, harness, ports, report
+from .goldens import atomic_write
 
 
 class BadInput(Exception):
@@ -208,7 +209,7 @@ def cmd_ab(args) -> int:
         doc = {**doc, "target": str(args.target), "drafters": {"a": str(args.a), "b": str(args.b)},
                "gamma": args.gamma, "max_tokens": args.max_tokens,
                "prompts": {"a": [r.to_json() for r in a_results], "b": [r.to_json() for r in b_results]}}
-        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+        atomic_write(Path(args.json), (json.dumps(doc, indent=2) + "\n").encode())
         print(f"JSON report in {args.json}")
     return 0 if verdict.passed else 1
 

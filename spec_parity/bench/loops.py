@@ -46,6 +46,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..case import Case
+from ..goldens import atomic_write
 from . import loop_sides, shapes
 from .loop_sides import Loop
 from .report import _identity, _mlx_env
@@ -347,8 +348,8 @@ def markdown(doc: dict) -> str:
 def write(doc: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     js, md = out / "serve.json", out / "serve.md"
-    js.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    md.write_text(markdown(doc) + "\n")
+    atomic_write(js, (json.dumps(doc, indent=2, default=str) + "\n").encode())
+    atomic_write(md, (markdown(doc) + "\n").encode())
     return [js, md]
 
 
