@@ -133,14 +133,30 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
         """Arrays the block reads besides the module's state (Fused: its stacks)."""
         return {}
 
-    def join_at(self, ctx, rows, at, room: int) -> None:
-        """The projected tap rows [1, R, taps * H] written into every layer's buffer at `at`, an
-        int32 array the host need not know (the pipelined loop, port/serve.py); `room`: a bound
-        on it, for the buffers' room. The caches' own offset is that bound after."""
-        for c, (k, v) in zip(ctx, self.context_kv(self.project(rows), at)):
-            c.offset = room
-            c.reserve(k.shape[2], k.shape[:2] + (k.shape[3], v.shape[3]), k.dtype)
-            c.keys, c.values = pieces.written(c.keys, c.values, k, v, at)
+    def block_at(self, anchor, ctx, rows, at, valid) -> dspark.Block:
+        """`draft_block` where the host knows neither where the new context rows go nor how many
+        of them count (the pipelined loop, port/serve.py): the tap rows [1, R, taps * H] are
+        written at `at` into every layer's buffer and the greedy block at `valid` attends the rows
+        before it (int32 arrays; rows from `valid` on are masked, the next join overwrites them).
+        One compiled call, the join with the block, traced once per buffer length. The caches'
+        offset is the host's bound on `at`, set by the caller, with room for the rows past it."""
+        for c in ctx:
+            c.reserve(rows.shape[1], c.keys.shape[:2] + (c.keys.shape[3], c.values.shape[3]), c.keys.dtype)
+        ids = targets.block_ids(anchor, self.args.mask_token_id, self.args.block_size - 1)
+        fn = self._bucketed.get(self, ("joined", self.bucket_attention), self.joined, [self.state])
+        hidden, base, logits, tokens, *conf = pieces.over_buffers(ctx, fn, ids, valid, rows, at, self.weights())
+        return dspark.Block(hidden, base, logits, tokens, conf[0] if conf else None)
+
+    def joined(self, ids, valid, rows, at, weights, keys, values):
+        """The rows' K/V written at `at`, then the greedy `block` at `valid` over the buffers: its
+        arrays and the buffers."""
+        for i, (k, v) in enumerate(self.stacked_kv(self.project(rows), at, weights)):
+            keys[i], values[i] = pieces.written(keys[i], values[i], k, v, at)
+        return self.block(True, ids, valid, valid, keys, values, weights) + (keys, values)
+
+    def stacked_kv(self, c, offset, weights) -> list:
+        """context_kv with the arrays of weights() passed in (a compiled call's inputs)."""
+        return self.context_kv(c, offset)
 
     def draft_block(self, anchor: int, ctx, start: int, pick=None, valid=None) -> dspark.Block:
         """`valid`: the context rows attended (default the caches' offset); it and `start` may be
@@ -190,16 +206,25 @@ class Fused(Bucketed):
         return self._stacks.current()
 
     def draft_block(self, anchor: int, ctx, start: int, pick=None, valid=None) -> dspark.Block:
+        return self.watched(super().draft_block, anchor, ctx, start, pick, valid)
+
+    def block_at(self, anchor, ctx, rows, at, valid) -> dspark.Block:
+        return self.watched(super().block_at, anchor, ctx, rows, at, valid)
+
+    def watched(self, call, *args):
+        """call(*args), the stacks told after one that traced (Stacks.seen)."""
         traces = self._bucketed.traces
-        out = super().draft_block(anchor, ctx, start, pick, valid)
+        out = call(*args)
         if self._bucketed.traces != traces:
             self._stacks.seen()
         return out
 
     def context_kv(self, c, offset: int) -> list:
-        w = self.weights()
-        k = fusion.project(c, w["ctx_k"])
-        v = fusion.project(c, w["ctx_v"]) if "ctx_v" in w else None
+        return self.stacked_kv(c, offset, self.weights())
+
+    def stacked_kv(self, c, offset, weights) -> list:
+        k = fusion.project(c, weights["ctx_k"])
+        v = fusion.project(c, weights["ctx_v"]) if "ctx_v" in weights else None
         return [layer.self_attn.heads_kv(k[i:i + 1], None if v is None else v[i:i + 1], offset)
                 for i, layer in enumerate(self.layers)]
 

@@ -81,8 +81,9 @@ class DeepspecSource(PipelinedRows):
         if self.pending is not None:
             block = self._block([pending], None)
         else:
-            self.m.join_at(self.cache, self.rows, self.at, self.room)
-            self.last_block = block = self.m.draft_block(pending, self.cache, offset, valid=offset)
+            for c in self.cache:
+                c.offset = self.room
+            self.last_block = block = self.m.block_at(pending, self.cache, self.rows, self.at, offset)
         self.at, self.room = offset, room
         return block.token_ids[:n]
 
