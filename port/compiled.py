@@ -48,11 +48,6 @@ class PiecesBy:
         return self.by.setdefault(key, Pieces()).get(model, build)
 
 
-def scalar(value: int | mx.array) -> mx.array:
-    """An int32 scalar array of a host int, or the array already on the device as it is."""
-    return value if isinstance(value, mx.array) else mx.array(value, mx.int32)
-
-
 def position(model, value: int):
     """A position for the pieces: an array when compiled (no retrace per value), else the int."""
     return mx.array(value, mx.int32) if model.compiled else value

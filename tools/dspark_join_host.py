@@ -1,6 +1,6 @@
 """Host time to build one pipelined DSpark draft (docs/benchmarks.md, session 16): the verify's
 rows joined into every layer's buffer op by op, then the compiled block (session 15's path, built
-here from the port's public pieces), against port/fast/dspark.py Bucketed.block_at, the join and
+here from the port's public pieces: the block at a host length, as the sequential loop's), against port/fast/dspark.py Bucketed.block_at, the join and
 the block in one compiled call, on the factory's DSpark drafter with the 5 draft layers of the
 real shapes (spec_parity/bench/shapes.py). build = the call returning its lazy arrays (the host's graph
 building, which the pipelined loop overlaps with the device's work on MLX CUDA); the evaluation is
@@ -34,28 +34,28 @@ def caches():
     return out
 
 
-def op_by_op(ctx, rows, at, valid, anchor):
+def op_by_op(ctx, rows, at, valid, anchor, room):
     for c, (k, v) in zip(ctx, m.context_kv(m.project(rows), at)):
+        c.offset = room
         c.reserve(k.shape[2], k.shape[:2] + (k.shape[3], v.shape[3]), k.dtype)
         c.keys, c.values = pieces.written(c.keys, c.values, k, v, at)
-    return m.draft_block(anchor, ctx, valid, valid=valid)
+        c.offset = room + 1   # the rows the block attends: those before `valid` (at + 1)
+    return m.draft_block(anchor, ctx, room + 1)
 
 
-def one_call(ctx, rows, at, valid, anchor):
-    return m.block_at(anchor, ctx, rows, at, valid)
+def one_call(ctx, rows, at, valid, anchor, room):
+    return m.block_at(anchor, ctx, rows, at, valid, room)
 
 
 def steps(draft, ctx) -> tuple[np.ndarray, list]:
     out, tokens = [], []
     for i in range(STEPS):
         at = mx.array(start + i, mx.int32)
-        for c in ctx:
-            c.offset = start + i
         rows = mx.random.normal((1, ROWS, taps), key=mx.random.key(i)).astype(m.fc.weight.dtype)
         anchor = mx.array(3 + i, mx.int32)
         mx.eval(rows, at, anchor)
         t0 = time.perf_counter()
-        block = draft(ctx, rows, at, at + 1, anchor)
+        block = draft(ctx, rows, at, at + 1, anchor, start + i)
         out.append(time.perf_counter() - t0)
         tokens.append(block.token_ids.tolist())
     return np.array(out), tokens

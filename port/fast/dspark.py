@@ -133,14 +133,15 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
         """Arrays the block reads besides the module's state (Fused: its stacks)."""
         return {}
 
-    def block_at(self, anchor, ctx, rows, at, valid) -> dspark.Block:
+    def block_at(self, anchor, ctx, rows, at, valid, room: int) -> dspark.Block:
         """`draft_block` where the host knows neither where the new context rows go nor how many
         of them count (the pipelined loop, port/serve.py): the tap rows [1, R, taps * H] are
         written at `at` into every layer's buffer and the greedy block at `valid` attends the rows
         before it (int32 arrays; rows from `valid` on are masked, the next join overwrites them).
-        One compiled call, the join with the block, traced once per buffer length. The caches'
-        offset is the host's bound on `at`, set by the caller, with room for the rows past it."""
+        `room`: a bound on `at`, for the buffers' room. One compiled call, the join with the
+        block, traced once per buffer length."""
         for c in ctx:
+            c.offset = room
             c.reserve(rows.shape[1], c.keys.shape[:2] + (c.keys.shape[3], c.values.shape[3]), c.keys.dtype)
         ids = targets.block_ids(anchor, self.args.mask_token_id, self.args.block_size - 1)
         fn = self._bucketed.get(self, ("joined", self.bucket_attention), self.joined, [self.state])
@@ -158,9 +159,7 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
         """context_kv with the arrays of weights() passed in (a compiled call's inputs)."""
         return self.context_kv(c, offset)
 
-    def draft_block(self, anchor: int, ctx, start: int, pick=None, valid=None) -> dspark.Block:
-        """`valid`: the context rows attended (default the caches' offset); it and `start` may be
-        int32 arrays (the pipelined loop's)."""
+    def draft_block(self, anchor: int, ctx, start: int, pick=None) -> dspark.Block:
         if not all(isinstance(c, pieces.BucketCache) for c in ctx):
             raise dspark.DSparkError("kv_bucket: draft_block needs the context as one BucketCache per layer "
                                      "(Model.make_cache; DeepspecSource makes them), not (k, v) pairs or a KVCache")
@@ -169,8 +168,8 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
         keys, values = zip(*(c.buffers() for c in ctx))
         greedy = pick is None
         fn = self._bucketed.get(self, (greedy, self.bucket_attention), partial(self.block, greedy), [self.state])
-        out = fn(ids, pieces.scalar(start), pieces.scalar(ctx[0].offset if valid is None else valid),
-                 list(keys), list(values), self.weights())
+        out = fn(ids, mx.array(start, mx.int32), mx.array(ctx[0].offset, mx.int32), list(keys), list(values),
+                 self.weights())
         hidden, base = out[:2]
         if greedy:
             rows, tokens, *conf = out[2:]
@@ -205,11 +204,11 @@ class Fused(Bucketed):
                 self._stacks.add(f"gate_up{i}", [layer.mlp.gate_proj, layer.mlp.up_proj], adopt=True)
         return self._stacks.current()
 
-    def draft_block(self, anchor: int, ctx, start: int, pick=None, valid=None) -> dspark.Block:
-        return self.watched(super().draft_block, anchor, ctx, start, pick, valid)
+    def draft_block(self, anchor: int, ctx, start: int, pick=None) -> dspark.Block:
+        return self.watched(super().draft_block, anchor, ctx, start, pick)
 
-    def block_at(self, anchor, ctx, rows, at, valid) -> dspark.Block:
-        return self.watched(super().block_at, anchor, ctx, rows, at, valid)
+    def block_at(self, anchor, ctx, rows, at, valid, room: int) -> dspark.Block:
+        return self.watched(super().block_at, anchor, ctx, rows, at, valid, room)
 
     def watched(self, call, *args):
         """call(*args), the stacks told after one that traced (Stacks.seen)."""

@@ -81,9 +81,7 @@ class DeepspecSource(PipelinedRows):
         if self.pending is not None:
             block = self._block([pending], None)
         else:
-            for c in self.cache:
-                c.offset = self.room
-            self.last_block = block = self.m.block_at(pending, self.cache, self.rows, self.at, offset)
+            self.last_block = block = self.m.block_at(pending, self.cache, self.rows, self.at, offset, self.room)
         self.at, self.room = offset, room
         return block.token_ids[:n]
 
