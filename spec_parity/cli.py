@@ -25,7 +25,8 @@ def _bad_input_errors() -> tuple[type[Exception], ...]:
     already imported are looked at (one that was not imported raised nothing)."""
     refusals = {"port.checkpoint": "CheckpointError", "port.ab": "PromptsError", "port.assistant": "DrafterError",
                 "port.dspark": "DSparkError", "port.dflash": "DFlashError", "port.heads": "HeadError",
-                "port.calibration": "ThresholdError", "port.targets": "TargetError"}
+                "port.calibration": "ThresholdError", "port.targets": "TargetError",
+                "spec_parity.bench.combine": "CombineError"}
     return (BadInput, *(getattr(sys.modules[m], n) for m, n in refusals.items() if m in sys.modules))
 
 
@@ -265,6 +266,19 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_combine(args) -> int:
+    """One table from two or more bench runs (serve.json or bench.json): each run's figure, the
+    median of the runs, and ratios given as a range where they moved more than their spread."""
+    from .bench import combine
+
+    kind, runs = combine.load(args.runs)
+    doc = combine.combine(kind, runs)
+    print(combine.markdown(doc))
+    if args.out:
+        print("wrote " + ", ".join(str(p) for p in combine.write(doc, Path(args.out))))
+    return 0
+
+
 def cmd_bisect(args) -> int:
     """The first commit of a port's history that breaks one case (git bisect run). Exit 0 when
     one is named, 2 on bad input."""
@@ -380,6 +394,13 @@ def main(argv=None) -> int:
                     help="--serve: random (random drafters, tau ~ 1), agreeing (controlled tau), or both")
     bp.add_argument("--out", required=True, help="directory for bench.json, bench.md, bench.png")
     bp.set_defaults(fn=cmd_bench)
+    cb = sub.add_parser("combine", help="one table from two or more bench runs: each run's figure, the median of "
+                        "the runs, ratios as a range where they moved more than their spread")
+    cb.add_argument("runs", nargs="+", metavar="RUN",
+                    help="a run's serve.json or bench.json, or the --out folder holding it (two or more, one tree)")
+    cb.add_argument("--out", help="folder for combined.json and combined.md (default: print the table only)")
+    cb.add_argument("--debug", default=argparse.SUPPRESS, **debug)
+    cb.set_defaults(fn=cmd_combine)
     bs = sub.add_parser("bisect", help="the first commit of a port's git history that breaks one case")
     bs.add_argument("--repo", required=True, help="the port's git repository (its work tree and index are not touched)")
     bs.add_argument("--good", required=True, help="a revision where the case's verdict is as expected")

@@ -146,7 +146,21 @@ BAD_INPUTS = [
      ["tap/config.json", "target_layer_ids", "z-lab MLX accepts it"]),
     ("ab --json in a folder that is a file", lambda t: _ab(t, None, None, None, "--json", str(_target_file(t) / "r.json")),
      ["--json", "cannot be written"]),
+    ("combine with one run", lambda t: ["combine", str(_run(t, "a"))], ["1 run given", "at least 2 runs"]),
+    ("combine runs of two trees", lambda t: ["combine", str(_run(t, "a")), str(_run(t, "b", source_sha256="0" * 64))],
+     ["b/serve.json", "one tree"]),
+    ("combine a file that is not a run's JSON", lambda t: ["combine", str(_run(t, "a")), str(_target_file(t))],
+     ["a-file", "not a bench run's JSON"]),
 ]
+
+
+def _run(t: Path, name: str, **project) -> Path:
+    """A committed serve run (docs/), copied to t/name/serve.json with `project` keys replaced."""
+    doc = json.loads((ROOT / "docs" / "serve-h200-dflash-s12-run1.json").read_text())
+    doc["project"].update(project)
+    (t / name).mkdir()
+    (t / name / "serve.json").write_text(json.dumps(doc))
+    return t / name / "serve.json"
 
 
 def _tensors(d: Path, add: str = "", drop: str = "", grow: str = "") -> Path:

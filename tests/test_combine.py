@@ -1,0 +1,182 @@
+"""`spec-parity combine`: the table it prints is the runs' own figures (checked against the JSON
+the bench wrote, and against the docs' session-12 serving table made from the same files), a ratio
+that moves more than its spread becomes a range (a shift planted in one run's data turns a single
+value into one), and runs that cannot make one figure are refused in one line."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+
+from spec_parity import cli
+from spec_parity.bench import combine
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+S12 = {src: [DOCS / f"serve-h200-{src}-s12-run{i}.json" for i in (1, 2)] for src in ("dflash", "dspark")}
+BENCH = [DOCS / f"bench-h200-run{i}.json" for i in (38, 39)]
+
+
+def _load(paths):
+    return [json.loads(p.read_text()) for p in paths]
+
+
+def _cell(d: dict | None, scale: float = 1.0, digits: int = 1) -> str:
+    if d is None:
+        return "–"
+    return f"{d['median'] * scale:.{digits}f} [{d['p10'] * scale:.{digits}f}–{d['p90'] * scale:.{digits}f}]"
+
+
+def _side(doc: dict, key, case: str, side: str) -> dict | None:
+    c = next((c for c in doc["cases"] if key(c) == case), None)
+    return next((s for s in c["sides"] if s["side"] == side and s["status"] == "ok"), None) if c else None
+
+
+def _serve_key(c):
+    return f"{c['condition']}: {c['case']}"
+
+
+def _rows(markdown: str, case: str) -> dict[str, list[str]]:
+    """The table rows under one case's heading, by side."""
+    block = markdown.split(f"## {case}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [[x.strip() for x in line.strip("|").split("|")] for line in block.splitlines() if line.startswith("| ")]
+    return {r[0]: r for r in rows[1:]}
+
+
+@pytest.mark.parametrize("source", sorted(S12))
+def test_serve_rows_are_each_runs_figures_and_their_median(source):
+    docs = _load(S12[source])
+    doc = combine.combine(*combine.load(S12[source]))
+    md = combine.markdown(doc)
+    for case in (c["case"] for c in doc["cases"]):
+        rows = _rows(md, case)
+        for side, row in rows.items():
+            runs = [(_side(d, _serve_key, case, side) or {}).get("decode_tokens_per_s") for d in docs]
+            assert row[1] == " / ".join(_cell(r) for r in runs)
+            have = [r["median"] for r in runs if r]
+            assert row[2].startswith(f"{statistics.median(have):.1f}")
+            # the bench's own x_plain per run is what the ratio is made of
+            if side != "plain":
+                ours = next(s for c in doc["cases"] if c["case"] == case for s in c["sides"] if s["side"] == side)
+                wrote = [(_side(d, _serve_key, case, side) or {}).get("x_plain") for d in docs]
+                assert ours["x_plain"]["runs"] == pytest.approx([x for x in wrote if x is not None])
+
+
+def test_docs_session12_serving_table_is_what_its_runs_say():
+    """docs/benchmarks.md's session-12 table (tree 5f034dc) against combine on its committed runs."""
+    text = (DOCS / "benchmarks.md").read_text()
+    table = text.split("### Serving conditions (`bench --serve`, two runs per source, tree 5f034dc)", 1)[1]
+    table = table.split("\n\n- ", 1)[0]
+    rows = [[x.strip() for x in line.strip("|").split("|")] for line in table.splitlines()
+            if re.match(r"\| D(Flash|Spark) ", line)]
+    assert len(rows) == 4
+    for name, plain, ours, peer, deepspec in rows:
+        source = name.split()[0].lower()
+        condition = name.split()[1]
+        doc = combine.combine(*combine.load(S12[source]))
+        case = next(c for c in doc["cases"] if c["case"].startswith(condition))
+        printed = _rows(combine.markdown(doc), case["case"])
+        strip = lambda cell: re.sub(r"\s*\(τ [^)]*\)$", "", cell.replace("**", ""))  # noqa: E731
+        assert strip(plain) == printed["plain"][1]
+        assert strip(ours) == printed["port"][1]
+        assert strip(peer) == printed["zlab-mlx" if source == "dflash" else "dspark-mlx"][1]
+        assert strip(deepspec) == (printed["deepspec-torch"][1] if "deepspec-torch" in printed else "–")
+
+
+def _ratio(doc: dict, case: str, side: str) -> dict:
+    return next(s for c in doc["cases"] if c["case"] == case for s in c["sides"] if s["side"] == side)["port_over_side"]
+
+
+def test_a_ratio_that_moves_past_its_spread_is_a_range():
+    runs = list(zip(S12["dflash"], _load(S12["dflash"])))
+    doc = combine.combine("serve", runs)
+    # in the runs as measured: z-lab's loop at tau 1 holds its ratio, the agreeing pair's moves
+    held, moved = _ratio(doc, "random: dflash-qwen3-4b", "zlab-mlx"), _ratio(doc, "agreeing: dflash-agreeing", "zlab-mlx")
+    assert not held["moved"] and held["text"] == f"{statistics.median(held['runs']):.2f}×"
+    assert moved["moved"] and moved["text"] == f"{min(moved['runs']):.2f}–{max(moved['runs']):.2f}×"
+    # negative controls, planted in the data: run 2's z-lab side 1.5x faster or slower, spread and all
+    for factor in (1.5, 1 / 1.5):
+        planted = copy.deepcopy(runs)
+        z = _side(planted[1][1], _serve_key, "random: dflash-qwen3-4b", "zlab-mlx")["decode_tokens_per_s"]
+        for k in ("median", "p10", "p90"):
+            z[k] *= factor
+        shifted = _ratio(combine.combine("serve", planted), "random: dflash-qwen3-4b", "zlab-mlx")
+        assert shifted["moved"] and "–" in shifted["text"], factor
+    # and a shift inside the spread keeps one value
+    planted = copy.deepcopy(runs)
+    z = _side(planted[1][1], _serve_key, "random: dflash-qwen3-4b", "zlab-mlx")["decode_tokens_per_s"]
+    z["median"] = (z["median"] + z["p90"]) / 2
+    assert not _ratio(combine.combine("serve", planted), "random: dflash-qwen3-4b", "zlab-mlx")["moved"]
+
+
+def test_bench_rows_are_per_step_and_ratios_are_the_runners_own():
+    docs = _load(BENCH)
+    doc = combine.combine(*combine.load(BENCH))
+    md = combine.markdown(doc)
+    for c in doc["cases"]:
+        rows = _rows(md, c["case"])
+        for s in c["sides"]:
+            raw = [_side(d, lambda x: x["case"], c["case"], s["side"]) for d in docs]
+            steps = [next(x for x in d["cases"] if x["case"] == c["case"])["steps_per_call"] for d in docs]
+            assert rows[s["side"]][1] == " / ".join(_cell(r["wall_s"], 1e3 / k, 3) for r, k in zip(raw, steps))
+            assert s["x_floor"]["runs"] == pytest.approx([r["x_floor"] for r in raw])
+            if s["side"] != "port":
+                assert s["port_speedup_over_side"]["runs"] == pytest.approx([r["port_speedup"] for r in raw])
+
+
+def test_out_writes_the_table_and_its_json(tmp_path, capsys):
+    assert cli.main(["combine", str(BENCH[0]), str(BENCH[1]), "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert (tmp_path / "combined.md").read_text().strip() in printed
+    assert json.loads((tmp_path / "combined.json").read_text()) == combine.combine(*combine.load(BENCH))
+
+
+def _copy(tmp_path: Path, src: Path, name: str, change=None) -> Path:
+    doc = json.loads(src.read_text())
+    if change:
+        change(doc)
+    (tmp_path / name).mkdir()
+    out = tmp_path / name / ("bench.json" if "bandwidth" in doc else "serve.json")
+    out.write_text(json.dumps(doc))
+    return out
+
+
+@pytest.mark.parametrize("bad", ["one run", "the same run twice", "a copy of it", "two kinds", "two trees",
+                                 "other options", "not json", "missing", "empty folder"])
+def test_runs_that_cannot_make_one_figure_are_refused_in_one_line(bad, tmp_path, capsys):
+    a = str(_copy(tmp_path, S12["dflash"][0], "a"))
+    second = {
+        "one run": lambda: None,
+        "the same run twice": lambda: a,
+        "a copy of it": lambda: str(_copy(tmp_path, S12["dflash"][0], "b")),
+        "two kinds": lambda: str(BENCH[0]),
+        "two trees": lambda: str(_copy(tmp_path, S12["dflash"][1], "b",
+                                       lambda d: d["project"].update(source_sha256="0" * 64))),
+        "other options": lambda: str(_copy(tmp_path, S12["dflash"][1], "b",
+                                           lambda d: d["options"].update(new_tokens=128))),
+        "not json": lambda: str(tmp_path / "a" / "x.json"),
+        "missing": lambda: str(tmp_path / "nowhere.json"),
+        "empty folder": lambda: str(tmp_path),
+    }
+    b = second[bad]()
+    if bad == "not json":
+        Path(b).write_text("serve.json, half written")
+    argv = ["combine", a] + ([b] if b else [])
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("spec-parity combine: error: ")
+    named = {"one run": "at least 2 runs", "the same run twice": "the same run", "a copy of it": "the same run", "two kinds": "two kinds", "two trees": "one tree",
+             "other options": "new_tokens", "not json": "x.json", "missing": "nowhere.json",
+             "empty folder": str(tmp_path)}[bad]
+    assert named in err
+
+
+def test_a_folder_stands_for_its_run(tmp_path):
+    a = _copy(tmp_path, S12["dspark"][0], "a").parent
+    b = _copy(tmp_path, S12["dspark"][1], "b").parent
+    kind, runs = combine.load([a, b])
+    assert kind == "serve" and [p.name for p, _ in runs] == ["serve.json", "serve.json"]
