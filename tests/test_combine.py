@@ -180,3 +180,40 @@ def test_a_folder_stands_for_its_run(tmp_path):
     b = _copy(tmp_path, S12["dspark"][1], "b").parent
     kind, runs = combine.load([a, b])
     assert kind == "serve" and [p.name for p, _ in runs] == ["serve.json", "serve.json"]
+
+
+def test_every_committed_run_pair_combines():
+    """docs/ keeps every run its figures came from; each pair of one tree makes a table (the
+    session-8 runs name their tree in the older `git` field)."""
+    pairs = [[DOCS / f"serve-h200-{src}-run{i}.json" for i in (1, 2)] for src in ("assistant", "dflash", "dspark")]
+    pairs += [[p, Path(str(p).replace("run1", "run2"))] for p in sorted(DOCS.glob("serve-h200-*-s*-run1.json"))]
+    pairs += [[DOCS / f"bench-h200-run{i}.json" for i in group] for group in ((6, 7), (8, 9, 10), (22, 23), (33, 34, 35))]
+    for paths in pairs:
+        doc = combine.combine(*combine.load(paths))
+        assert doc["cases"] and all(c["sides"] for c in doc["cases"]), paths
+        assert combine.markdown(doc).count("\n## ") == len(doc["cases"])
+
+
+def test_a_run_not_shaped_as_the_bench_writes_is_refused(tmp_path):
+    bad = tmp_path / "serve.json"
+    bad.write_text(json.dumps({"cases": [{"case": "x", "condition": "random", "status": "ok", "sides": [{}]}]}))
+    with pytest.raises(combine.CombineError, match="not what spec-parity bench writes"):
+        combine.load([bad, S12["dflash"][0]])
+
+
+def test_every_committed_serving_figure_is_in_the_docs_as_combine_prints_it():
+    """Each run's tok/s of every side the docs tabulate, for every committed serve pair (sessions
+    8-13; session 11's opt-in paths are quoted in prose, medians only, so its tables' sides)."""
+    text = (DOCS / "benchmarks.md").read_text()
+    tabulated = {"plain", "port", "port-bucketed", "port-plain", "port-unfused", "port-sdpa", "optiq", "zlab-mlx",
+                 "dflash-mlx", "dspark-mlx", "deepspec-torch"}
+    pairs = [[DOCS / f"serve-h200-{src}-run{i}.json" for i in (1, 2)] for src in ("assistant", "dflash", "dspark")]
+    pairs += [[p, Path(str(p).replace("run1", "run2"))] for p in sorted(DOCS.glob("serve-h200-*-s*-run1.json"))]
+    for paths in pairs:
+        doc = combine.combine(*combine.load(paths))
+        for c in doc["cases"]:
+            for s in c["sides"]:
+                prose = "-s11-" in paths[0].name and s["side"].startswith("port-")
+                if s["side"] in tabulated and not prose:
+                    for f in s["tokens_per_s"]:
+                        assert f is None or _cell(f) in text, (paths[0].name, c["case"], s["side"], _cell(f))

@@ -11,6 +11,7 @@ their machines may differ, and each is named.
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,10 +141,26 @@ def _read(path: Path) -> tuple[Path, dict]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CombineError(f"{path}: not a bench run's JSON ({type(e).__name__}: {e}); name the serve.json or "
                            "bench.json that spec-parity bench wrote") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
-        raise CombineError(f"{path}: has no 'cases' list; name the serve.json or bench.json that "
-                           "spec-parity bench wrote")
+    if not _well_formed(doc):
+        raise CombineError(f"{path}: not what spec-parity bench writes (each case with its sides, each side "
+                           "named); name the serve.json or bench.json that it wrote")
     return path, doc
+
+
+def _well_formed(doc) -> bool:
+    """The shape combine reads: cases, and in each case that ran its sides, each with a name."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("cases"), list):
+        return False
+    serve = "bandwidth" not in doc
+    for c in doc["cases"]:
+        if not isinstance(c, dict) or "case" not in c or (serve and "condition" not in c):
+            return False
+        if c.get("status") == "ok" and not (isinstance(c.get("sides"), list)
+                                            and all(isinstance(s, dict) and "side" in s for s in c["sides"])):
+            return False
+        if not serve and c.get("status") == "ok" and not ("steps_per_call" in c and "floor" in c):
+            return False
+    return True
 
 
 def _kind(doc: dict) -> str:
@@ -152,8 +169,10 @@ def _kind(doc: dict) -> str:
 
 def _tree(doc: dict) -> str:
     """Which code ran: the source digest where the run has one, else its commit."""
-    p = doc.get("project") or {}
-    return str(p.get("source_sha256") or p.get("commit") or (doc.get("git") or {}).get("commit") or "unknown")[:12]
+    p, git = doc.get("project") or {}, doc.get("git")  # `git`: how runs before session 9 named their tree
+    git = git.get("commit") if isinstance(git, dict) else git
+    tree = str(p.get("source_sha256") or p.get("commit") or git or "unknown")
+    return tree[:12] if re.fullmatch("[0-9a-f]{13,}", tree) else tree
 
 
 def _machine(doc: dict) -> str:
