@@ -26,7 +26,7 @@ def _bad_input_errors() -> tuple[type[Exception], ...]:
     refusals = {"port.checkpoint": "CheckpointError", "port.ab": "PromptsError", "port.assistant": "DrafterError",
                 "port.dspark": "DSparkError", "port.dflash": "DFlashError", "port.heads": "HeadError",
                 "port.calibration": "ThresholdError", "port.targets": "TargetError",
-                "spec_parity.bench.combine": "CombineError"}
+                "spec_parity.bench.combine": "CombineError", "spec_parity.bench.loops": "OptionError"}
     return (BadInput, *(getattr(sys.modules[m], n) for m, n in refusals.items() if m in sys.modules))
 
 
@@ -124,6 +124,7 @@ def cmd_run(args) -> int:
 def cmd_export(args) -> int:
     """Each case as a folder for a port in any language (spec_parity.exchange): the checkpoints,
     the inputs as safetensors, and in request.json the arrays to return with their shapes."""
+    _preflight(args)
     out = Path(args.out)
     cases = [c for c in _select(args) if not c.control]
     with report.Progress(len(cases)) as bar:
@@ -219,14 +220,16 @@ def _csv(text: str, known, what: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in items if x not in known]
     if bad or not items:
-        sys.exit(f"--{what} {text!r}: unknown {bad or 'empty list'}; known: {', '.join(known)}")
+        raise BadInput(f"--{what} {text!r}: unknown {bad or 'empty list'}; known: {', '.join(known)}")
     return items
 
 
 def cmd_bench(args) -> int:
     """Speed of the drafters side by side with the peers, against the bandwidth floor; figures are
     reported, never asserted. Writes OUT/bench.json, bench.md, bench.png (--serve: OUT/serve.json,
-    serve.md, spec_parity/bench/loops.py)."""
+    serve.md, spec_parity/bench/loops.py). --out is checked before anything runs: a run that cannot
+    be written is refused at once, not after its minutes of measuring."""
+    _preflight(args)
     if args.serve:
         from .bench import loops
 
@@ -239,7 +242,7 @@ def cmd_bench(args) -> int:
 
     real = args.shapes == "real"
     if args.scale < 1 or (args.scale > 1 and not real):
-        sys.exit("--scale N (N >= 1) shrinks the real shapes (widths, vocabulary, windows, context); "
+        raise BadInput("--scale N (N >= 1) shrinks the real shapes (widths, vocabulary, windows, context); "
                  "it applies to --shapes real only")
     peers = None if args.peers == "auto" else [] if args.peers == "none" else _csv(args.peers, bench.runner.OTHERS, "peers")
     gpu = mx.default_device().type == mx.DeviceType.gpu
@@ -254,11 +257,11 @@ def cmd_bench(args) -> int:
         cases=[c for c in (args.case or "").split(",") if c] or None, seed=args.seed, kernels=args.kernels,
         argv=list(args.argv))
     if opts.iters < 1 or opts.warmup < 0 or opts.serve_runs < 1:
-        sys.exit("--iters and --serve-runs must be >= 1 and --warmup >= 0")
+        raise BadInput("--iters and --serve-runs must be >= 1 and --warmup >= 0")
     try:
         doc = bench.run(opts, progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
     except ValueError as e:
-        sys.exit(f"bench: {e}")
+        raise BadInput(str(e)) from e
     chart = {"auto": None, "matplotlib": True, "numpy": False}[args.chart]
     paths = bench_report.write(doc, Path(args.out), chart)
     print(bench_report.markdown(doc))
@@ -271,6 +274,7 @@ def cmd_combine(args) -> int:
     median of the runs, and ratios given as a range where they moved more than their spread."""
     from .bench import combine
 
+    _preflight(args)
     kind, runs = combine.load(args.runs)
     doc = combine.combine(kind, runs)
     print(combine.markdown(doc))

@@ -353,26 +353,33 @@ def write(doc: dict, out: Path) -> list[Path]:
     return [js, md]
 
 
+class OptionError(ValueError):
+    """A --serve option the bench cannot run with: one line naming it and the fix (exit 2)."""
+
+
 def main(args) -> int:
     """`spec-parity bench --serve` (spec_parity/cli.py passes its parsed arguments)."""
     real = args.shapes == "real"
     if args.scale < 1 or (args.scale > 1 and not real):
-        sys.exit("--scale N (N >= 1) applies to --shapes real only")
+        raise OptionError("--scale N (N >= 1) applies to --shapes real only")
     known = [n for n in loop_sides.SIDES if n != "plain"]
     sides = None if args.peers == "auto" else [] if args.peers == "none" else [x.strip() for x in args.peers.split(",")]
     if sides and set(sides) - set(known):
-        sys.exit(f"--peers {args.peers!r}: unknown {sorted(set(sides) - set(known))}; with --serve known: {', '.join(known)}")
+        raise OptionError(f"--peers {args.peers!r}: unknown {sorted(set(sides) - set(known))}; with --serve known: {', '.join(known)}")
     sources = tuple(x.strip() for x in args.sources.split(",") if x.strip())
     conditions = tuple(x.strip() for x in args.conditions.split(",") if x.strip())
     if set(sources) - set(SOURCES) or set(conditions) - set(CONDITIONS):
-        sys.exit(f"--sources from {SOURCES}, --conditions from {CONDITIONS}")
+        raise OptionError(f"--sources from {SOURCES}, --conditions from {CONDITIONS}")
     opts = Options(shapes=args.shapes, sources=sources, sides=sides, conditions=conditions, prompt_len=args.prompt_len,
                    new_tokens=args.new_tokens, runs=args.runs, agree_frac=args.agree_frac,
                    dtype=args.dtype or ("bfloat16" if real else "float32"), scale=args.scale,
                    target_layers=args.target_layers, gamma=args.gamma, torch_device=args.torch_device, seed=args.seed,
                    argv=list(args.argv))
-    if opts.runs < 2 or opts.new_tokens < 2 or opts.prompt_len < 1:
-        sys.exit("--runs >= 2 (a median and a spread), --new-tokens >= 2 and --prompt-len >= 1")
+    low = [f"{name} {v}" for name, v, least in (("--runs", opts.runs, 2), ("--new-tokens", opts.new_tokens, 2),
+                                                 ("--prompt-len", opts.prompt_len, 1)) if v < least]
+    if low:
+        raise OptionError(f"{', '.join(low)}: --serve needs --runs >= 2 (a median and a spread), --new-tokens >= 2 "
+                          "and --prompt-len >= 1")
     doc = run(opts, progress=lambda msg: print(f"[serve] {msg}", file=sys.stderr, flush=True))
     paths = write(doc, Path(args.out))
     print(markdown(doc))
