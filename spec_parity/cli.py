@@ -259,7 +259,8 @@ def cmd_bench(args) -> int:
     if opts.iters < 1 or opts.warmup < 0 or opts.serve_runs < 1:
         raise BadInput("--iters and --serve-runs must be >= 1 and --warmup >= 0")
     try:
-        doc = bench.run(opts, progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True))
+        doc = bench.run(opts, progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True),
+                        keep=lambda d: bench_report.keep(d, Path(args.out)))
     except ValueError as e:
         raise BadInput(str(e)) from e
     chart = {"auto": None, "matplotlib": True, "numpy": False}[args.chart]

@@ -422,3 +422,23 @@ def test_the_mlx_environment_is_recorded_and_shown(monkeypatch):
     assert env["MLX_USE_CUDA_GRAPHS"] == "0" and "MLX_MAX_OPS_PER_BUFFER" not in env
     monkeypatch.delenv("MLX_USE_CUDA_GRAPHS")
     assert "MLX_USE_CUDA_GRAPHS" not in runner.machine()["mlx_env"]
+
+
+def test_a_run_stopped_midway_keeps_its_finished_cases(tmp_path, monkeypatch):
+    """The bench writes bench.json after each case: a run that stops in its second case (planted
+    from outside: run_case raises there) leaves the first on disk, marked incomplete."""
+    calls = []
+
+    def run_case(case, *args):
+        calls.append(case.name)
+        if len(calls) == 2:
+            raise RuntimeError("stopped in the second case")
+        return {"case": case.name, "status": "ok", "sides": []}
+
+    monkeypatch.setattr(runner, "run_case", run_case)
+    monkeypatch.setattr(runner, "launch_cost", lambda: {})
+    with pytest.raises(RuntimeError, match="second case"):
+        cli.main(["bench", "--sources", "dspark,dflash", "--bw-mib", "8", "--out", str(tmp_path)])
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert [c["case"] for c in doc["cases"]] == calls[:1] and doc["complete"] is False and doc["cases_planned"] >= 2
+    assert not (tmp_path / "bench.md").exists()

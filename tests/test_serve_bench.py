@@ -10,7 +10,7 @@ import pytest
 
 from port.fast import kernels
 from spec_parity import cli, controls
-from spec_parity.bench import loop_sides, loops
+from spec_parity.bench import combine, loop_sides, loops
 from spec_parity.bench.sides import Side
 
 SMALL = dict(sources=("dspark",), sides=["port"], prompt_len=32, new_tokens=12, runs=2)
@@ -144,3 +144,28 @@ def test_sides_run_in_two_passes_the_second_reversed(monkeypatch, tmp_path):
         assert rows[name]["status"] == "ok" and len(rows[name]["samples_tokens_per_s"]) == opts.runs
         assert rows[name]["prompt_lens"] == [len(p) for p in per_side[i][0::2] + per_side[i][1::2]]
     assert rows["port"]["stream"]["lossless"] is True
+
+
+def test_a_serve_run_stopped_midway_keeps_its_finished_cases(tmp_path, monkeypatch):
+    """serve.json is written after each case: a run that stops in its second case (planted from
+    outside: run_case raises there) leaves the first on disk, marked incomplete, and combine
+    names where it stopped."""
+    calls = []
+
+    def run_case(condition, case, *args):
+        calls.append(condition)
+        if len(calls) == 2:
+            raise RuntimeError("stopped in the second case")
+        return {"case": case.name, "condition": condition, "status": "ok", "sides": []}
+
+    monkeypatch.setattr(loops, "run_case", run_case)
+    with pytest.raises(RuntimeError, match="second case"):
+        cli.main(["bench", "--serve", "--sources", "dspark", "--runs", "2", "--out", str(tmp_path / "a")])
+    doc = json.loads((tmp_path / "a" / "serve.json").read_text())
+    assert [c["condition"] for c in doc["cases"]] == ["random"] and doc["complete"] is False
+    assert doc["cases_planned"] == 2 and not (tmp_path / "a" / "serve.md").exists()
+    calls.clear()
+    with pytest.raises(RuntimeError):
+        cli.main(["bench", "--serve", "--sources", "dspark", "--runs", "2", "--out", str(tmp_path / "b")])
+    printed = combine.markdown(combine.combine(*combine.load([tmp_path / "a", tmp_path / "b"])))
+    assert "stopped after 1 of its 2 cases" in printed

@@ -175,6 +175,13 @@ def _tree(doc: dict) -> str:
     return tree[:12] if re.fullmatch("[0-9a-f]{13,}", tree) else tree
 
 
+def _stopped(doc: dict) -> str | None:
+    """Where a run stopped before its last case (the bench keeps the cases it finished), or None."""
+    if doc.get("complete", True):
+        return None
+    return f"stopped after {len(doc['cases'])} of its {doc.get('cases_planned', '?')} cases"
+
+
 def _machine(doc: dict) -> str:
     m = doc.get("machine") or {}
     info = m.get("mlx_device_info") or {}
@@ -211,7 +218,8 @@ def combine(kind: str, runs: list[tuple[Path, dict]]) -> dict:
     the ratios, each with what it is of."""
     docs = [d for _, d in runs]
     out = {"kind": kind, "tree": _tree(docs[0]), "runs": [{"path": str(p), "machine": _machine(d),
-           "command": d.get("command"), "wall_s": d.get("wall_s")} for p, d in runs], "cases": []}
+           "command": d.get("command"), "wall_s": d.get("wall_s"), "stopped": _stopped(d)} for p, d in runs],
+           "cases": []}
     per = _serve_case if kind == "serve" else _bench_case
     key = (lambda c: f"{c['condition']}: {c['case']}") if kind == "serve" else (lambda c: c["case"])
     for name, records in _cases(docs, key):
@@ -269,7 +277,8 @@ def _runs_text(figs: list[Figure | None], digits: int) -> str:
 def markdown(doc: dict) -> str:
     n = len(doc["runs"])
     lines = [f"# spec-parity combine: {n} {doc['kind']} runs of tree {doc['tree']}", ""]
-    lines += [f"- run {i + 1}: `{r['path']}` on {r['machine']}" for i, r in enumerate(doc["runs"])]
+    lines += [f"- run {i + 1}: `{r['path']}` on {r['machine']}" + (f" ({r['stopped']})" if r["stopped"] else "")
+              for i, r in enumerate(doc["runs"])]
     lines += ["", "Each run's median [p10–p90], in run order, then the median of the runs. A ratio is the median "
               "of the runs' ratios where every run's ratio lies inside every other run's spread, else the range "
               "of the runs (it moved more than its spread).", ""]

@@ -284,20 +284,28 @@ def _ratios(sides: list[dict]) -> None:
             s["x_plain"] = rate["median"] / plain["decode_tokens_per_s"]["median"]
 
 
-def run(opts: Options, progress=None) -> dict:
-    """The whole --serve bench; returns serve.json's content."""
+def run(opts: Options, progress=None, keep=None) -> dict:
+    """The whole --serve bench; returns serve.json's content. `keep(doc)` gets the document after
+    each case but the last (`complete` false), so a run stopped midway keeps its finished cases."""
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
     torch_dev, torch_reason = torch_device(opts.torch_device)
     env = SimpleNamespace(torch_device=torch_dev, torch_reason=torch_reason)  # where the torch side runs, or why not
-    results = []
-    with tempfile.TemporaryDirectory(prefix="spec-parity-serve-") as tmp:
-        for condition, case in cases(opts):
-            results.append(run_case(condition, case, opts, env, Path(tmp), say))
-    return {"command": shlex.join([sys.executable, "-m", "spec_parity.cli", *opts.argv]),
+    planned, results = cases(opts), []
+    head = {"command": shlex.join([sys.executable, "-m", "spec_parity.cli", *opts.argv]),
             "options": {k: v for k, v in vars(opts).items() if k != "argv"}, "project": project(),
-            "machine": machine(), "versions": versions(), "torch_sides": torch_dev or torch_reason,
-            "cases": results, "wall_s": time.perf_counter() - t0, "what": __doc__.split("\n\n")[1]}
+            "machine": machine(), "versions": versions(), "torch_sides": torch_dev or torch_reason}
+
+    def doc() -> dict:
+        return {**head, "cases": results, "complete": len(results) == len(planned), "cases_planned": len(planned),
+                "wall_s": time.perf_counter() - t0, "what": __doc__.split("\n\n")[1]}
+
+    with tempfile.TemporaryDirectory(prefix="spec-parity-serve-") as tmp:
+        for condition, case in planned:
+            results.append(run_case(condition, case, opts, env, Path(tmp), say))
+            if keep is not None and len(results) < len(planned):
+                keep(doc())
+    return doc()
 
 
 # ---- the report ----------------------------------------------------------------------------------
@@ -346,11 +354,17 @@ def markdown(doc: dict) -> str:
 
 
 def write(doc: dict, out: Path) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    js, md = out / "serve.json", out / "serve.md"
-    atomic_write(js, (json.dumps(doc, indent=2, default=str) + "\n").encode())
+    md = out / "serve.md"
+    js = keep(doc, out)
     atomic_write(md, (markdown(doc) + "\n").encode())
     return [js, md]
+
+
+def keep(doc: dict, out: Path) -> Path:
+    """serve.json alone: after each case of a run, and with serve.md at its end."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "serve.json", (json.dumps(doc, indent=2, default=str) + "\n").encode())
+    return out / "serve.json"
 
 
 class OptionError(ValueError):
@@ -380,7 +394,8 @@ def main(args) -> int:
     if low:
         raise OptionError(f"{', '.join(low)}: --serve needs --runs >= 2 (a median and a spread), --new-tokens >= 2 "
                           "and --prompt-len >= 1")
-    doc = run(opts, progress=lambda msg: print(f"[serve] {msg}", file=sys.stderr, flush=True))
+    doc = run(opts, progress=lambda msg: print(f"[serve] {msg}", file=sys.stderr, flush=True),
+              keep=lambda d: keep(d, Path(args.out)))
     paths = write(doc, Path(args.out))
     print(markdown(doc))
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -286,7 +286,7 @@ def write(doc: dict, out: Path, matplotlib: bool | None = None) -> list[Path]:
         except ImportError:
             matplotlib = False
     doc["chart"] = "matplotlib" if matplotlib else "numpy"
-    atomic_write(paths[0], (json.dumps(doc, indent=1, default=str) + "\n").encode())
+    keep(doc, out)
     atomic_write(paths[1], markdown(doc).encode())
     fd, tmp = tempfile.mkstemp(prefix=".bench.", suffix=".png", dir=out)
     os.close(fd)
@@ -296,6 +296,13 @@ def write(doc: dict, out: Path, matplotlib: bool | None = None) -> list[Path]:
     finally:
         Path(tmp).unlink(missing_ok=True)
     return paths
+
+
+def keep(doc: dict, out: Path) -> Path:
+    """bench.json alone: after each case of a run, and with bench.md and bench.png at its end."""
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "bench.json", (json.dumps(doc, indent=1, default=str) + "\n").encode())
+    return out / "bench.json"
 
 
 def _identity(doc: dict) -> str:

@@ -305,8 +305,9 @@ def _own_git(root: Path) -> dict | None:
     return None
 
 
-def run(opts: Options, progress=None) -> dict:
-    """The whole bench; returns the results document (bench.json's content)."""
+def run(opts: Options, progress=None, keep=None) -> dict:
+    """The whole bench; returns the results document (bench.json's content). `keep(doc)` gets the
+    document after each case but the last (`complete` false): a run stopped midway keeps those."""
     t0 = time.perf_counter()
     say = progress or (lambda msg: None)
     torch = torch_device(opts.torch_device)
@@ -320,17 +321,27 @@ def run(opts: Options, progress=None) -> dict:
     say("launch cost")
     launch = launch_cost()
     results = []
+    cmd = shlex.join([sys.executable, "-m", "spec_parity.cli", *opts.argv])
+    process = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
+    head = {"command": cmd, "process": process, "cwd": os.getcwd(), "argv": opts.argv,
+            "options": {k: v for k, v in vars(opts).items() if k != "argv"}, "project": project(), "machine": machine(),
+            "versions": versions(), "torch_sides": torch[0] or torch[1], "bandwidth": bw, "launch": launch}
+
+    def doc() -> dict:
+        return {**head, "cases": results, "complete": len(results) == len(cases), "cases_planned": len(cases),
+                "wall_s": time.perf_counter() - t0, "what": WHAT}
+
     with tempfile.TemporaryDirectory(prefix="spec-parity-bench-") as tmp:
         for case in cases:
             say(f"case {case.name}")
             results.append(run_case(case, opts, torch, bw, Path(tmp)))
-    cmd = shlex.join([sys.executable, "-m", "spec_parity.cli", *opts.argv])
-    process = shlex.join(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
-    return {"command": cmd, "process": process, "cwd": os.getcwd(), "argv": opts.argv, "options": {k: v for k, v in vars(opts).items() if k != "argv"},
-            "project": project(), "machine": machine(), "versions": versions(), "torch_sides": torch[0] or torch[1],
-            "bandwidth": bw, "launch": launch, "cases": results, "wall_s": time.perf_counter() - t0,
-            "what": {"a": "one draft call: assistant = gamma chained steps, blocks = one block after one "
-                          "committed row; per_step_s = a / steps_per_call",
-                     "c": HostSyncs.__doc__.split("\n\n")[0], "f": "primitives evaluated per step (graph nodes)",
-                     "floor": shapes.step_bytes.__doc__.split("\n")[0] + " / copy bandwidth",
-                     "launch": "wall per op of a chain of dependent tiny ops: the least one launch costs"}}
+            if keep is not None and len(results) < len(cases):
+                keep(doc())
+    return doc()
+
+
+WHAT = {"a": "one draft call: assistant = gamma chained steps, blocks = one block after one committed row; "
+             "per_step_s = a / steps_per_call",
+        "c": HostSyncs.__doc__.split("\n\n")[0], "f": "primitives evaluated per step (graph nodes)",
+        "floor": shapes.step_bytes.__doc__.split("\n")[0] + " / copy bandwidth",
+        "launch": "wall per op of a chain of dependent tiny ops: the least one launch costs"}
