@@ -217,3 +217,22 @@ def test_every_committed_serving_figure_is_in_the_docs_as_combine_prints_it():
                 if s["side"] in tabulated and not prose:
                     for f in s["tokens_per_s"]:
                         assert f is None or _cell(f) in text, (paths[0].name, c["case"], s["side"], _cell(f))
+
+
+def test_cold_and_warm_rounds_are_the_serve_sections_and_hold_the_targets_row():
+    """The bench runs' serve section (item 2: cold round within 1.5x of warm) per run, and the
+    assistant's range that docs/benchmarks.md's targets table quotes from runs 22-23 and 36-39."""
+    ratios = {}
+    for group in ((22, 23), (36, 37), (38, 39)):
+        paths = [DOCS / f"bench-h200-run{i}.json" for i in group]
+        doc = combine.combine(*combine.load(paths))
+        md = combine.markdown(doc)
+        for c, raw in zip(doc["cases"], zip(*(_load(paths)[i]["cases"] for i in range(len(paths))))):
+            for r, case in zip(c["rounds"], raw):
+                sv = case["serve"]
+                assert r == {"warm_s": sv["round_median_s"]["round_s"], "cold_s": sv["cold"]["round_median_s"]["round_s"]}
+                assert f"({r['cold_s'] / r['warm_s']:.2f}×)" in md
+                ratios.setdefault(c["case"], []).append(r["cold_s"] / r["warm_s"])
+    text = (DOCS / "benchmarks.md").read_text()
+    for case, label in (("assistant-12b-tied", "12B"), ("assistant-e4b-centroid", "E4B")):
+        assert f"{label} {min(ratios[case]):.2f}–{max(ratios[case]):.2f}" in text

@@ -259,7 +259,15 @@ def _bench_case(records: list[dict | None]) -> dict:
              "port_speedup_over_side": ratio(step[n], port).to_json() if port and n != "port" else None,
              "graph_ops": [s.get("graph_ops") if s else None for s in ss],
              "agrees_with_port": [s.get("agrees_with_port") if s else None for s in ss]} for n, ss in sides]
-    return {"floor_step_s": [f.median if f else None for f in floor], "sides": rows, "not_run": why}
+    return {"floor_step_s": [f.median if f else None for f in floor], "rounds": [_rounds(c) for c in records],
+            "sides": rows, "not_run": why}
+
+
+def _rounds(case: dict | None) -> dict | None:
+    """The serve section's default loop: its warm and cold round (median s), where the run has both."""
+    sv = (case or {}).get("serve") or {}
+    warm, cold = sv.get("round_median_s"), (sv.get("cold") or {}).get("round_median_s")
+    return {"warm_s": warm["round_s"], "cold_s": cold["round_s"]} if warm and cold else None
 
 
 def _figs(raw: list[dict | None]) -> list[Figure | None]:
@@ -298,7 +306,10 @@ def markdown(doc: dict) -> str:
                              f"{' / '.join(x or '–' for x in s['stream'])} |")
         else:
             floor = " / ".join(f"{f * 1e3:.3f}" if f else "–" for f in c["floor_step_s"])
-            lines += [f"Floor ms / step, run by run: {floor}.", "",
+            rounds = " / ".join(f"{r['warm_s'] * 1e3:.2f} warm, {r['cold_s'] * 1e3:.2f} cold ({r['cold_s'] / r['warm_s']:.2f}×)"
+                                if r else "–" for r in c["rounds"])
+            lines += [f"Floor ms / step, run by run: {floor}. The serve section's round (default loop, ms, cold ÷ "
+                      f"warm), run by run: {rounds}.", "",
                       "| side | ms / step, run by run | median of the runs | × floor | port's speed-up over it | "
                       "graph ops / call | first draft = port's |", "|" + "---|" * 7]
             for s in c["sides"]:
