@@ -243,7 +243,7 @@ def cmd_bench(args) -> int:
     real = args.shapes == "real"
     if args.scale < 1 or (args.scale > 1 and not real):
         raise BadInput("--scale N (N >= 1) shrinks the real shapes (widths, vocabulary, windows, context); "
-                 "it applies to --shapes real only")
+                       "it applies to --shapes real only")
     peers = None if args.peers == "auto" else [] if args.peers == "none" else _csv(args.peers, bench.runner.OTHERS, "peers")
     gpu = mx.default_device().type == mx.DeviceType.gpu
     opts = bench.Options(

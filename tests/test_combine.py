@@ -268,3 +268,42 @@ def test_the_targets_rows_cold_over_warm_figures_are_the_runs():
             assert q in row, (source, q)
     text = (DOCS / "benchmarks.md").read_text().replace("\n  ", " ")
     assert f"DFlash {run_by_run(ratios(later, 'dflash'))}, DSpark {run_by_run(ratios(later, 'dspark'))}" in text
+
+
+def test_the_targets_rows_step_ratios_are_the_runs():
+    """Items 3a-3c quote, per run, the default block against the best MLX peer and against the
+    floor; each is recomputed from the committed runs (run 26's 0.87 once read 0.86: a ratio of
+    rounded times)."""
+    def side(r, source, name):
+        case = next(c for c in json.loads((DOCS / f"bench-h200-run{r}.json").read_text())["cases"]
+                    if c["case"].startswith(source))
+        return case, next(s for s in case["sides"] if s["side"] == name)
+
+    def over(runs, source, peer):   # the peer's time over ours: our speed-up
+        return [side(r, source, peer)[1]["wall_s"]["median"] / side(r, source, "port")[1]["wall_s"]["median"]
+                for r in runs]
+
+    def floor(runs, source):
+        return [side(r, source, "port")[1]["x_floor"] for r in runs]
+
+    def each(v, digits=2):
+        return " / ".join(f"{x:.{digits}f}" for x in v)
+
+    def span(v, digits=2):
+        return f"{min(v):.{digits}f}–{max(v):.{digits}f}"
+
+    rows = {line.split("|")[1].strip()[:3]: line for line in (DOCS / "benchmarks.md").read_text().splitlines()
+            if re.match(r"\| 3[abc]\. ", line)}
+    s12 = (28, 29, 32, 33, 34, 35)
+    assert f"{each(over((24, 25, 26, 27), 'dflash', 'zlab-mlx'))}× (24–27)" in rows["3a."]
+    assert f"{each(over((28, 29, 32), 'dflash', 'zlab-mlx'))}× (28, 29, 32)" in rows["3a."]
+    assert f"{each(over((33, 34, 35), 'dflash', 'zlab-mlx'))}× (33–35)" in rows["3a."]
+    assert f"**{' / '.join(f'{x:.2f}×' for x in over((43, 44), 'dflash', 'zlab-mlx'))}** (43, 44" in rows["3a."]
+    assert f"DSpark {span(over((18, 19, 20, 21), 'dspark', 'dspark-mlx'))}× dspark-mlx (18–21)" in rows["3b."]
+    assert f"{each(over((24, 27), 'dspark', 'dspark-mlx'))}× (24, 27)" in rows["3b."]
+    assert f"{span(over(s12, 'dspark', 'dspark-mlx'))}× (28–35)" in rows["3b."]
+    assert f"{each(over((43, 44), 'dspark', 'dspark-mlx'))}× (43, 44)" in rows["3b."]
+    assert f"DFlash {span(over(s12, 'dflash', 'zlab-mlx'))}× z-lab MLX (28–35)" in rows["3b."]
+    assert f"DFlash {span(floor(s12[:5], 'dflash'), 1)}×, DSpark {span(floor(s12[:5], 'dspark'), 1)}× (28–34" in rows["3c."]
+    assert f"{floor((35,), 'dflash')[0]:.1f} / {floor((35,), 'dspark')[0]:.1f}×" in rows["3c."]
+    assert f"DFlash {each(floor((43, 44), 'dflash'))}×, DSpark {each(floor((43, 44), 'dspark'))}× (43, 44)" in rows["3c."]
