@@ -290,36 +290,43 @@ def markdown(doc: dict) -> str:
     lines += ["", "Each run's median [p10–p90], in run order, then the median of the runs. A ratio is the median "
               "of the runs' ratios where every run's ratio lies inside every other run's spread, else the range "
               "of the runs (it moved more than its spread).", ""]
+    table = _serve_table if doc["kind"] == "serve" else _bench_table
     for c in doc["cases"]:
-        lines += [f"## {c['case']}", ""]
-        if doc["kind"] == "serve":
-            lines += ["| side | tok/s, run by run | median of the runs | × plain | port ÷ side | τ | "
-                      "split ms (d / v / a+t), run by run | peak MiB | stream = plain |", "|" + "---|" * 9]
-            for s in c["sides"]:
-                figs = _figs(s["tokens_per_s"])
-                tau = " / ".join(f"{t:.2f}" if t else "–" for t in s["tau"])
-                split = " ; ".join(" / ".join(f"{sp[k] * 1e3:.2f}" for k in ("draft_s", "verify_s", "accept_trim_s"))
-                                   if sp else "–" for sp in s["split_s"])
-                peak = f"{s['peak_bytes'] / 2**20:.0f}" if s["peak_bytes"] else "–"
-                lines.append(f"| {s['side']} | {_runs_text(figs, 1)} | {_median(figs, 1)} | {_ratio_text(s['x_plain'])} | "
-                             f"{_ratio_text(s['port_over_side'])} | {tau} | {split} | {peak} | "
-                             f"{' / '.join(x or '–' for x in s['stream'])} |")
-        else:
-            floor = " / ".join(f"{f * 1e3:.3f}" if f else "–" for f in c["floor_step_s"])
-            rounds = " / ".join(f"{r['warm_s'] * 1e3:.2f} warm, {r['cold_s'] * 1e3:.2f} cold ({r['cold_s'] / r['warm_s']:.2f}×)"
-                                if r else "–" for r in c["rounds"])
-            lines += [f"Floor ms / step, run by run: {floor}. The serve section's round (default loop, ms, cold ÷ "
-                      f"warm), run by run: {rounds}.", "",
-                      "| side | ms / step, run by run | median of the runs | × floor | port's speed-up over it | "
-                      "graph ops / call | first draft = port's |", "|" + "---|" * 7]
-            for s in c["sides"]:
-                figs = [Figure(f.median * 1e3, f.p10 * 1e3, f.p90 * 1e3) if f else None for f in _figs(s["step_s"])]
-                agree = " / ".join({True: "yes", False: "NO", None: "–"}[a] for a in s["agrees_with_port"])
-                ops = " / ".join(str(o) if o is not None else "–" for o in s["graph_ops"])
-                lines.append(f"| {s['side']} | {_runs_text(figs, 3)} | {_median(figs, 3)} | {_ratio_text(s['x_floor'])} | "
-                             f"{_ratio_text(s['port_speedup_over_side'])} | {ops} | {agree} |")
-        lines += [""] + [f"- not run: {w}" for w in c["not_run"]] + ([""] if c["not_run"] else [])
+        lines += [f"## {c['case']}", "", *table(c), ""]
+        lines += [f"- not run: {w}" for w in c["not_run"]] + ([""] if c["not_run"] else [])
     return "\n".join(lines)
+
+
+def _serve_table(c: dict) -> list[str]:
+    lines = ["| side | tok/s, run by run | median of the runs | × plain | port ÷ side | τ | "
+             "split ms (d / v / a+t), run by run | peak MiB | stream = plain |", "|" + "---|" * 9]
+    for s in c["sides"]:
+        figs = _figs(s["tokens_per_s"])
+        tau = " / ".join(f"{t:.2f}" if t else "–" for t in s["tau"])
+        split = " ; ".join(" / ".join(f"{sp[k] * 1e3:.2f}" for k in ("draft_s", "verify_s", "accept_trim_s"))
+                           if sp else "–" for sp in s["split_s"])
+        peak = f"{s['peak_bytes'] / 2**20:.0f}" if s["peak_bytes"] else "–"
+        lines.append(f"| {s['side']} | {_runs_text(figs, 1)} | {_median(figs, 1)} | {_ratio_text(s['x_plain'])} | "
+                     f"{_ratio_text(s['port_over_side'])} | {tau} | {split} | {peak} | "
+                     f"{' / '.join(x or '–' for x in s['stream'])} |")
+    return lines
+
+
+def _bench_table(c: dict) -> list[str]:
+    floor = " / ".join(f"{f * 1e3:.3f}" if f else "–" for f in c["floor_step_s"])
+    rounds = " / ".join(f"{r['warm_s'] * 1e3:.2f} warm, {r['cold_s'] * 1e3:.2f} cold ({r['cold_s'] / r['warm_s']:.2f}×)"
+                        if r else "–" for r in c["rounds"])
+    lines = [f"Floor ms / step, run by run: {floor}. The serve section's round (default loop, ms, cold ÷ warm), "
+             f"run by run: {rounds}.", "",
+             "| side | ms / step, run by run | median of the runs | × floor | port's speed-up over it | "
+             "graph ops / call | first draft = port's |", "|" + "---|" * 7]
+    for s in c["sides"]:
+        figs = [Figure(f.median * 1e3, f.p10 * 1e3, f.p90 * 1e3) if f else None for f in _figs(s["step_s"])]
+        agree = " / ".join({True: "yes", False: "NO", None: "–"}[a] for a in s["agrees_with_port"])
+        ops = " / ".join(str(o) if o is not None else "–" for o in s["graph_ops"])
+        lines.append(f"| {s['side']} | {_runs_text(figs, 3)} | {_median(figs, 3)} | {_ratio_text(s['x_floor'])} | "
+                     f"{_ratio_text(s['port_speedup_over_side'])} | {ops} | {agree} |")
+    return lines
 
 
 def write(doc: dict, out: Path) -> list[Path]:
