@@ -1,0 +1,71 @@
+"""tools/figures.py: each set's bench twice, each run its own process, then combine on the runs
+that wrote their JSON; the benches themselves are not run here (tests/test_combine.py holds combine)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    spec = importlib.util.spec_from_file_location("figures_tool", ROOT / "tools" / "figures.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    calls, failing = [], set()
+
+    def call(cmd):
+        calls.append(cmd[3:])   # after `python -m spec_parity.cli`
+        out = Path(cmd[cmd.index("--out") + 1])
+        if cmd[3] == "bench" and out.name not in failing:
+            out.mkdir(parents=True)
+            (out / ("serve.json" if "--serve" in cmd else "bench.json")).write_text("{}")
+        return 1 if out.name in failing else 0
+
+    monkeypatch.setattr(mod.subprocess, "call", call)
+    mod.calls, mod.failing = calls, failing
+    return mod
+
+
+def test_every_set_runs_twice_then_combines(figures, tmp_path):
+    assert figures.main([str(tmp_path), "--only", "serve-dflash,step", "--shapes", "tiny"]) == 0
+    benches = [c for c in figures.calls if c[0] == "bench"]
+    combines = [c for c in figures.calls if c[0] == "combine"]
+    assert [Path(c[c.index("--out") + 1]).name for c in benches] == [
+        "serve-dflash-run1", "serve-dflash-run2", "step-run1", "step-run2"]
+    assert all(c[1:3] == ["--shapes", "tiny"] for c in benches)
+    assert all("--serve" in c for c in benches[:2]) and not any("--serve" in c for c in benches[2:])
+    assert [c[1:3] for c in combines] == [[str(tmp_path / "serve-dflash-run1"), str(tmp_path / "serve-dflash-run2")],
+                                          [str(tmp_path / "step-run1"), str(tmp_path / "step-run2")]]
+    assert [c[-1] for c in combines] == [str(tmp_path / "serve-dflash"), str(tmp_path / "step")]
+
+
+def test_a_failed_run_is_named_and_its_set_not_combined(figures, tmp_path, capsys):
+    figures.failing.add("step-run2")
+    assert figures.main([str(tmp_path), "--only", "step"]) == 1
+    assert not [c for c in figures.calls if c[0] == "combine"]
+    assert "failed: " + str(tmp_path / "step-run2") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [(["--runs", "1"], "two runs or more"),
+                                        (["--only", "step,serves"], "serves: not a set")])
+def test_bad_options_are_refused(figures, tmp_path, capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        figures.main([str(tmp_path), *argv])
+    assert e.value.code == 2 and says in capsys.readouterr().err and not figures.calls
+
+
+def test_the_sets_name_only_known_sides():
+    """A misspelt side would only show on the device, as a refused run: every --peers name of every
+    set is one the bench knows."""
+    from spec_parity.bench import loop_sides, runner
+
+    spec = importlib.util.spec_from_file_location("figures_tool", ROOT / "tools" / "figures.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name, args in mod.SETS.items():
+        known = set(loop_sides.SIDES) if "--serve" in args else set(runner.OTHERS)
+        peers = args[args.index("--peers") + 1].split(",")
+        assert set(peers) <= known, (name, set(peers) - known)
