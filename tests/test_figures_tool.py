@@ -9,11 +9,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def figures(monkeypatch):
+def load():
+    """tools/figures.py as a module (tools/ is no package)."""
     spec = importlib.util.spec_from_file_location("figures_tool", ROOT / "tools" / "figures.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    mod = load()
     calls, failing = [], set()
 
     def call(cmd):
@@ -62,10 +68,7 @@ def test_the_sets_name_only_known_sides():
     set is one the bench knows."""
     from spec_parity.bench import loop_sides, runner
 
-    spec = importlib.util.spec_from_file_location("figures_tool", ROOT / "tools" / "figures.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    for name, args in mod.SETS.items():
+    for name, args in load().SETS.items():
         known = set(loop_sides.SIDES) if "--serve" in args else set(runner.OTHERS)
         peers = args[args.index("--peers") + 1].split(",")
         assert set(peers) <= known, (name, set(peers) - known)

@@ -42,9 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     names = a.only.split(",") if a.only else list(SETS)
     unknown = [n for n in names if n not in SETS]
-    if unknown or a.runs < 2:
-        p.error(f"--only {','.join(unknown)}: not a set; the sets are {', '.join(SETS)}" if unknown
-                else f"--runs {a.runs}: a figure needs two runs or more")
+    if unknown:
+        p.error(f"--only {','.join(unknown)}: not a set; the sets are {', '.join(SETS)}")
+    if a.runs < 2:
+        p.error(f"--runs {a.runs}: a figure needs two runs or more")
     failed = []
     for name in names:
         runs = [a.out / f"{name}-run{i}" for i in range(1, a.runs + 1)]
