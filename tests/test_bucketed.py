@@ -42,6 +42,9 @@ from spec_parity import budgets, checkpoints, compare, controls, harness
 BUCKET = 8
 KERNELS = pytest.mark.skipif(not kernels.available(), reason="the kernels run on MLX CUDA only")
 FP32 = budgets.DTYPE_DEFAULTS["float32"]
+# The tier a fast path is held to against the op-by-op one: the fp32 budget (and bit for bit, asserted
+# beside it) on the CPU; on MLX CUDA, where fusion and reduction order move fp32, the measured budget.
+TIER = FP32 if mx.default_device().type == mx.DeviceType.cpu else budgets.budget_for("serve", "mlx_cuda")
 # context rows fed per round: 5 (the prompt's), then 3 per round: 5, 8, ..., 20 (buffers 8, 16, 24)
 FEEDS = [(0, 5)] + [(5 + 3 * r, 8 + 3 * r) for r in range(5)]
 BUFFERS = sorted({-(-hi // BUCKET) * BUCKET for _, hi in FEEDS})
@@ -89,21 +92,21 @@ def _dflash_rounds(variant: str, kv_bucket, compiled=True, attention="sdpa", mod
     return out, m
 
 
-def _outside_fp32(fast, plain) -> list:
-    """(round, index, max_abs, error) of every tensor outside the fp32 budget; a round is a list of
+def _outside_tier(fast, plain) -> list:
+    """(round, index, max_abs, error) of every tensor outside TIER; a round is a list of
     tensors (test_bucketed_verify: one target forward's)."""
     bad = []
     for r, (ft, pt) in enumerate(zip(fast, plain, strict=True)):
         for i, (a, b) in enumerate(zip(ft, pt, strict=True)):
-            m = compare.tensor_metrics(a, b, FP32)
+            m = compare.tensor_metrics(a, b, TIER)
             if not m["ok"]:
                 bad.append((r, i, m.get("max_abs"), m.get("error")))
     return bad
 
 
-def _within_fp32(fast, plain) -> tuple[bool, list]:
-    """Every tensor of every round (tensors, tokens) within the fp32 budget and every token equal."""
-    bad = _outside_fp32([t for t, _ in fast], [t for t, _ in plain])
+def _within_tier(fast, plain) -> tuple[bool, list]:
+    """Every tensor of every round (tensors, tokens) within TIER and every token equal."""
+    bad = _outside_tier([t for t, _ in fast], [t for t, _ in plain])
     bad += [(r, "tokens", ft, pt) for r, ((_, ft), (_, pt)) in enumerate(zip(fast, plain)) if ft != pt]
     return not bad, bad
 
@@ -124,11 +127,11 @@ CASES = [("dspark", v) for v in ("gemma4", "qwen3", "gemma4-keqv", "gemma4-rnn")
 @pytest.mark.parametrize("source,variant", CASES, ids=[f"{s}-{v}" for s, v in CASES])
 def test_bucketed_block_within_fp32_of_default(source, variant, attention):
     """Six rounds, the context 5 -> 20 rows over buffers of 8, 16, 24: every block tensor within
-    the fp32 budget of the default path, the same greedy tokens; the compiled block traced once
+    TIER of the default path, the same greedy tokens; the compiled block traced once
     per buffer length, not once per round. Both attention designs."""
     plain, _ = ROUNDS[source](variant, None)
     fast, m = ROUNDS[source](variant, BUCKET, attention=attention)
-    ok, bad = _within_fp32(fast, plain)
+    ok, bad = _within_tier(fast, plain)
     assert ok, bad
     assert m._bucketed.traces == len(BUFFERS) < len(FEEDS)
 
@@ -180,7 +183,7 @@ def test_exact_block_within_fp32_of_default_across_buckets():
     same tokens; the off-by-one of the buffers' valid rows does not reach it (it has no mask)."""
     plain, _ = _dflash_rounds("qwen3", None)
     exact, _ = _dflash_rounds("qwen3", BUCKET, attention="exact")
-    ok, bad = _within_fp32(exact, plain)
+    ok, bad = _within_tier(exact, plain)
     assert ok, bad
     if mx.default_device() == mx.cpu:
         assert _bits_same(exact, plain)
@@ -201,7 +204,7 @@ def test_planted_mask_off_by_one_fails_the_comparison(source, variant, attention
     plain, _ = ROUNDS[source](variant, None)
     with controls.planted(source, "bucket_mask_off_by_one"):
         planted, _ = ROUNDS[source](variant, BUCKET, attention=attention)
-    ok, bad = _within_fp32(planted, plain)
+    ok, bad = _within_tier(planted, plain)
     assert not ok and any(r == 0 for r, *_ in bad)   # round 0: 5 rows in a buffer of 8
 
 
@@ -343,7 +346,7 @@ def test_assistant_bucketed_chains_within_fp32_and_lossless(name):
     bucketed source emits the target's greedy stream; the one compiled step traced far less often
     than once per step."""
     target, prov, gamma, fast, plain = _assistant_loop(name)
-    ok, bad = _within_fp32(fast, plain)
+    ok, bad = _within_tier(fast, plain)
     assert ok and len(fast) > 10, bad
     reference, _ = serve.generate(target, PROMPT, 40, None, gamma=gamma, eos=set())
     tokens, stats = serve.generate(target, PROMPT, 40, prov.bucketed, gamma=gamma, eos=set())
@@ -358,7 +361,7 @@ def test_assistant_planted_window_off_by_one_fails_the_comparison(layer):
     key = "bucketed_window_off_by_one" if layer == "sliding_attention" else "bucketed_full_past_offset"
     with controls.planted("assistant", key):
         _, _, _, fast, plain = _assistant_loop("assistant-tied")
-    ok, _ = _within_fp32(fast, plain)
+    ok, _ = _within_tier(fast, plain)
     assert not ok
 
 
@@ -391,7 +394,7 @@ def test_assistant_bucketed_over_a_wrapped_ring(window):
     of the default's, the same tokens."""
     writes, fast, plain = _wrapped_ring_rounds(window)
     assert len(writes) > 3   # the ring's write index moved round
-    ok, bad = _within_fp32(fast, plain)
+    ok, bad = _within_tier(fast, plain)
     assert ok, bad
 
 
@@ -399,4 +402,4 @@ def test_assistant_ring_order_ignored_fails_the_comparison():
     """Negative control: the ring's rotation dropped (slot j taken as rank j) is caught."""
     with controls.planted("assistant", "ring_order_ignored"):
         _, fast, plain = _wrapped_ring_rounds("optiq")
-    assert not _within_fp32(fast, plain)[0]
+    assert not _within_tier(fast, plain)[0]

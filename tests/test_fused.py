@@ -8,7 +8,7 @@ in the stacks (two parts swapped, from outside the port) must fail the same comp
 
 import mlx.core as mx
 import pytest
-from test_bucketed import BUCKET, _bits_same, _dflash_rounds, _dspark_rounds, _within_fp32
+from test_bucketed import BUCKET, _bits_same, _dflash_rounds, _dspark_rounds, _within_tier
 from test_speed import DSPARK_VARIANTS
 
 from port.fast import dspark as fast_dspark
@@ -22,7 +22,7 @@ def _held(fused, unfused) -> tuple[bool, object]:
     """The tier: bit for bit on the CPU backend, else within fp32 with the same tokens."""
     if ON_CPU:
         return _bits_same(fused, unfused), "bits differ"
-    return _within_fp32(fused, unfused)
+    return _within_tier(fused, unfused)
 
 
 @pytest.mark.parametrize("variant", DSPARK_VARIANTS)

@@ -2,7 +2,7 @@
 round r's verdict is read, everything a round needs kept on the device. It must be the sequential
 loop's request to the bit: the same tokens, the same trace (drafts, accepts, emitted per round),
 the same drafts, the same stop; every verify forward and draft block bit for bit on the CPU (within
-the fp32 budget elsewhere), over max_tokens that end a request inside a round or after it and EOS anywhere, with
+TIER of tests/test_bucketed.py elsewhere), over max_tokens that end a request inside a round or after it and EOS anywhere, with
 buckets of 8 rows (the 12-token prompt and 40 tokens cross several). The drafter's rows one late or
 the verify written one row early (the controls) must fail it.
 """
@@ -11,7 +11,7 @@ import functools
 
 import mlx.core as mx
 import pytest
-from test_bucketed import BUCKET, _outside_fp32
+from test_bucketed import BUCKET, _outside_tier
 from test_bucketed_verify import IDS, PROMPT, _setup
 from test_speed import _bits_equal
 
@@ -68,7 +68,7 @@ def _same_request(a, b):
     assert p_stats.trace == stats.trace and p_stats.proposals == stats.proposals
     assert len(p_forwards) >= len(forwards)   # a round queued after the one that ends a request is dropped
     got = p_forwards[: len(forwards)]
-    assert not _outside_fp32(got, forwards)
+    assert not _outside_tier(got, forwards)
     if mx.default_device().type == mx.DeviceType.cpu:
         assert all(_bits_equal(x, y) for f, p in zip(got, forwards) for x, y in zip(f, p))
 
