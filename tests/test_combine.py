@@ -311,3 +311,29 @@ def test_the_targets_rows_step_ratios_are_the_runs():
     ]
     missing = [(row, text) for row, text in quoted if text not in rows[row]]
     assert not missing, missing
+
+
+def test_session_19s_tables_are_combine_of_its_runs():
+    """Session 19 (an H100) pasted `combine`'s tables of its committed runs: every table row of
+    each combination is in docs/benchmarks.md as combine prints it, and the targets table's cold ÷
+    warm figures for runs 45-50 are the runs' serve sections."""
+    text = (DOCS / "benchmarks.md").read_text()
+    groups = [[DOCS / f"serve-h100-{src}-s19-run{i}.json" for i in (1, 2)] for src in ("dflash", "dspark", "assistant")]
+    groups += [[DOCS / f"bench-h100-run{i}.json" for i in runs] for runs in ((45, 46, 47, 48), (49, 50))]
+    for paths in groups:
+        rows = [line for line in combine.markdown(combine.combine(*combine.load(paths))).splitlines()
+                if line.startswith("| ") and not line.startswith("| side")]
+        assert rows and not [r for r in rows if r not in text], paths[0].name
+
+    def ratios(runs, source):
+        out = []
+        for r in runs:
+            case = next(c for c in json.loads((DOCS / f"bench-h100-run{r}.json").read_text())["cases"]
+                        if c["case"].startswith(source))
+            out.append(case["serve"]["cold"]["round_median_s"]["round_s"] / case["serve"]["round_median_s"]["round_s"])
+        return " / ".join(f"{x:.2f}" for x in out)
+
+    row = next(line for line in text.splitlines() if line.startswith("| 2. the default path pays no per-length plan"))
+    for quoted in (f"DSpark {ratios(range(45, 49), 'dspark')}, DFlash {ratios(range(45, 49), 'dflash')}",
+                   f"12B {ratios((49, 50), 'assistant-12b')}, E4B {ratios((49, 50), 'assistant-e4b')}"):
+        assert quoted in row, quoted
