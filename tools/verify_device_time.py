@@ -1,0 +1,94 @@
+"""One verify of the serve loop at the bench's shapes, op by op (targets.forward) against the
+compiled verify (port/fast/verify.py), on the device this runs on: wall time per verify (issue +
+evaluation), medians of RUNS in rotation, and where torch sees CUDA the kernels each launches
+(CUPTI through torch.profiler, as `bench --kernels` counts a step). Session 19 measured the
+compiled verify 0.8-1.3 ms a round slower on an H100 (docs/benchmarks.md); this says where.
+
+    python3 tools/verify_device_time.py [--source dflash|dspark] [--scale 1] [--ctx 2048]
+
+`--scale 8` divides the widths (a CPU can run it); the target is the bench's stand-in (Qwen3-4B's
+width and its 36 layers), its random weights in memory.
+"""
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from port import targets
+from port.fast import verify
+from spec_parity.bench import port_sides, shapes, timing
+
+BUCKET, RUNS, WARM, PROFILED = 256, 30, 5, 10
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--source", choices=("dflash", "dspark"), default="dflash")
+    p.add_argument("--scale", type=int, default=1)
+    p.add_argument("--ctx", type=int, default=2048)
+    a = p.parse_args()
+    case = next(c for c in shapes.real_cases(ctx=a.ctx, scale=a.scale) if c.module == a.source)
+    target = port_sides.load_target(shapes.build(case, Path(tempfile.mkdtemp())))
+    rows = case.shapes.gamma + 1
+    ids = mx.array([list(range(5, 5 + rows))])
+    prompt = mx.array([[(7 * i) % 1000 + 3 for i in range(a.ctx)]])
+
+    def prefilled():
+        caches = targets.make_caches(target, BUCKET)
+        mx.eval(targets.forward(target, prompt, caches=caches).logits)
+        return caches
+
+    def once(forward, caches):
+        trace = forward(caches)
+        mx.eval(trace.logits, trace.final, *trace.hidden)
+        for c in caches:
+            c.offset -= rows
+
+    sides = {"op by op": lambda c: targets.forward(target, ids, caches=c),
+             "compiled": lambda c: verify.forward(target, ids, c)}
+    caches = {name: prefilled() for name in sides}
+    for _ in range(WARM):
+        for name, f in sides.items():
+            once(f, caches[name])
+    samples = {name: [] for name in sides}
+    for _ in range(RUNS):   # in rotation, so that a drift weighs on both
+        for name, f in sides.items():
+            t0 = time.perf_counter()
+            once(f, caches[name])
+            samples[name].append(time.perf_counter() - t0)
+    print(f"{case.shapes.label}: verify of {rows} rows at context {a.ctx}, bucket {BUCKET}, {mx.default_device()}")
+    for name, s in samples.items():
+        q = np.percentile(np.array(s) * 1e3, [50, 10, 90])
+        print(f"  {name:9s} {q[0]:.2f} ms [{q[1]:.2f}-{q[2]:.2f}]")
+    for name, f in sides.items():
+        print(f"  {name} kernels:", kernels(lambda f=f, c=caches[name]: once(f, c)))
+
+
+def kernels(call):
+    """Launches, busy and summed kernel µs per verify, and the classes, where torch sees CUDA."""
+    try:
+        import torch
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+        assert torch.cuda.is_available()
+    except Exception as e:   # a CPU machine: no CUPTI to ask
+        return f"not profiled ({type(e).__name__})"
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(PROFILED):
+            call()
+        window = (time.perf_counter() - t0) * 1e6
+    ks = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    s = timing.kernel_summary(ks, PROFILED, window)
+    classes = ", ".join(f"{c['class']} {c['launches_per_call']:.0f}x {c['us_per_call']:.0f}us" for c in s["classes"])
+    top = "; ".join(f"{t['kernel'][:70]} {t['launches_per_call']:.0f}x {t['us_per_call']:.0f}us" for t in s["top"][:6])
+    return (f"{s['launches_per_call']:.0f} launches, busy {s['busy_us_per_call']:.0f} us, kernels "
+            f"{s['kernel_us_per_call']:.0f} us, window {s['window_us_per_call']:.0f} us | {classes} | top: {top}")
+
+
+if __name__ == "__main__":
+    main()
