@@ -3,14 +3,20 @@ device this runs on: the compiled verify against the plain verify (tests/test_bu
 loops) and the pipelined loop against the sequential one (tests/test_pipelined.py's requests), per
 tensor of a round the largest |Δ| and the largest |ref|, and whether the tokens are equal. Zero
 everywhere on the CPU; on MLX CUDA it is what budgets ("serve", "mlx_cuda") was set from
-(docs/benchmarks.md, session 19).
+(docs/benchmarks.md, session 19). `--controls`: how far the planted controls that those tests
+hold move the same tensors (the budget must stay far below the smallest).
 
-    PYTHONPATH=$PWD:$PWD/tests python3 tools/fast_path_tiers.py
+    PYTHONPATH=$PWD:$PWD/tests python3 tools/fast_path_tiers.py [--controls]
 """
 
+import sys
+
 import numpy as np
+import test_bucketed as bucketed_tests
 import test_bucketed_verify as verify_tests
 import test_pipelined as pipelined_tests
+
+from spec_parity import controls
 
 
 def worst(fast, plain) -> dict:
@@ -23,7 +29,44 @@ def worst(fast, plain) -> dict:
     return {i: f"{d:.3g} (|ref| {m:.3g})" for i, (d, m) in out.items()}
 
 
+def largest(fast, plain) -> float:
+    return max(float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
+               for f, p in zip(fast, plain) for a, b in zip(f, p))
+
+
+def planted_reach() -> None:
+    """Per planted control of tests/test_bucketed_verify.py and tests/test_bucketed.py, the largest
+    |Δ| it causes against the unplanted path."""
+    reach = []
+    for module, bug, names, plain_of in (
+            ("serve", "verify_mask_off_by_one", [None, "dflash", "dspark", "assistant-tied"], verify_tests._default),
+            ("serve", "verify_window_off_by_one", ["dspark", "assistant-tied"], verify_tests._default),
+            ("serve", "compiled_verify_write_off_by_one", [None, "dflash", "gemma4"],
+             lambda n: verify_tests._loop(n, verify_tests.BUCKET, verify="plain"))):
+        for name in names:
+            plain = plain_of(name)[2]
+            with controls.planted(module, bug):
+                planted = verify_tests._loop(name, verify_tests.BUCKET)[2]
+            reach.append((bug, name, largest(planted[: len(plain)], plain[: len(planted)])))
+    for source, variant, attention in (("dspark", "gemma4", "two-segment"), ("dflash", "qwen3", "two-segment"),
+                                       ("dspark", "qwen3", "sdpa"), ("dflash", "qwen3-causal", "sdpa")):
+        plain, _ = bucketed_tests.ROUNDS[source](variant, None)
+        with controls.planted(source, "bucket_mask_off_by_one"):
+            planted, _ = bucketed_tests.ROUNDS[source](variant, bucketed_tests.BUCKET, attention=attention)
+        reach.append(("bucket_mask_off_by_one", f"{source}-{variant}", largest([t for t, _ in planted], [t for t, _ in plain])))
+    for bug in ("bucketed_window_off_by_one", "bucketed_full_past_offset"):
+        with controls.planted("assistant", bug):
+            _, _, _, fast, plain = bucketed_tests._assistant_loop("assistant-tied")
+        reach.append((bug, "assistant-tied", largest([t for t, _ in fast], [t for t, _ in plain])))
+    for bug, name, d in reach:
+        print(f"planted {bug} on {name}: largest |Δ| {d:.3g}")
+    print(f"smallest reach of a control: {min(d for *_, d in reach):.3g}")
+
+
 def main() -> None:
+    if "--controls" in sys.argv[1:]:
+        planted_reach()
+        return
     for name in ["dspark", "gemma4", "assistant-tied", "dflash"]:
         p_tokens, _, plain = verify_tests._loop(name, verify_tests.BUCKET, verify="plain")
         tokens, _, fast = verify_tests._loop(name, verify_tests.BUCKET)
