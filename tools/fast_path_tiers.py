@@ -19,19 +19,23 @@ import test_pipelined as pipelined_tests
 from spec_parity import controls
 
 
-def worst(fast, plain) -> dict:
-    """Per tensor index of a round, (largest |Δ|, largest |ref|) over the rounds."""
+def deltas(fast, plain) -> dict:
+    """Per tensor index of a round, the largest |Δ| over the rounds and the largest |ref| of the
+    round it is in (the magnitude that |Δ| is set against)."""
     out = {}
     for f, p in zip(fast, plain):
         for i, (a, b) in enumerate(zip(f, p)):
             a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
             out[i] = max(out.get(i, (0.0, 0.0)), (float(np.abs(a - b).max()), float(np.abs(b).max())))
-    return {i: f"{d:.3g} (|ref| {m:.3g})" for i, (d, m) in out.items()}
+    return out
+
+
+def worst(fast, plain) -> dict:
+    return {i: f"{d:.3g} (|ref| {m:.3g})" for i, (d, m) in deltas(fast, plain).items()}
 
 
 def largest(fast, plain) -> float:
-    return max(float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
-               for f, p in zip(fast, plain) for a, b in zip(f, p))
+    return max(d for d, _ in deltas(fast, plain).values())
 
 
 def planted_reach() -> None:
