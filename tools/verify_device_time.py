@@ -21,6 +21,7 @@ import numpy as np
 from port import targets
 from port.fast import verify
 from spec_parity.bench import port_sides, shapes, timing
+from spec_parity.bench.sides import Stepper
 
 BUCKET, RUNS, WARM, PROFILED = 256, 30, 5, 10
 
@@ -68,22 +69,12 @@ def main() -> None:
         print(f"  {name} kernels:", kernels(lambda f=f, c=caches[name]: once(f, c)))
 
 
-def kernels(call):
-    """Launches, busy and summed kernel µs per verify, and the classes, where torch sees CUDA."""
-    try:
-        import torch
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-        assert torch.cuda.is_available()
-    except Exception as e:   # a CPU machine: no CUPTI to ask
-        return f"not profiled ({type(e).__name__})"
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(PROFILED):
-            call()
-        window = (time.perf_counter() - t0) * 1e6
-    ks = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
-    s = timing.kernel_summary(ks, PROFILED, window)
+def kernels(call) -> str:
+    """The bench's kernel profile of `call` (timing.kernel_profile: CUPTI where torch sees CUDA),
+    per verify: launches, busy and summed kernel µs, the classes and the top kernels."""
+    s = timing.kernel_profile(Stepper(step=call), steps=PROFILED)
+    if s["status"] != "ok":
+        return f"not profiled: {s['reason']}"
     classes = ", ".join(f"{c['class']} {c['launches_per_call']:.0f}x {c['us_per_call']:.0f}us" for c in s["classes"])
     top = "; ".join(f"{t['kernel'][:70]} {t['launches_per_call']:.0f}x {t['us_per_call']:.0f}us" for t in s["top"][:6])
     return (f"{s['launches_per_call']:.0f} launches, busy {s['busy_us_per_call']:.0f} us, kernels "
