@@ -196,9 +196,14 @@ def test_trace_counter_counts_every_call_uncompiled(source, variant):
     assert m._bucketed.traces == len(FEEDS)
 
 
-@pytest.mark.parametrize("source,variant,attention", [
-    ("dspark", "gemma4", "two-segment"), ("dspark", "qwen3", "two-segment"), ("dflash", "qwen3", "two-segment"),
-    ("dflash", "qwen3-swa", "two-segment"), ("dspark", "qwen3", "sdpa"), ("dflash", "qwen3-causal", "sdpa")])
+# The planted controls of the bucketed blocks and the assistant's bucketed step, and where each runs
+# (tools/fast_path_tiers.py --controls reads them: how far each reaches).
+MASK_CONTROLS = [("dspark", "gemma4", "two-segment"), ("dspark", "qwen3", "two-segment"), ("dflash", "qwen3", "two-segment"),
+                 ("dflash", "qwen3-swa", "two-segment"), ("dspark", "qwen3", "sdpa"), ("dflash", "qwen3-causal", "sdpa")]
+ASSISTANT_CONTROLS = {"sliding_attention": "bucketed_window_off_by_one", "full_attention": "bucketed_full_past_offset"}
+
+
+@pytest.mark.parametrize("source,variant,attention", MASK_CONTROLS)
 def test_planted_mask_off_by_one_fails_the_comparison(source, variant, attention):
     """Negative control: the context mask letting the first padded row through is caught."""
     plain, _ = ROUNDS[source](variant, None)
@@ -354,12 +359,11 @@ def test_assistant_bucketed_chains_within_fp32_and_lossless(name):
     assert prov.bucketed.drafter._bucketed.traces < stats.drafted / 4
 
 
-@pytest.mark.parametrize("layer", harness.slow_except(["sliding_attention", "full_attention"], "sliding_attention"))
+@pytest.mark.parametrize("layer", harness.slow_except(list(ASSISTANT_CONTROLS), "sliding_attention"))
 def test_assistant_planted_window_off_by_one_fails_the_comparison(layer):
     """Negative control: one donor entry more than the window (sliding) or past the offset (full)
     let through on the bucketed path is caught."""
-    key = "bucketed_window_off_by_one" if layer == "sliding_attention" else "bucketed_full_past_offset"
-    with controls.planted("assistant", key):
+    with controls.planted("assistant", ASSISTANT_CONTROLS[layer]):
         _, _, _, fast, plain = _assistant_loop("assistant-tied")
     ok, _ = _within_tier(fast, plain)
     assert not ok

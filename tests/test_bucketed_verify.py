@@ -46,6 +46,10 @@ PLAIN = {None: "qwen3-target", "gemma4": "gemma4-target"}   # plain decoding thr
 # DSpark and DFlash on Qwen3 targets; DSpark and the assistant on Gemma-4 ones (sliding layers: the
 # window masked over the time-ordered buffer; the assistant's donors are the bucketed buffers)
 LOOPS = [None, "dspark-threshold", "dflash", "dspark", "assistant-tied"]
+# The planted controls below and the loops each runs on (tools/fast_path_tiers.py --controls reads
+# them: how far each reaches).
+CONTROLS = {"verify_mask_off_by_one": LOOPS, "verify_window_off_by_one": ["dspark", "assistant-tied"],
+            "compiled_verify_write_off_by_one": [None, "dflash", "gemma4"]}
 
 
 def IDS(name):
@@ -132,7 +136,7 @@ def test_bucketed_verify_within_fp32_of_default(name):
         assert all(_bits_equal(a, b) for f, p in zip(fast, plain) for a, b in zip(f, p))
 
 
-@pytest.mark.parametrize("name", harness.slow_except(LOOPS, None, "dflash"), ids=IDS)
+@pytest.mark.parametrize("name", harness.slow_except(CONTROLS["verify_mask_off_by_one"], None, "dflash"), ids=IDS)
 def test_planted_mask_off_by_one_fails_the_comparison(name):
     """Negative control: the mask letting the first padded key through is caught (the prefill
     already: 12 prompt rows in a buffer of 16)."""
@@ -143,7 +147,7 @@ def test_planted_mask_off_by_one_fails_the_comparison(name):
     assert bad and bad[0][0] == 0
 
 
-@pytest.mark.parametrize("name", harness.slow_except(["dspark", "assistant-tied"], "dspark"))
+@pytest.mark.parametrize("name", harness.slow_except(CONTROLS["verify_window_off_by_one"], "dspark"))
 def test_planted_window_off_by_one_fails_the_comparison(name):
     """Negative control: the sliding layers' window one row too wide on the bucketed verify is
     caught (Gemma-4 targets; the prompt is past the window)."""
@@ -200,7 +204,7 @@ def test_compiled_verify_equals_the_plain_verify(name):
         assert all(_bits_equal(a, b) for f, p in zip(fast, plain) for a, b in zip(f, p))
 
 
-@pytest.mark.parametrize("name", harness.slow_except([None, "dflash", "gemma4"], "dflash"), ids=IDS)
+@pytest.mark.parametrize("name", harness.slow_except(CONTROLS["compiled_verify_write_off_by_one"], "dflash"), ids=IDS)
 def test_planted_compiled_write_off_by_one_fails_the_comparison(name):
     """Negative control: the compiled verify writing its rows one before the offset is caught at
     the first verify (the prefill runs op by op)."""

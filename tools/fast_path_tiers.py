@@ -42,23 +42,20 @@ def planted_reach() -> None:
     """Per planted control of tests/test_bucketed_verify.py and tests/test_bucketed.py, the largest
     |Δ| it causes against the unplanted path."""
     reach = []
-    for module, bug, names, plain_of in (
-            ("serve", "verify_mask_off_by_one", [None, "dflash", "dspark", "assistant-tied"], verify_tests._default),
-            ("serve", "verify_window_off_by_one", ["dspark", "assistant-tied"], verify_tests._default),
-            ("serve", "compiled_verify_write_off_by_one", [None, "dflash", "gemma4"],
-             lambda n: verify_tests._loop(n, verify_tests.BUCKET, verify="plain"))):
+    for bug, names in verify_tests.CONTROLS.items():
         for name in names:
-            plain = plain_of(name)[2]
-            with controls.planted(module, bug):
+            plain = (verify_tests._default(name) if bug != "compiled_verify_write_off_by_one"
+                     else verify_tests._loop(name, verify_tests.BUCKET, verify="plain"))[2]
+            with controls.planted("serve", bug):
                 planted = verify_tests._loop(name, verify_tests.BUCKET)[2]
             reach.append((bug, name, largest(planted[: len(plain)], plain[: len(planted)])))
-    for source, variant, attention in (("dspark", "gemma4", "two-segment"), ("dflash", "qwen3", "two-segment"),
-                                       ("dspark", "qwen3", "sdpa"), ("dflash", "qwen3-causal", "sdpa")):
+    for source, variant, attention in bucketed_tests.MASK_CONTROLS:
         plain, _ = bucketed_tests.ROUNDS[source](variant, None)
         with controls.planted(source, "bucket_mask_off_by_one"):
             planted, _ = bucketed_tests.ROUNDS[source](variant, bucketed_tests.BUCKET, attention=attention)
-        reach.append(("bucket_mask_off_by_one", f"{source}-{variant}", largest([t for t, _ in planted], [t for t, _ in plain])))
-    for bug in ("bucketed_window_off_by_one", "bucketed_full_past_offset"):
+        reach.append(("bucket_mask_off_by_one", f"{source}-{variant}-{attention}",
+                      largest([t for t, _ in planted], [t for t, _ in plain])))
+    for bug in bucketed_tests.ASSISTANT_CONTROLS.values():
         with controls.planted("assistant", bug):
             _, _, _, fast, plain = bucketed_tests._assistant_loop("assistant-tied")
         reach.append((bug, "assistant-tied", largest([t for t, _ in fast], [t for t, _ in plain])))
