@@ -2,7 +2,10 @@
 compiled verify (port/fast/verify.py), on the device this runs on: wall time per verify (issue +
 evaluation), medians of RUNS in rotation, and where torch sees CUDA the kernels each launches
 (CUPTI through torch.profiler, as `bench --kernels` counts a step). Session 19 measured the
-compiled verify 0.8-1.3 ms a round slower on an H100 (docs/benchmarks.md); this says where.
+compiled verify 0.8-1.3 ms a round slower on an H100 (docs/benchmarks.md); this says where. A
+third side, "traced, eager", runs the compiled verify's function without mx.compile: slow like the
+compiled one, the cost is in what the function does (array offset, slice writes, masks); fast like
+op by op, it is in the compilation.
 
     python3 tools/verify_device_time.py [--source dflash|dspark] [--scale 1] [--ctx 2048]
 
@@ -13,6 +16,7 @@ width and its 36 layers), its random weights in memory.
 import argparse
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -49,8 +53,21 @@ def main() -> None:
         for c in caches:
             c.offset -= rows
 
+    def eager(c):
+        """The compiled verify's traced function run without mx.compile: its array offset, slice
+        writes and masks, op by op (which of the two costs, the function or its compilation)."""
+        key, plain = ("verify", BUCKET), partial(verify.traced, target, BUCKET)
+        compiled, target.compiled[key] = target.compiled.pop(key, None), plain
+        try:
+            return verify.forward(target, ids, c)
+        finally:
+            del target.compiled[key]
+            if compiled is not None:
+                target.compiled[key] = compiled
+
     sides = {"op by op": lambda c: targets.forward(target, ids, caches=c),
-             "compiled": lambda c: verify.forward(target, ids, c)}
+             "compiled": lambda c: verify.forward(target, ids, c),
+             "traced, eager": eager}
     caches = {name: prefilled() for name in sides}
     for _ in range(WARM):
         for name, f in sides.items():
@@ -64,7 +81,7 @@ def main() -> None:
     print(f"{case.shapes.label}: verify of {rows} rows at context {a.ctx}, bucket {BUCKET}, {mx.default_device()}")
     for name, s in samples.items():
         q = np.percentile(np.array(s) * 1e3, [50, 10, 90])
-        print(f"  {name:9s} {q[0]:.2f} ms [{q[1]:.2f}-{q[2]:.2f}]")
+        print(f"  {name:13s} {q[0]:.2f} ms [{q[1]:.2f}-{q[2]:.2f}]")
     for name, f in sides.items():
         print(f"  {name} kernels:", kernels(lambda f=f, c=caches[name]: once(f, c)))
 
