@@ -207,9 +207,12 @@ def over_buffers(caches: list, fn, *args):
 
 def written(keys, values, k, v, at):
     """K/V rows k, v [B, H, T, D] written into the buffers keys / values at row `at` (an int32
-    scalar array: where the host need not know it): the buffers after."""
-    at = at.reshape(1)
-    return mx.slice_update(keys, k, at, axes=(2,)), mx.slice_update(values, v, at, axes=(2,))
+    scalar array: where the host need not know it): the buffers after. A scatter of the T rows, not
+    mx.slice_update at an array start: on MLX CUDA (0.32.4) that one launches a thread per element
+    of the whole buffer (copy_gg_dynamic over out.size(), the writes repeated modulo the rows),
+    22 us a write into 2304 rows on an H200, where the scatter's threads are the rows'."""
+    rows = (at + mx.arange(k.shape[2], dtype=mx.int32)).reshape(1, 1, -1, 1)
+    return mx.put_along_axis(keys, rows, k, axis=2), mx.put_along_axis(values, rows, v, axis=2)
 
 
 def additive_mask(seen, dtype: mx.Dtype) -> mx.array:

@@ -5,7 +5,8 @@ evaluation), medians of RUNS in rotation, and where torch sees CUDA the kernels 
 compiled verify 0.8-1.3 ms a round slower on an H100 (docs/benchmarks.md); this says where. A
 third side, "traced, eager", runs the compiled verify's function without mx.compile: slow like the
 compiled one, the cost is in what the function does (array offset, slice writes, masks); fast like
-op by op, it is in the compilation.
+op by op, it is in the compilation. A fourth, "compiled, slice writes", is the compiled verify with
+the K/V writes as they were up to session 19 (tools/slice_writes.py): the before of the scatter.
 
     python3 tools/verify_device_time.py [--source dflash|dspark] [--scale 1] [--ctx 2048]
 
@@ -21,7 +22,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from slice_writes import slice_written
 
+from port import compiled as pieces
 from port import targets
 from port.fast import verify
 from spec_parity.bench import port_sides, shapes, timing
@@ -65,9 +68,26 @@ def main() -> None:
             if compiled is not None:
                 target.compiled[key] = compiled
 
+    sliced = {}
+
+    def slice_writes(c):
+        """The compiled verify with session 19's writes (tools/slice_writes.py), compiled apart."""
+        key, written = ("verify", BUCKET), pieces.written
+        compiled = target.compiled.pop(key, None)
+        target.compiled[key], pieces.written = sliced.get(key), slice_written
+        if target.compiled[key] is None:
+            del target.compiled[key]
+        try:
+            return verify.forward(target, ids, c)
+        finally:
+            sliced[key], pieces.written = target.compiled.pop(key), written
+            if compiled is not None:
+                target.compiled[key] = compiled
+
     sides = {"op by op": lambda c: targets.forward(target, ids, caches=c),
              "compiled": lambda c: verify.forward(target, ids, c),
-             "traced, eager": eager}
+             "traced, eager": eager,
+             "compiled, slice writes": slice_writes}
     caches = {name: prefilled() for name in sides}
     for _ in range(WARM):
         for name, f in sides.items():
@@ -81,7 +101,7 @@ def main() -> None:
     print(f"{case.shapes.label}: verify of {rows} rows at context {a.ctx}, bucket {BUCKET}, {mx.default_device()}")
     for name, s in samples.items():
         q = np.percentile(np.array(s) * 1e3, [50, 10, 90])
-        print(f"  {name:13s} {q[0]:.2f} ms [{q[1]:.2f}-{q[2]:.2f}]")
+        print(f"  {name:22s} {q[0]:.2f} ms [{q[1]:.2f}-{q[2]:.2f}]")
     for name, f in sides.items():
         print(f"  {name} kernels:", kernels(lambda f=f, c=caches[name]: once(f, c)))
 
