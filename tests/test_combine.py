@@ -337,3 +337,38 @@ def test_session_19s_tables_are_combine_of_its_runs():
     for quoted in (f"DSpark {ratios(range(45, 49), 'dspark')}, DFlash {ratios(range(45, 49), 'dflash')}",
                    f"12B {ratios((49, 50), 'assistant-12b')}, E4B {ratios((49, 50), 'assistant-e4b')}"):
         assert quoted in row, quoted
+
+
+def test_session_20s_tables_are_combine_of_its_runs():
+    """Session 20 (an H100) pasted `combine`'s tables of its committed runs (serving, and the step
+    with the scatter: runs 51, 53), and its before/after table quotes the serve section's round
+    and the port's block median of runs 51, 53 (after) and 52, 54 (the slice writes, before)."""
+    text = (DOCS / "benchmarks.md").read_text()
+    after = [DOCS / f"bench-h100-run{i}.json" for i in (51, 53)]
+    before = [DOCS / f"bench-h100-run{i}-slice-writes.json" for i in (52, 54)]
+    for paths in [[DOCS / f"serve-h100-{src}-s20-run{i}.json" for i in (1, 2)] for src in ("dflash", "dspark")] + [after]:
+        rows = [line for line in combine.markdown(combine.combine(*combine.load(paths))).splitlines()
+                if line.startswith("| ") and not line.startswith("| side")]
+        assert rows and not [r for r in rows if r not in text], paths[0].name
+
+    def cases(paths, source):
+        return [next(c for c in json.loads(p.read_text())["cases"] if c["case"].startswith(source)) for p in paths]
+
+    def rounds(paths, source):
+        return " / ".join(f"{c['serve']['round_median_s']['round_s'] * 1e3:.2f}" for c in cases(paths, source))
+
+    def block(paths, source):
+        table = combine.markdown(combine.combine(*combine.load(paths)))
+        part = table.split(f"## {source}")[1]
+        return next(line for line in part.splitlines() if line.startswith("| port |")).split(" | ")[2]
+
+    lines = text.splitlines()
+    for name, source in (("DFlash", "dflash"), ("DSpark", "dspark")):
+        row = next(line for line in lines if line.startswith(f"| {name} serve-section round"))
+        assert f"| {rounds(before, source)} | {rounds(after, source)} |" in row, row
+        row = next(line for line in lines if line.startswith(f"| {name} block, ms"))
+        assert f"| {block(before, source)} | {block(after, source)} |" in row, row
+    row = next(line for line in lines if line.startswith("| 2. the default path pays no per-length plan"))
+    cold = {s: " / ".join(f"{c['serve']['cold']['round_median_s']['round_s'] / c['serve']['round_median_s']['round_s']:.2f}"
+                          for c in cases(after, s)) for s in ("dspark", "dflash")}
+    assert f"(runs 51, 53): DSpark {cold['dspark']}, DFlash {cold['dflash']}" in row
