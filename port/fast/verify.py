@@ -27,8 +27,9 @@ FAMILIES = ("qwen3", "gemma4")   # the walks of port/targets.py, each held by th
 
 class BufferView(pieces.VerifyCache):
     """One layer's VerifyCache inside the traced verify: its buffers and offset (an int32 scalar
-    array) are the compiled call's inputs, and a write is a slice_update at that offset. The offset
-    does not move here (each view is one layer's, written once); `forward` moves the caches'."""
+    array) are the compiled call's inputs, and a write is a scatter at that offset (compiled.written).
+    The offset does not move here (each view is one layer's, written once); `forward` moves the
+    caches'."""
 
     def __init__(self, keys, values, offset, bucket: int):
         super().__init__(bucket)
