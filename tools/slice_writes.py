@@ -1,6 +1,6 @@
 """spec-parity's CLI with the drafters' and the compiled verify's K/V writes as they were before
-the scatter (port.compiled.written up to session 19: mx.slice_update at an array offset), for the
-before / after of that change on one machine:
+the scatter (port.compiled.written up to session 19: mx.slice_update at an array offset, the
+control "serve" / "dynamic_slice_writes"), for the before / after of that change on one machine:
 
     python3 tools/slice_writes.py bench --sources dflash,dspark ... --out OUT
 
@@ -9,18 +9,9 @@ The runs it makes record the same tree and sources' digest as the plain CLI's: n
 
 import sys
 
-import mlx.core as mx
-
-from port import compiled
-
-
-def slice_written(keys, values, k, v, at):
-    """port.compiled.written before the scatter."""
-    at = at.reshape(1)
-    return mx.slice_update(keys, k, at, axes=(2,)), mx.slice_update(values, v, at, axes=(2,))
-
+from spec_parity import cli, controls
 
 if __name__ == "__main__":
-    compiled.written = slice_written
-    from spec_parity import cli
-    sys.exit(cli.main(sys.argv[1:]))
+    with controls.planted("serve", "dynamic_slice_writes"):
+        status = cli.main(sys.argv[1:])
+    sys.exit(status)

@@ -22,11 +22,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from slice_writes import slice_written
 
-from port import compiled as pieces
 from port import targets
 from port.fast import verify
+from spec_parity import controls
 from spec_parity.bench import port_sides, shapes, timing
 from spec_parity.bench.sides import Stepper
 
@@ -71,16 +70,17 @@ def main() -> None:
     sliced = {}
 
     def slice_writes(c):
-        """The compiled verify with session 19's writes (tools/slice_writes.py), compiled apart."""
-        key, written = ("verify", BUCKET), pieces.written
+        """The compiled verify with session 19's writes (the control tools/slice_writes.py
+        plants), compiled apart."""
+        key = ("verify", BUCKET)
         compiled = target.compiled.pop(key, None)
-        target.compiled[key], pieces.written = sliced.get(key), slice_written
-        if target.compiled[key] is None:
-            del target.compiled[key]
+        if key in sliced:
+            target.compiled[key] = sliced[key]
         try:
-            return verify.forward(target, ids, c)
+            with controls.planted("serve", "dynamic_slice_writes"):
+                return verify.forward(target, ids, c)
         finally:
-            sliced[key], pieces.written = target.compiled.pop(key), written
+            sliced[key] = target.compiled.pop(key)
             if compiled is not None:
                 target.compiled[key] = compiled
 

@@ -111,3 +111,17 @@ def _pipelined_offset(case):
 
     forward_at = verify.forward_at
     return {(verify, "forward_at"): lambda target, ids, caches, offset: forward_at(target, ids, caches, offset - 1)}
+
+
+@control("serve", "dynamic_slice_writes", "K/V rows written with mx.slice_update at an array start (on MLX "
+         "CUDA 0.32.4 launched over the whole buffer): port.compiled.written before session 20")
+def _dynamic_slice_writes(case):
+    import mlx.core as mx
+
+    from port import compiled
+
+    def written(keys, values, k, v, at):
+        at = at.reshape(1)
+        return mx.slice_update(keys, k, at, axes=(2,)), mx.slice_update(values, v, at, axes=(2,))
+
+    return {(compiled, "written"): written}
