@@ -4,7 +4,8 @@ control "serve" / "dynamic_slice_writes"), for the before / after of that change
 
     python3 tools/slice_writes.py bench --sources dflash,dspark ... --out OUT
 
-The runs it makes record the same tree and sources' digest as the plain CLI's: name them apart.
+The runs it makes record the same tree and sources' digest as the plain CLI's; their `process`
+field names this wrapper (name the files apart too).
 """
 
 import sys
