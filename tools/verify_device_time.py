@@ -15,6 +15,7 @@ width and its 36 layers), its random weights in memory.
 """
 
 import argparse
+import dataclasses
 import tempfile
 import time
 from functools import partial
@@ -55,38 +56,19 @@ def main() -> None:
         for c in caches:
             c.offset -= rows
 
-    def eager(c):
-        """The compiled verify's traced function run without mx.compile: its array offset, slice
-        writes and masks, op by op (which of the two costs, the function or its compilation)."""
-        key, plain = ("verify", BUCKET), partial(verify.traced, target, BUCKET)
-        compiled, target.compiled[key] = target.compiled.pop(key, None), plain
-        try:
-            return verify.forward(target, ids, c)
-        finally:
-            del target.compiled[key]
-            if compiled is not None:
-                target.compiled[key] = compiled
-
-    sliced = {}
+    # Each side below on a target of its own (the same model, its own compiled calls): the eager
+    # side's verify entry is the traced function itself, the slice-write side's is compiled under
+    # the control that tools/slice_writes.py plants.
+    eager = dataclasses.replace(target, compiled={("verify", BUCKET): partial(verify.traced, target, BUCKET)})
+    sliced = dataclasses.replace(target, compiled={})
 
     def slice_writes(c):
-        """The compiled verify with session 19's writes (the control tools/slice_writes.py
-        plants), compiled apart."""
-        key = ("verify", BUCKET)
-        compiled = target.compiled.pop(key, None)
-        if key in sliced:
-            target.compiled[key] = sliced[key]
-        try:
-            with controls.planted("serve", "dynamic_slice_writes"):
-                return verify.forward(target, ids, c)
-        finally:
-            sliced[key] = target.compiled.pop(key)
-            if compiled is not None:
-                target.compiled[key] = compiled
+        with controls.planted("serve", "dynamic_slice_writes"):
+            return verify.forward(sliced, ids, c)
 
     sides = {"op by op": lambda c: targets.forward(target, ids, caches=c),
              "compiled": lambda c: verify.forward(target, ids, c),
-             "traced, eager": eager,
+             "traced, eager": lambda c: verify.forward(eager, ids, c),
              "compiled, slice writes": slice_writes}
     caches = {name: prefilled() for name in sides}
     for _ in range(WARM):
