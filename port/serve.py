@@ -43,7 +43,7 @@ from . import sampling, targets
 from .compiled import AUTO, VerifyCache
 from .fast import verify as fast_verify
 
-VERIFIES = ("compiled", "plain")
+VERIFIES = ("kernel", "compiled", "plain")   # fastest first: AUTO takes the first that runs
 PIPELINES = ("on", "off")
 
 
@@ -116,7 +116,7 @@ class Stats:
     target_cache_bytes: int = 0  # peak bytes of this request's target K/V caches
     source_bytes: int = 0        # peak bytes the source holds for this request (its context K/V)
     kv_bucket: int | None = None  # the verify's bucket (None: mlx-lm's caches)
-    verify: str = "plain"        # the verify's forward: "compiled" (port/fast/verify.py) or "plain"
+    verify: str = "plain"        # the verify's forward: one of VERIFIES
     pipeline: str = "off"        # "on": the pipelined loop (serve._pipelined)
 
     @property
@@ -401,7 +401,7 @@ def _count_round(stats: Stats, n: int, k: int, stop: int, left: int) -> int:
 
 
 def _pipelined(target: targets.Target, caches: list, source, verifier: _Greedy, eos: set[int], pending: int,
-               gamma: int, left: int, stats: Stats, pieces: list, proposals: list) -> None:
+               gamma: int, left: int, stats: Stats, pieces: list, proposals: list, verify: str) -> None:
     """The greedy rounds, each queued before the last one's verdict is read, so that the host
     builds round r + 1 while the device runs round r (on MLX CUDA the host's graph building is
     most of a round, docs/benchmarks.md). Nothing a round needs comes from the host: the pending
@@ -441,7 +441,7 @@ def _pipelined(target: targets.Target, caches: list, source, verifier: _Greedy, 
                   else mx.zeros((0,), mx.int32))
         for c in caches:
             c.offset = room
-        trace = target_forward(target, mx.concatenate([tok.reshape(1), drafts])[None], caches, "compiled", offset)
+        trace = target_forward(target, mx.concatenate([tok.reshape(1), drafts])[None], caches, verify, offset)
         stats.target_calls += 1
         greedy = mx.argmax(trace.logits[0, ...], axis=-1).astype(mx.int32)
         verdict = _verdict(drafts, greedy, verifier.eos)
@@ -478,8 +478,9 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     allow it (targets.make_caches); `stats.kv_bucket` says what the request ran with.
 
     `verify`: "compiled" (port/fast/verify.py: the bucketed verify as one compiled call, traced
-    once per buffer length; needs a kv_bucket), "plain" (targets.forward, op by op), or "auto"
-    (default): compiled where it fits; `stats.verify` says which ran.
+    once per buffer length; needs a kv_bucket), "kernel" (the same with port/fast/kernels.py's
+    attention: MLX CUDA, Qwen3 targets with bf16 activations), "plain" (targets.forward, op by op),
+    or "auto" (default): the first of those that runs here; `stats.verify` says which ran.
 
     `pipeline`: "on" (`_pipelined`: round r + 1 is built while the device runs round r; the
     greedy verify, compiled, and a source with `draft_pipelined` (DFlash, DSpark) or none), "off" (the sequential
@@ -523,7 +524,8 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
         stats.logits.append(trace.logits[0, -1])
     stats.pipeline = resolve_pipeline(pipeline, verifier, verify, source, record, gamma)
     if stats.pipeline == "on" and pending not in eos and count < max_tokens:
-        _pipelined(target, caches, source, verifier, eos, pending, gamma, max_tokens - count, stats, pieces, proposals)
+        _pipelined(target, caches, source, verifier, eos, pending, gamma, max_tokens - count, stats, pieces, proposals,
+                   verify)
     while stats.pipeline == "off" and pending not in eos and count < max_tokens:
         drafts, q = verifier.draft(source, pending, gamma, anchor, history()) if source is not None else ([], None)
         drafts = drafts[:gamma]
@@ -559,25 +561,27 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
 
 
 def resolve_verify(verify: str, target: targets.Target, kv_bucket: int | None) -> str:
-    """The request's verify forward: AUTO is "compiled" where port/fast/verify.py takes it."""
-    return _resolve("verify", verify, VERIFIES, fast_verify.unsupported(target, kv_bucket))
+    """The request's verify forward: AUTO is the first of VERIFIES that port/fast/verify.py takes."""
+    return _resolve("verify", verify, VERIFIES, {"kernel": fast_verify.kernel_unsupported(target, kv_bucket),
+                                                 "compiled": fast_verify.unsupported(target, kv_bucket)})
 
 
 def resolve_pipeline(pipeline: str, verifier, verify: str, source, record: bool, gamma: int) -> str:
     """The request's loop: AUTO is "on" wherever `_pipelined` runs."""
-    return _resolve("pipeline", pipeline, PIPELINES, _unpipelined(verifier, verify, source, record, gamma))
+    return _resolve("pipeline", pipeline, PIPELINES, {"on": _unpipelined(verifier, verify, source, record, gamma)})
 
 
-def _resolve(option: str, value: str, choices: tuple[str, str], why: str | None) -> str:
-    """A two-way option (choices: the fast path, then the plain one): AUTO is the fast path unless
-    `why` says it cannot run; asked for where it cannot, it is refused with the reason and the fix."""
-    fast, plain = choices
+def _resolve(option: str, value: str, choices: tuple[str, ...], why: dict[str, str | None]) -> str:
+    """An option whose choices run fastest first, the last everywhere; `why`: why a choice cannot
+    run here (None or absent: it can). AUTO is the first that can; one asked for where it cannot is
+    refused with the reason and the fix (the next one that can)."""
     if value == AUTO:
-        return plain if why else fast
+        return next(c for c in choices if not why.get(c))
     if value not in choices:
         raise ValueError(f"{option}={value!r}: expected one of {choices} or {AUTO!r}")
-    if value == fast and why:
-        raise ValueError(f"{option}={fast!r} cannot run here: {why}; use {option}={plain!r}")
+    if why.get(value):
+        fix = next(c for c in choices[choices.index(value) + 1:] if not why.get(c))
+        raise ValueError(f"{option}={value!r} cannot run here: {why[value]}; use {option}={fix!r}")
     return value
 
 
@@ -585,7 +589,7 @@ def _unpipelined(verifier, verify: str, source, record: bool, gamma: int) -> str
     """Why `_pipelined` cannot run a request (None: it can)."""
     if not isinstance(verifier, _Greedy):
         return "it runs the greedy verify only (no sampler, processors or rejection mode)"
-    if verify != "compiled":
+    if verify not in ("kernel", "compiled"):
         return "it needs the compiled verify (verify='compiled' on a kv_bucket)"
     if record:
         return "record=True keeps every round's logits"
@@ -603,10 +607,11 @@ def target_forward(target: targets.Target, ids: mx.array, caches: list, verify: 
     """The loop's target forward, the prefill and every verify (the seam tests and the bench wrap):
     the compiled verify once the caches hold their buffers (after the prefill), else targets.forward;
     with an `offset` (the pipelined loop's, on the device) fast_verify.forward_at."""
+    attention = "kernel" if verify == "kernel" else "sdpa"
     if offset is not None:
-        return fast_verify.forward_at(target, ids, caches, offset)
-    if verify == "compiled" and fast_verify.ready(caches):
-        return fast_verify.forward(target, ids, caches)
+        return fast_verify.forward_at(target, ids, caches, offset, attention)
+    if verify in ("kernel", "compiled") and fast_verify.ready(caches):
+        return fast_verify.forward(target, ids, caches, attention)
     return targets.forward(target, ids, caches=caches)
 
 

@@ -22,6 +22,7 @@ from collections import Counter
 
 import mlx.core as mx
 import pytest
+import test_kernels
 from mlx_lm.models.cache import RotatingKVCache
 from test_bucketed import (
     BUCKET,
@@ -37,11 +38,12 @@ from port import compiled, serve, targets
 from port.fast import assistant as fast_assistant
 from port.fast import dflash as fast_dflash
 from port.fast import dspark as fast_dspark
+from port.fast import kernels
 from port.fast import verify as fast_verify
 from port.sources.assistant import AssistantProvider
 from port.sources.dflash import DflashProvider
 from port.sources.dspark import DeepspecProvider
-from spec_parity import checkpoints, compare, controls, harness, shared
+from spec_parity import budgets, checkpoints, compare, controls, harness, shared
 from spec_parity.bench import port_sides
 
 TOKENS = 40
@@ -218,6 +220,89 @@ def test_planted_compiled_write_off_by_one_fails_the_comparison(name):
     assert bad and bad[0][0] == 1
 
 
+def _mlx_lm_attention(q, keys, values, k, v, offset, scale):
+    """kernel_attention's twin where the kernels cannot run: mlx-lm's layer's own attention (mx.fast's
+    over the whole buffer under VerifyCache's mask), so that the walk around it is held to mlx-lm's
+    layers bit for bit."""
+    mask = fast_verify.BufferView(keys, values, offset, 1).mask(q.shape[2], q.dtype)
+    return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+@pytest.fixture
+def kernel_walk(monkeypatch):
+    """verify="kernel" on any backend: traced_kernel's walk with mlx-lm's attention in the kernels' place."""
+    monkeypatch.setattr(fast_verify, "kernel_unsupported", fast_verify.unsupported)
+    monkeypatch.setattr(fast_verify, "kernel_attention", _mlx_lm_attention)
+
+
+KERNEL_LOOPS = [None, "dflash", "dspark-threshold"]   # the loops on Qwen3 targets (the kernel verify's)
+
+
+@pytest.mark.parametrize("name", harness.slow_except(KERNEL_LOOPS, "dflash"), ids=IDS)
+def test_kernel_verify_walk_is_mlx_lms_layers(name, kernel_walk):
+    """traced_kernel calls mlx-lm's Qwen3 layer's modules itself (mlx-lm's layer cannot take another
+    attention); with mlx-lm's attention put back it is the compiled verify, bit for bit on the CPU
+    (within TIER elsewhere): the same tokens, drafts and forwards."""
+    ref_tokens, ref_stats, ref = _loop(name, BUCKET, verify="compiled")
+    tokens, stats, got = _loop(name, BUCKET, verify="kernel")
+    assert (stats.verify, ref_stats.verify) == ("kernel", "compiled")
+    assert tokens == ref_tokens and stats.proposals == ref_stats.proposals and len(got) == len(ref) > 5
+    assert not _outside_tier(got, ref)
+    if mx.default_device().type == mx.DeviceType.cpu:
+        assert all(_bits_equal(a, b) for f, p in zip(got, ref) for a, b in zip(f, p))
+
+
+def test_planted_write_off_by_one_fails_the_kernel_verify(kernel_walk):
+    """Negative control: the kernel verify's rows written one before the offset (its writes are
+    the compiled verify's, BufferView's) are caught at the first verify."""
+    _, _, ref = _loop("dflash", BUCKET, verify="compiled")
+    with controls.planted("serve", "compiled_verify_write_off_by_one"):
+        _, _, planted = _loop("dflash", BUCKET, verify="kernel")
+    bad = _outside_tier(planted[: len(ref)], ref[: len(planted)])
+    assert bad and bad[0][0] == 1
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the kernels run on MLX CUDA only")
+@pytest.mark.parametrize("bug", [None, "causal", "context rows"])
+def test_kernel_verify_within_bf16_of_the_compiled_verify(bug, monkeypatch):
+    """On MLX CUDA, a bf16 Qwen3 target (the kernels' tensor-core path, the default there) under
+    DFlash's loop: every forward within bf16's budget of the compiled verify (mx.fast's attention),
+    the same tokens and drafts. The kernels' planted bugs (tests/test_kernels.py PLANTED, edited into
+    their source from here) must fail it."""
+    budget = budgets.DTYPE_DEFAULTS["bfloat16"]
+    _, make, gamma = _setup("dflash")
+    target = targets.load(_setup("dflash")[0].path, dtype=mx.bfloat16)
+
+    def loop(verify):
+        forwards, forward = [], serve.target_forward
+
+        def recorded(*args, **kwargs):
+            t = forward(*args, **kwargs)
+            forwards.append([t.logits, t.final, *t.hidden[1:]])
+            return t
+
+        monkeypatch.setattr(serve, "target_forward", recorded)
+        tokens, stats = serve.generate(target, PROMPT, TOKENS, make(), gamma=gamma, eos=set(), kv_bucket=BUCKET,
+                                       verify=verify, pipeline="off")
+        monkeypatch.setattr(serve, "target_forward", forward)
+        return tokens, stats, forwards
+
+    ref_tokens, ref_stats, ref = loop("compiled")
+    for name, old, new in test_kernels.PLANTED.get(bug, []):
+        monkeypatch.setattr(kernels, name, getattr(kernels, name).replace(old, new))
+    kernels._kernels.cache_clear()
+    try:
+        tokens, stats, got = loop("auto")
+    finally:
+        monkeypatch.undo()
+        kernels._kernels.cache_clear()
+    assert stats.verify == "kernel"
+    bad = [(r, i) for r, (f, p) in enumerate(zip(got, ref)) for i, (a, b) in enumerate(zip(f, p))
+           if not compare.tensor_metrics(a.astype(mx.float32), b.astype(mx.float32), budget)["ok"]]
+    same = tokens == ref_tokens and stats.proposals == ref_stats.proposals and len(got) == len(ref) and not bad
+    assert same == (bug is None), (bug, bad[:5], tokens == ref_tokens)
+
+
 def test_compiled_verify_traces_once_per_buffer_length(monkeypatch):
     """A request traces the verify once per buffer length its verifies meet (the buffer grows a
     bucket at a time), not once per round; a second request of the same lengths traces nothing."""
@@ -258,7 +343,8 @@ def test_compiled_verify_writes_scatter_rows_not_a_dynamic_slice(old):
 
 def test_compiled_verify_where_it_fits_else_refused():
     """"auto" compiles a bucketed verify of a family whose walk the tests hold; asked for
-    elsewhere (no bucket, another family), or unknown, it is refused with the reason and the fix."""
+    elsewhere (no bucket, another family), or unknown, it is refused with the reason and the fix.
+    The same for the kernel verify (port/fast/verify.py kernel_unsupported)."""
     qwen, gemma = _setup(None)[0], _setup("gemma4")[0]
     assert serve.generate(qwen, PROMPT, 4, None, kv_bucket=None)[1].verify == "plain"
     assert serve.generate(gemma, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "compiled"
@@ -268,6 +354,12 @@ def test_compiled_verify_where_it_fits_else_refused():
             serve.generate(target, PROMPT, 4, None, kv_bucket=kv_bucket, verify="compiled")
     with pytest.raises(ValueError, match="verify='fast': expected one of"):
         serve.generate(qwen, PROMPT, 4, None, verify="fast")
+    # the kernel verify: Qwen3 layers, MLX CUDA, bf16 (these targets are fp32); the fix names the next that runs
+    for target, kv_bucket, why, fix in ((gemma, BUCKET, "qwen3 layers only", "compiled"),
+                                        (qwen, BUCKET, "CUDA backend only" if not kernels.available() else "bf16", "compiled"),
+                                        (qwen, None, "kv_bucket", "plain")):
+        with pytest.raises(ValueError, match=f"verify='kernel' cannot run here: .*{why}.*; use verify='{fix}'"):
+            serve.generate(target, PROMPT, 4, None, kv_bucket=kv_bucket, verify="kernel")
 
 
 @pytest.mark.slow

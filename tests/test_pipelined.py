@@ -12,7 +12,7 @@ import functools
 import mlx.core as mx
 import pytest
 from test_bucketed import BUCKET, _outside_tier
-from test_bucketed_verify import IDS, PROMPT, _setup
+from test_bucketed_verify import IDS, PROMPT, _setup, kernel_walk  # noqa: F401 (a fixture)
 from test_speed import _bits_equal
 
 from port import sampling, serve
@@ -22,7 +22,7 @@ from spec_parity import controls, harness
 LOOPS = ["dflash", "dspark", "dspark-dflash-variant", None]
 
 
-def _run(name, max_tokens, eos, pipeline):
+def _run(name, max_tokens, eos, pipeline, verify="auto"):
     """(tokens, stats, per round the target forward's logits and final hidden and the draft block's
     hidden and logits) of one request; the drafter observed through serve.Observed."""
     target, make, gamma = _setup(name)
@@ -43,7 +43,7 @@ def _run(name, max_tokens, eos, pipeline):
     serve.target_forward = recorded
     try:
         tokens, stats = serve.generate(target, PROMPT, max_tokens, provider, gamma=gamma, eos=eos, kv_bucket=BUCKET,
-                                       pipeline=pipeline)
+                                       pipeline=pipeline, verify=verify)
     finally:
         serve.target_forward = forward
     return tokens, stats, [f + b for f, b in zip(forwards[1:], blocks)] if blocks else forwards
@@ -78,6 +78,15 @@ def test_pipelined_loop_is_the_sequential_loop(name):
     """Every end of a request: the sequential loop's tokens, trace, drafts and forwards."""
     for max_tokens, eos in _ends(name):
         _same_request(_run(name, max_tokens, eos, "off"), _run(name, max_tokens, eos, "on"))
+
+
+def test_pipelined_kernel_verify_is_the_sequential_loop(kernel_walk):  # noqa: F811
+    """The kernel verify (its walk; mlx-lm's attention in the kernels' place off MLX CUDA) at an
+    offset on the device, as the pipelined loop runs it: the sequential loop's request."""
+    for max_tokens, eos in _ends("dflash")[2:5]:
+        off, on = (_run("dflash", max_tokens, eos, p, verify="kernel") for p in ("off", "on"))
+        assert on[1].verify == "kernel"
+        _same_request(off, on)
 
 
 def test_auto_pipelines_where_it_fits():

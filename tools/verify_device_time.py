@@ -7,6 +7,8 @@ third side, "traced, eager", runs the compiled verify's function without mx.comp
 compiled one, the cost is in what the function does (array offset, slice writes, masks); fast like
 op by op, it is in the compilation. A fourth, "compiled, slice writes", is the compiled verify with
 the K/V writes as they were up to session 19 (tools/slice_writes.py): the before of the scatter.
+Where the kernel verify runs (MLX CUDA, bf16), "compiled, kernel attention" is the compiled verify
+with port/fast/kernels.py's attention (port.serve's verify="kernel", session 21).
 
     python3 tools/verify_device_time.py [--source dflash|dspark] [--scale 1] [--ctx 2048]
 
@@ -59,7 +61,7 @@ def main() -> None:
     # Each side below on a target of its own (the same model, its own compiled calls): the eager
     # side's verify entry is the traced function itself, the slice-write side's is compiled under
     # the control that tools/slice_writes.py plants.
-    eager = dataclasses.replace(target, compiled={("verify", BUCKET): partial(verify.traced, target, BUCKET)})
+    eager = dataclasses.replace(target, compiled={("verify", BUCKET, "sdpa"): partial(verify.traced, target, BUCKET)})
     sliced = dataclasses.replace(target, compiled={})
 
     def slice_writes(c):
@@ -70,6 +72,8 @@ def main() -> None:
              "compiled": lambda c: verify.forward(target, ids, c),
              "traced, eager": lambda c: verify.forward(eager, ids, c),
              "compiled, slice writes": slice_writes}
+    if verify.kernel_unsupported(target, BUCKET) is None:
+        sides["compiled, kernel attention"] = lambda c: verify.forward(target, ids, c, "kernel")
     caches = {name: prefilled() for name in sides}
     for _ in range(WARM):
         for name, f in sides.items():

@@ -393,6 +393,11 @@ def fits(head_dim: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256
 
 
+def tensor_cores(dtype: mx.Dtype, head_dim: int) -> bool:
+    """The split kernel runs on bf16 tensor cores (MMA; else the fp32 FMA path, SPLIT)."""
+    return dtype == mx.bfloat16 and head_dim <= 128
+
+
 def check(head_dim: int, error=None) -> None:
     """fits(), or `error` (the caller's error class; KernelError by default) naming the fix."""
     if not fits(head_dim):
@@ -412,7 +417,7 @@ def attention(q, ctx_k, ctx_v, blk_k, blk_v, valid, scale: float, window: int | 
     split, mma, combine = _kernels()
     inputs = [q, ctx_k, ctx_v, blk_k, blk_v, valid, mx.array([scale], mx.float32)]
     masking = [("HQ", HQ), ("HKV", HKV), ("L", L), ("D", D), ("W", window or 0), ("CAUSAL", bool(causal))]
-    if q.dtype == mx.bfloat16 and D <= 128:
+    if tensor_cores(q.dtype, D):
         warps = min(-(-rows // 16), ROWS // 16)
         kernel, threads, tk = mma, warps * 32, 32
         template = masking + [("WARPS", warps), ("TK", tk)]

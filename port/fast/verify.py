@@ -11,6 +11,14 @@ targets.walk over BufferViews, the same layers, masks and head; the writes and t
 offset array where the plain caches read an int (Gemma-4's kv-shared layers take it from their
 owner's, its sliding layers' window is in the mask). Bit for bit the plain bucketed verify on the
 CPU, Qwen3 and Gemma-4 targets (tests/test_bucketed_verify.py).
+
+With `attention="kernel"` (port.serve.generate's verify="kernel": the default on MLX CUDA with
+bf16 Qwen3 targets) the attention is port/fast/kernels.py's instead of mx.fast's over the whole
+buffer: on MLX CUDA 0.32.4 that one is a cuDNN launch of ~51 us a layer for 16 rows over 2304 keys
+whose K/V read takes ~4 us (docs/benchmarks.md "Session 20"). The kernels read the buffer in place
+up to the offset and mask by position, so no mask is built either. mlx-lm's layer cannot take
+another attention, so `traced_kernel` calls its modules itself, in its order (held bit for bit to
+`traced` on the CPU with mlx-lm's attention put back, and to it within bf16's budget on MLX CUDA).
 """
 
 from __future__ import annotations
@@ -21,8 +29,10 @@ import mlx.core as mx
 
 from .. import compiled as pieces
 from .. import targets
+from . import kernels
 
 FAMILIES = ("qwen3", "gemma4")   # the walks of port/targets.py, each held by the tests
+ATTENTIONS = ("sdpa", "kernel")  # mlx-lm's layers as they are; traced_kernel (qwen3 targets)
 
 
 class BufferView(pieces.VerifyCache):
@@ -58,6 +68,23 @@ def unsupported(target: targets.Target, kv_bucket: int | None) -> str | None:
     return None
 
 
+def kernel_unsupported(target: targets.Target, kv_bucket: int | None) -> str | None:
+    """Why the compiled verify cannot take the kernels' attention (None: it can): `unsupported`,
+    a family other than qwen3 (the layers traced_kernel walks), or kernels that do not run here or
+    not on tensor cores (bf16 activations, head_dim <= 128; their fp32 path is slower than mx.fast's)."""
+    if why := unsupported(target, kv_bucket):
+        return why
+    if target.family != "qwen3":
+        return f"its attention kernels are wired into qwen3 layers only (this target: {target.family})"
+    if not kernels.available():
+        return "its attention kernels run on MLX's CUDA backend only"
+    proj = target.model.model.layers[0].self_attn.q_proj
+    dtype, head_dim = getattr(proj, "scales", proj.weight).dtype, target.config["head_dim"]
+    if not (kernels.fits(head_dim) and kernels.tensor_cores(dtype, head_dim)):
+        return f"its attention kernels take bf16 activations and a head_dim <= 128 (this target: {dtype}, {head_dim})"
+    return None
+
+
 def ready(caches: list) -> bool:
     """VerifyCaches that hold their buffers (every forward after the prefill)."""
     return bool(caches) and all(isinstance(c, pieces.VerifyCache) and c.keys is not None for c in caches)
@@ -70,25 +97,60 @@ def traced(target: targets.Target, bucket: int, ids, offset, keys, values):
     return trace.logits, trace.final, trace.hidden, [v.keys for v in views], [v.values for v in views]
 
 
-def forward(target: targets.Target, ids, caches: list) -> targets.Trace:
+def kernel_attention(q, keys, values, k, v, offset, scale: float):
+    """The new rows' attention by port/fast/kernels.py: the buffer's rows below `offset` as the
+    context, the new rows k, v (written at offset) as a causal block."""
+    return kernels.attention(q, keys, values, k, v, offset, scale, causal=True)
+
+
+def traced_kernel(target: targets.Target, bucket: int, ids, offset, keys, values):
+    """`traced` on a qwen3 target, its attention kernel_attention: (logits, final, hidden, keys, values)."""
+    tm = target.model.model
+    h = tm.embed_tokens(ids)
+    hidden, keys, values = [h], list(keys), list(values)
+    for i, layer in enumerate(tm.layers):
+        view = BufferView(keys[i], values[i], offset, bucket)
+        h = _qwen3_layer(layer, h, view)
+        hidden.append(h)
+        keys[i], values[i] = view.keys, view.values
+    final = tm.norm(h)
+    return targets.head(target, final), final, hidden, keys, values
+
+
+def _qwen3_layer(layer, x, view: BufferView):
+    """mlx-lm's Qwen3 decoder layer (TransformerBlock, Attention) over `view`, its attention kernel_attention."""
+    a = layer.self_attn
+    B, L, _ = x.shape
+    y = layer.input_layernorm(x)
+    q = a.q_norm(a.q_proj(y).reshape(B, L, a.n_heads, -1)).transpose(0, 2, 1, 3)
+    k = a.k_norm(a.k_proj(y).reshape(B, L, a.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+    v = a.v_proj(y).reshape(B, L, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q, k = a.rope(q, offset=view.offset), a.rope(k, offset=view.offset)
+    keys, values = view.update_and_fetch(k, v)
+    o = kernel_attention(q, keys, values, k, v, view.offset, a.scale)
+    h = x + a.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def forward(target: targets.Target, ids, caches: list, attention: str = "sdpa") -> targets.Trace:
     """targets.forward(target, ids, caches=caches) for `ready` caches, as one compiled call (traced
     again only for a new buffer length or row count); the caches' buffers are handed over, so the
-    writes can be in place."""
-    trace = forward_at(target, ids, caches, mx.array(caches[0].offset, mx.int32))
+    writes can be in place. `attention`: one of ATTENTIONS."""
+    trace = forward_at(target, ids, caches, mx.array(caches[0].offset, mx.int32), attention)
     for c in caches:
         c.offset += ids.shape[1]
     return trace
 
 
-def forward_at(target: targets.Target, ids, caches: list, offset: mx.array) -> targets.Trace:
+def forward_at(target: targets.Target, ids, caches: list, offset: mx.array, attention: str = "sdpa") -> targets.Trace:
     """`forward` with the rows written at `offset`, an int32 array the host need not know (the
     pipelined loop's, port/serve.py); the caches' own offset is a bound on it, for their room, and
     does not move."""
     n, bucket = ids.shape[1], caches[0].step
     for c in caches:
         c.reserve(n, c.keys.shape[:2] + (c.keys.shape[3], c.values.shape[3]), c.keys.dtype)
-    key = ("verify", bucket)
+    key = ("verify", bucket, attention)
     if key not in target.compiled:
-        target.compiled[key] = mx.compile(partial(traced, target, bucket), inputs=[target.model.state])
+        target.compiled[key] = mx.compile(partial(traced_kernel if attention == "kernel" else traced, target, bucket), inputs=[target.model.state])
     logits, final, hidden = pieces.over_buffers(caches, partial(target.compiled[key], ids, offset))
     return targets.Trace(logits, hidden, final)

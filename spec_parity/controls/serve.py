@@ -110,7 +110,8 @@ def _pipelined_offset(case):
     from port.fast import verify
 
     forward_at = verify.forward_at
-    return {(verify, "forward_at"): lambda target, ids, caches, offset: forward_at(target, ids, caches, offset - 1)}
+    return {(verify, "forward_at"): lambda target, ids, caches, offset, *rest: forward_at(target, ids, caches, offset - 1,
+                                                                                          *rest)}
 
 
 @control("serve", "dynamic_slice_writes", "K/V rows written with mx.slice_update at an array start (on MLX "
