@@ -160,11 +160,11 @@ def _kernel(name: str, source: str, inputs: list, outputs: list, template: list)
 
 def _translation_unit(split: str, mma: str) -> str:
     """Every kernel variant the port launches, in one file over a stub of MLX's device header."""
-    masking = [("HQ", 32), ("HKV", 8), ("L", 16), ("W", 40), ("CAUSAL", True)]
+    masking = [("HQ", 32), ("HKV", 8), ("L", 16), ("W", 40), ("CAUSAL", True), ("SCALE", kernels.scale_bits(0.125))]
     parts = [STUB, kernels.MMA_HEADER]
     for dtype, d, tk, kind in (("float", 128, 32, "split"), ("bf16", 256, 16, "split"), ("bf16", 128, 32, "mma")):
         t = CTYPES[dtype]
-        inputs = [(n, t, 4) for n in ("q", "ck", "cv", "bk", "bv")] + [("valid", "int32_t", 0), ("scale", "float", 1)]
+        inputs = [(n, t, 4) for n in ("q", "ck", "cv", "bk", "bv")] + [("valid", "int32_t", 0)]
         extra = [("RPB", 64), ("TK", tk)] if kind == "split" else [("WARPS", 4), ("TK", tk)]
         parts.append(_kernel(f"{kind}_{dtype}_{d}", split if kind == "split" else mma, inputs,
                              [("po", "float"), ("pm", "float"), ("pl", "float")], masking + [("D", d)] + extra))

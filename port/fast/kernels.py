@@ -26,6 +26,7 @@ on the H200 (tests/test_kernels.py; docs/benchmarks.md states the measured tier)
 
 from __future__ import annotations
 
+import struct
 from functools import cache
 
 import mlx.core as mx
@@ -44,7 +45,7 @@ const int N = nv + L;
 const int tiles = (N + TK - 1) / TK;
 const int n0 = min(N, (int)((long long)split * tiles / splits) * TK);
 const int n1 = min(N, (int)((long long)(split + 1) * tiles / splits) * TK);
-const float sc = scale[0];
+const float sc = __int_as_float(SCALE);
 """
 
 SPLIT = KEYS + """
@@ -377,7 +378,7 @@ def available() -> bool:
 def _kernels():
     """The kernels (built once; MLX compiles each per template): split (fp32 FMA), split on bf16
     tensor cores, combine."""
-    names = ["q", "ck", "cv", "bk", "bv", "valid", "scale"]
+    names = ["q", "ck", "cv", "bk", "bv", "valid"]
     split = mx.fast.cuda_kernel(name="spec_parity_bucket_attention_split", input_names=names,
                                 output_names=["po", "pm", "pl"], source=SPLIT, ensure_row_contiguous=False)
     mma = mx.fast.cuda_kernel(name="spec_parity_bucket_attention_mma", input_names=names,
@@ -386,6 +387,14 @@ def _kernels():
     combine = mx.fast.cuda_kernel(name="spec_parity_bucket_attention_combine", input_names=["po", "pm", "pl"],
                                   output_names=["out"], source=COMBINE)
     return split, mma, combine
+
+
+def scale_bits(scale: float) -> int:
+    """The scale as a template constant (its fp32 bits as an int; the kernel reads them back with
+    __int_as_float), not an input array: an array made on the host lives in CUDA managed memory, and
+    a kernel's read of it faults the page over to the GPU again whenever the host has written that
+    page since (a new small array beside it)."""
+    return struct.unpack("<i", struct.pack("<f", scale))[0]
 
 
 def fits(head_dim: int) -> bool:
@@ -415,8 +424,9 @@ def attention(q, ctx_k, ctx_v, blk_k, blk_v, valid, scale: float, window: int | 
     check(D)
     rows = HQ // HKV * L
     split, mma, combine = _kernels()
-    inputs = [q, ctx_k, ctx_v, blk_k, blk_v, valid, mx.array([scale], mx.float32)]
-    masking = [("HQ", HQ), ("HKV", HKV), ("L", L), ("D", D), ("W", window or 0), ("CAUSAL", bool(causal))]
+    inputs = [q, ctx_k, ctx_v, blk_k, blk_v, valid]
+    masking = [("HQ", HQ), ("HKV", HKV), ("L", L), ("D", D), ("W", window or 0), ("CAUSAL", bool(causal)),
+               ("SCALE", scale_bits(scale))]
     if tensor_cores(q.dtype, D):
         warps = min(-(-rows // 16), ROWS // 16)
         kernel, threads, tk = mma, warps * 32, 32
