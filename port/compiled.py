@@ -269,7 +269,7 @@ def bucketed_mask(how: str, valid, L: int, S: int, dtype: mx.Dtype, window: int 
     "two-segment": two_segment_attention's pair of bool masks; "kernel": the kernels' arguments
     (they mask by position themselves)."""
     if how == "kernel":
-        return valid, window, causal
+        return kernels.device_valid(valid), window, causal
     seen = valid_rows(valid, S)
     if window is not None:
         seen = seen & (valid + mx.arange(L)[:, None] - mx.arange(S) < window)

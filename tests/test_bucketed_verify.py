@@ -43,7 +43,7 @@ from port.fast import verify as fast_verify
 from port.sources.assistant import AssistantProvider
 from port.sources.dflash import DflashProvider
 from port.sources.dspark import DeepspecProvider
-from spec_parity import budgets, checkpoints, compare, controls, harness, shared
+from spec_parity import checkpoints, compare, controls, harness, shared
 from spec_parity.bench import port_sides
 
 TOKENS = 40
@@ -220,11 +220,11 @@ def test_planted_compiled_write_off_by_one_fails_the_comparison(name):
     assert bad and bad[0][0] == 1
 
 
-def _mlx_lm_attention(q, keys, values, k, v, offset, scale):
+def _mlx_lm_attention(q, keys, values, k, v, valid, scale):
     """kernel_attention's twin where the kernels cannot run: mlx-lm's layer's own attention (mx.fast's
     over the whole buffer under VerifyCache's mask), so that the walk around it is held to mlx-lm's
     layers bit for bit."""
-    mask = fast_verify.BufferView(keys, values, offset, 1).mask(q.shape[2], q.dtype)
+    mask = fast_verify.BufferView(keys, values, valid[0], 1).mask(q.shape[2], q.dtype)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
@@ -262,45 +262,59 @@ def test_planted_write_off_by_one_fails_the_kernel_verify(kernel_walk):
     assert bad and bad[0][0] == 1
 
 
+def _verifies(path, dtype, attention: str) -> list:
+    """Five verifies of 16 fixed rows after the prompt (bucket 8): each one's logits and final
+    hidden, as fp32."""
+    target = targets.load(path, dtype=dtype)
+    caches = targets.make_caches(target, BUCKET)
+    mx.eval(targets.forward(target, mx.array([PROMPT]), caches=caches).logits)
+    out = []
+    for r in range(5):
+        t = fast_verify.forward(target, mx.array([[(11 * r + 7 * i) % 120 + 3 for i in range(16)]]), caches, attention)
+        out.append([t.logits.astype(mx.float32), t.final.astype(mx.float32)])
+    return out
+
+
+def _distance(got, ref) -> float:
+    return max(mx.abs(a - b).max().item() for g, f in zip(got, ref) for a, b in zip(g, f))
+
+
+# The kernel verify's bf16 tier: no further from the fp32 verify than the bf16 verify it replaces,
+# by this factor. Measured on an H100 (session 21): 0.043 / 0.060 (logits / final) for the kernels,
+# 0.043 / 0.091 for mx.fast's attention, over the five verifies below.
+KERNEL_BF16_FACTOR = 1.5
+
+
 @pytest.mark.skipif(not kernels.available(), reason="the kernels run on MLX CUDA only")
 @pytest.mark.parametrize("bug", [None, "causal", "context rows"])
-def test_kernel_verify_within_bf16_of_the_compiled_verify(bug, monkeypatch):
-    """On MLX CUDA, a bf16 Qwen3 target (the kernels' tensor-core path, the default there) under
-    DFlash's loop: every forward within bf16's budget of the compiled verify (mx.fast's attention),
-    the same tokens and drafts. The kernels' planted bugs (tests/test_kernels.py PLANTED, edited into
-    their source from here) must fail it."""
-    budget = budgets.DTYPE_DEFAULTS["bfloat16"]
+def test_kernel_verify_as_close_to_fp32_as_the_compiled_verify(bug, monkeypatch):
+    """On MLX CUDA with a bf16 Qwen3 target (the kernels' tensor-core path, the default there):
+    the kernel verify's largest distance from the fp32 compiled verify is within
+    KERNEL_BF16_FACTOR of the bf16 compiled verify's, and DFlash's loop emits the compiled verify's
+    tokens and drafts. The kernels' planted bugs (tests/test_kernels.py PLANTED, edited into their
+    source from here) must fail it."""
     _, make, gamma = _setup("dflash")
-    target = targets.load(_setup("dflash")[0].path, dtype=mx.bfloat16)
+    path = _setup("dflash")[0].path
+    ref = _verifies(path, mx.float32, "sdpa")
+    allowed = KERNEL_BF16_FACTOR * _distance(_verifies(path, mx.bfloat16, "sdpa"), ref)
+    target = targets.load(path, dtype=mx.bfloat16)
 
     def loop(verify):
-        forwards, forward = [], serve.target_forward
+        return serve.generate(target, PROMPT, TOKENS, make(), gamma=gamma, eos=set(), kv_bucket=BUCKET, verify=verify)
 
-        def recorded(*args, **kwargs):
-            t = forward(*args, **kwargs)
-            forwards.append([t.logits, t.final, *t.hidden[1:]])
-            return t
-
-        monkeypatch.setattr(serve, "target_forward", recorded)
-        tokens, stats = serve.generate(target, PROMPT, TOKENS, make(), gamma=gamma, eos=set(), kv_bucket=BUCKET,
-                                       verify=verify, pipeline="off")
-        monkeypatch.setattr(serve, "target_forward", forward)
-        return tokens, stats, forwards
-
-    ref_tokens, ref_stats, ref = loop("compiled")
+    compiled_tokens, compiled_stats = loop("compiled")
     for name, old, new in test_kernels.PLANTED.get(bug, []):
         monkeypatch.setattr(kernels, name, getattr(kernels, name).replace(old, new))
     kernels._kernels.cache_clear()
     try:
-        tokens, stats, got = loop("auto")
+        distance = _distance(_verifies(path, mx.bfloat16, "kernel"), ref)
+        tokens, stats = loop("auto")
     finally:
         monkeypatch.undo()
         kernels._kernels.cache_clear()
     assert stats.verify == "kernel"
-    bad = [(r, i) for r, (f, p) in enumerate(zip(got, ref)) for i, (a, b) in enumerate(zip(f, p))
-           if not compare.tensor_metrics(a.astype(mx.float32), b.astype(mx.float32), budget)["ok"]]
-    same = tokens == ref_tokens and stats.proposals == ref_stats.proposals and len(got) == len(ref) and not bad
-    assert same == (bug is None), (bug, bad[:5], tokens == ref_tokens)
+    same = tokens == compiled_tokens and stats.proposals == compiled_stats.proposals
+    assert (distance <= allowed and same) == (bug is None), (bug, distance, allowed, same)
 
 
 def test_compiled_verify_traces_once_per_buffer_length(monkeypatch):

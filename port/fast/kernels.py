@@ -209,15 +209,27 @@ for (int x = 0; x < 2; ++x) {
   hh[x] = g * REP + (live[x] ? r / L : 0);
   ii[x] = live[x] ? r % L : 0;
 }
-const __nv_bfloat16 zero = __float2bfloat16(0.f);
+// Loads go out as pairs of bf16 (one 32-bit load, its value not used until the tile is stored or
+// multiplied) wherever the rows are contiguous and 4-byte aligned (MLX's buffers and projections):
+// a pair packed from two 2-byte loads waits for both, one load's latency after the other.
+const bool qpairs = q_strides[3] == 1 && !((q_strides[1] | q_strides[2]) & 1) && !(reinterpret_cast<unsigned long long>(q) & 3);
+const bool pairs = ck_strides[3] == 1 && cv_strides[3] == 1 && bk_strides[3] == 1 && bv_strides[3] == 1 &&
+    !((ck_strides[1] | ck_strides[2] | cv_strides[1] | cv_strides[2] | bk_strides[1] | bk_strides[2] |
+       bv_strides[1] | bv_strides[2]) & 1) &&
+    !((reinterpret_cast<unsigned long long>(ck) | reinterpret_cast<unsigned long long>(cv) |
+       reinterpret_cast<unsigned long long>(bk) | reinterpret_cast<unsigned long long>(bv)) & 3);
 uint32_t qa[KS][4];
 #pragma unroll
 for (int s = 0; s < KS; ++s) {
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int x = c & 1, d = 16 * s + tig * 2 + (c >> 1) * 8;
-    const long long o = hh[x] * q_strides[1] + ii[x] * q_strides[2];
-    qa[s][c] = live[x] ? pack_bf16(q[o + d * q_strides[3]], q[o + (d + 1) * q_strides[3]]) : 0u;
+    const __nv_bfloat16* qp = q + hh[x] * q_strides[1] + ii[x] * q_strides[2];
+    if (qpairs) {
+      qa[s][c] = live[x] ? *reinterpret_cast<const uint32_t*>(qp + d) : 0u;
+    } else {
+      qa[s][c] = live[x] ? pack_bf16(qp[d * q_strides[3]], qp[(d + 1) * q_strides[3]]) : 0u;
+    }
   }
 }
 float o[DN][4];
@@ -226,23 +238,36 @@ for (int j = 0; j < DN; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
 float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
 uint32_t kr[NP], vr[NP];
+// Key n's K and V rows: context row n below nv, else block row n - nv.
+auto row = [&](int n, const __nv_bfloat16*& kp, const __nv_bfloat16*& vp, long long& ks, long long& vs) {
+  const bool ctx = n < nv;
+  kp = ctx ? ck + g * ck_strides[1] + n * ck_strides[2] : bk + g * bk_strides[1] + (n - nv) * bk_strides[2];
+  vp = ctx ? cv + g * cv_strides[1] + n * cv_strides[2] : bv + g * bv_strides[1] + (n - nv) * bv_strides[2];
+  ks = ctx ? ck_strides[3] : bk_strides[3];
+  vs = ctx ? cv_strides[3] : bv_strides[3];
+};
 auto fetch = [&](int t0) {
+  if (pairs) {
 #pragma unroll
-  for (int e = 0; e < NP; ++e) {
-    const int idx = e * NT + tid, k = idx / (D / 2), d = (idx % (D / 2)) * 2, n = t0 + k;
-    kr[e] = 0u;
-    vr[e] = 0u;
-    if (idx < TK * D / 2 && n < n1) {
-      if (n < nv) {
-        const long long ko = g * ck_strides[1] + n * ck_strides[2], vo = g * cv_strides[1] + n * cv_strides[2];
-        kr[e] = pack_bf16(ck[ko + d * ck_strides[3]], ck[ko + (d + 1) * ck_strides[3]]);
-        vr[e] = pack_bf16(cv[vo + d * cv_strides[3]], cv[vo + (d + 1) * cv_strides[3]]);
-      } else {
-        const long long ko = g * bk_strides[1] + (n - nv) * bk_strides[2];
-        const long long vo = g * bv_strides[1] + (n - nv) * bv_strides[2];
-        kr[e] = pack_bf16(bk[ko + d * bk_strides[3]], bk[ko + (d + 1) * bk_strides[3]]);
-        vr[e] = pack_bf16(bv[vo + d * bv_strides[3]], bv[vo + (d + 1) * bv_strides[3]]);
-      }
+    for (int e = 0; e < NP; ++e) {
+      const int idx = e * NT + tid, k = idx / (D / 2), d = (idx % (D / 2)) * 2, n = t0 + k;
+      const bool ok = idx < TK * D / 2 && n < n1;
+      const __nv_bfloat16 *kp, *vp;
+      long long ks, vs;
+      row(n, kp, vp, ks, vs);
+      kr[e] = ok ? *reinterpret_cast<const uint32_t*>(kp + d) : 0u;
+      vr[e] = ok ? *reinterpret_cast<const uint32_t*>(vp + d) : 0u;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < NP; ++e) {
+      const int idx = e * NT + tid, k = idx / (D / 2), d = (idx % (D / 2)) * 2, n = t0 + k;
+      const bool ok = idx < TK * D / 2 && n < n1;
+      const __nv_bfloat16 *kp, *vp;
+      long long ks, vs;
+      row(n, kp, vp, ks, vs);
+      kr[e] = ok ? pack_bf16(kp[d * ks], kp[(d + 1) * ks]) : 0u;
+      vr[e] = ok ? pack_bf16(vp[d * vs], vp[(d + 1) * vs]) : 0u;
     }
   }
 };
@@ -389,6 +414,16 @@ def _kernels():
     return split, mma, combine
 
 
+def device_valid(valid) -> mx.array:
+    """`valid` (an int32 scalar array) as the kernels read it: four copies made by a GPU op, 16
+    bytes. MLX CUDA (0.32) keeps every array of at most 8 bytes in a small pool of managed memory
+    that the GPU reads where it lies (cudaMemAdviseSetAccessedBy), so each launch's read of a scalar
+    array took ~17 us on an H100 (a kernel that reads only it: 18.2 us, 1.6 us with the value a
+    constant; docs/benchmarks.md "Session 21"); a larger array a GPU op makes is in device memory.
+    Made once per block or verify, read by every layer's launch."""
+    return valid + mx.zeros((4,), mx.int32)
+
+
 def scale_bits(scale: float) -> int:
     """The scale as a template constant (its fp32 bits as an int; the kernel reads them back with
     __int_as_float), not an input array: an array made on the host lives in CUDA managed memory, and
@@ -418,7 +453,7 @@ def attention(q, ctx_k, ctx_v, blk_k, blk_v, valid, scale: float, window: int | 
               causal: bool = False):
     """softmax(scale q [ctx | block]^T, masked) [ctx | block], as a [1, Hq, L, D] view (its
     memory laid out [1, L, Hq, D]). q [1, Hq, L, D]; ctx_k / ctx_v [1, Hkv, S, D] the bucketed
-    buffers, rows from `valid` (an int32 scalar array) unused; blk_k / blk_v [1, Hkv, L, D]."""
+    buffers, rows from valid[0] unused (`valid`: device_valid's array); blk_k / blk_v [1, Hkv, L, D]."""
     _, HQ, L, D = q.shape
     HKV, S = ctx_k.shape[1], ctx_k.shape[2]
     check(D)

@@ -97,10 +97,11 @@ def traced(target: targets.Target, bucket: int, ids, offset, keys, values):
     return trace.logits, trace.final, trace.hidden, [v.keys for v in views], [v.values for v in views]
 
 
-def kernel_attention(q, keys, values, k, v, offset, scale: float):
-    """The new rows' attention by port/fast/kernels.py: the buffer's rows below `offset` as the
-    context, the new rows k, v (written at offset) as a causal block."""
-    return kernels.attention(q, keys, values, k, v, offset, scale, causal=True)
+def kernel_attention(q, keys, values, k, v, valid, scale: float):
+    """The new rows' attention by port/fast/kernels.py: the buffer's rows below valid[0] (the
+    offset, as kernels.device_valid makes it) as the context, the new rows k, v (written there) as
+    a causal block."""
+    return kernels.attention(q, keys, values, k, v, valid, scale, causal=True)
 
 
 def traced_kernel(target: targets.Target, bucket: int, ids, offset, keys, values):
@@ -108,16 +109,17 @@ def traced_kernel(target: targets.Target, bucket: int, ids, offset, keys, values
     tm = target.model.model
     h = tm.embed_tokens(ids)
     hidden, keys, values = [h], list(keys), list(values)
+    valid = kernels.device_valid(offset)
     for i, layer in enumerate(tm.layers):
         view = BufferView(keys[i], values[i], offset, bucket)
-        h = _qwen3_layer(layer, h, view)
+        h = _qwen3_layer(layer, h, view, valid)
         hidden.append(h)
         keys[i], values[i] = view.keys, view.values
     final = tm.norm(h)
     return targets.head(target, final), final, hidden, keys, values
 
 
-def _qwen3_layer(layer, x, view: BufferView):
+def _qwen3_layer(layer, x, view: BufferView, valid):
     """mlx-lm's Qwen3 decoder layer (TransformerBlock, Attention) over `view`, its attention kernel_attention."""
     a = layer.self_attn
     B, L, _ = x.shape
@@ -127,7 +129,7 @@ def _qwen3_layer(layer, x, view: BufferView):
     v = a.v_proj(y).reshape(B, L, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
     q, k = a.rope(q, offset=view.offset), a.rope(k, offset=view.offset)
     keys, values = view.update_and_fetch(k, v)
-    o = kernel_attention(q, keys, values, k, v, view.offset, a.scale)
+    o = kernel_attention(q, keys, values, k, v, valid, a.scale)
     h = x + a.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
