@@ -252,6 +252,14 @@ def test_kernel_verify_walk_is_mlx_lms_layers(name, kernel_walk):
         assert all(_bits_equal(a, b) for f, p in zip(got, ref) for a, b in zip(f, p))
 
 
+def test_auto_keeps_the_compiled_verify_where_the_kernel_verify_runs(kernel_walk):
+    """verify="kernel" is opt-in (slower in serving on an H100, docs/benchmarks.md "Session 21"):
+    "auto" takes the compiled verify even where the kernel verify runs."""
+    target = _setup(None)[0]
+    assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "compiled"
+    assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET, verify="kernel")[1].verify == "kernel"
+
+
 def test_planted_write_off_by_one_fails_the_kernel_verify(kernel_walk):
     """Negative control: the kernel verify's rows written one before the offset (its writes are
     the compiled verify's, BufferView's) are caught at the first verify."""
@@ -288,7 +296,7 @@ KERNEL_BF16_FACTOR = 1.5
 @pytest.mark.skipif(not kernels.available(), reason="the kernels run on MLX CUDA only")
 @pytest.mark.parametrize("bug", [None, "causal", "context rows"])
 def test_kernel_verify_as_close_to_fp32_as_the_compiled_verify(bug, monkeypatch):
-    """On MLX CUDA with a bf16 Qwen3 target (the kernels' tensor-core path, the default there):
+    """On MLX CUDA with a bf16 Qwen3 target (the kernels' tensor-core path, what verify="kernel" takes):
     the kernel verify's largest distance from the fp32 compiled verify is within
     KERNEL_BF16_FACTOR of the bf16 compiled verify's, and DFlash's loop emits the compiled verify's
     tokens and drafts. The kernels' planted bugs (tests/test_kernels.py PLANTED, edited into their
@@ -308,7 +316,7 @@ def test_kernel_verify_as_close_to_fp32_as_the_compiled_verify(bug, monkeypatch)
     kernels._kernels.cache_clear()
     try:
         distance = _distance(_verifies(path, mx.bfloat16, "kernel"), ref)
-        tokens, stats = loop("auto")
+        tokens, stats = loop("kernel")
     finally:
         monkeypatch.undo()
         kernels._kernels.cache_clear()
