@@ -372,3 +372,22 @@ def test_session_20s_tables_are_combine_of_its_runs():
     cold = {s: " / ".join(f"{c['serve']['cold']['round_median_s']['round_s'] / c['serve']['round_median_s']['round_s']:.2f}"
                           for c in cases(after, s)) for s in ("dspark", "dflash")}
     assert f"(runs 51, 53): DSpark {cold['dspark']}, DFlash {cold['dflash']}" in row
+
+
+def test_session_21s_tables_are_its_runs():
+    """Session 21 (an H100) pasted `combine`'s serving rows of its two kernel-verify runs into
+    docs/benchmarks.md, and run 55's step rows (one run) into docs/benchmarks-history.md: each row
+    is recomputed from the committed JSON."""
+    paths = [DOCS / f"serve-h100-dflash-s21-kv-run{i}.json" for i in (1, 2)]
+    rows = [line for line in combine.markdown(combine.combine(*combine.load(paths))).splitlines()
+            if line.startswith("| ") and not line.startswith("| side")]
+    text = (DOCS / "benchmarks.md").read_text()
+    assert len(rows) == 6 and not [r for r in rows if r not in text]
+    history = (DOCS / "benchmarks-history.md").read_text()
+    for case in json.loads((DOCS / "bench-h100-run55.json").read_text())["cases"]:
+        for side in case["sides"]:
+            name = f"**{side['side']}**" if side["side"] == "port" else side["side"]
+            wall = side["wall_s"]
+            row = (f"| {case['case']} | {name} | {side['per_step_s'] * 1e3:.3g} | {wall['p10'] * 1e3:.3g}–"
+                   f"{wall['p90'] * 1e3:.3g} | {side['x_floor']:.2f}× | {side['cold_wall_s']['median'] * 1e3:.3g} |")
+            assert row in history, row
