@@ -18,6 +18,14 @@ from .sides import Stepper
 _OP_NODE = re.compile(r'\{ (\d+) \[label ="([^"]+)", shape=rectangle\]; \}')
 
 
+def graph_nodes(*arrays: mx.array) -> dict[str, str]:
+    """The op nodes of the not-yet-evaluated graph behind `arrays` (`mx.export_to_dot`): node id ->
+    the primitive's name (a fused `Compiled` block is one node)."""
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *arrays)
+    return dict(_OP_NODE.findall(buf.getvalue()))
+
+
 class HostSyncs:
     """Counts, while active, every call from Python that makes the host wait for MLX: the array
     methods `item`, `tolist`, `__int__`, `__float__`, `__bool__`, `__index__`, numpy's
@@ -65,12 +73,7 @@ class HostSyncs:
         arrays = [a for a in roots if isinstance(a, mx.array)]
         if not self.count_ops or not arrays:
             return set()
-        buf = io.StringIO()
-        mx.export_to_dot(buf, *arrays)
-        nodes = {}
-        for node, label in _OP_NODE.findall(buf.getvalue()):
-            nodes[node] = label
-        new = {n: lab for n, lab in nodes.items() if n not in self._scheduled}
+        new = {n: lab for n, lab in graph_nodes(*arrays).items() if n not in self._scheduled}
         self.ops += len(new)
         self.kinds.update(new.values())
         return set(new)
