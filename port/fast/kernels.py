@@ -426,9 +426,8 @@ def device_valid(valid) -> mx.array:
 
 def scale_bits(scale: float) -> int:
     """The scale as a template constant (its fp32 bits as an int; the kernel reads them back with
-    __int_as_float), not an input array: an array made on the host lives in CUDA managed memory, and
-    a kernel's read of it faults the page over to the GPU again whenever the host has written that
-    page since (a new small array beside it)."""
+    __int_as_float), not an input array: a scalar array is read from MLX CUDA's small managed pool
+    at every launch (device_valid says what that costs)."""
     return struct.unpack("<i", struct.pack("<f", scale))[0]
 
 
