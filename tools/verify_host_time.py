@@ -2,7 +2,11 @@
 (port/fast/verify.py), on a Qwen3 stand-in at Qwen3-4B's depth (36 layers) and tiny widths, so
 that evaluation does not drown the host's part; and the trace, paid once per buffer length
 (docs/benchmarks.md, session 14). Issue = the call returning its lazy arrays; eval = mx.eval of
-them after. Medians of 30 verifies of 16 rows after 5; the caches are trimmed back after each.
+them after (on MLX CUDA the kernels are encoded in it: at these widths it is mostly host time).
+Medians of 30 verifies of 16 rows after 5; the caches are trimmed back after each. Where the
+kernel verify runs (MLX CUDA; the target then in bf16), "kernel" is the compiled verify with
+port/fast/kernels.py's attention (verify="kernel"): session 21 measured its loop slower than the
+compiled verify's in serving though its GPU time is less, and this separates the host's part.
 
     python3 tools/verify_host_time.py
 """
@@ -13,12 +17,13 @@ import mlx.core as mx
 import numpy as np
 
 from port import targets
-from port.fast import verify
+from port.fast import kernels, verify
 from spec_parity import checkpoints
 
 LAYERS, ROWS, BUCKET, RUNS, WARM = 36, 16, 256, 30, 5
 
-target = targets.load(checkpoints.build("qwen3-target", 0, {"num_hidden_layers": LAYERS}))
+target = targets.load(checkpoints.build("qwen3-target", 0, {"num_hidden_layers": LAYERS}),
+                      dtype=mx.bfloat16 if kernels.available() else None)
 ids = mx.array([list(range(5, 5 + ROWS))])
 
 
@@ -41,6 +46,8 @@ def timed(forward, caches):
 
 sides = {"op by op": lambda c: targets.forward(target, ids, caches=c),
          "compiled": lambda c: verify.forward(target, ids, c)}
+if verify.kernel_unsupported(target, BUCKET) is None:
+    sides["kernel"] = lambda c: verify.forward(target, ids, c, "kernel")
 caches = {name: prefilled() for name in sides}
 trace_s = timed(sides["compiled"], caches["compiled"])[0]
 for _ in range(WARM):
