@@ -19,6 +19,7 @@ import functools
 from collections import Counter
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 import test_kernels
 from mlx_lm.models.cache import RotatingKVCache
@@ -268,10 +269,9 @@ def test_planted_write_off_by_one_fails_the_kernel_verify(kernel_walk):
     assert bad and bad[0][0] == 1
 
 
-def _verifies(path, dtype, attention: str) -> list:
+def _verifies(target, attention: str) -> list:
     """Five verifies of 16 fixed rows after the prompt (bucket 8): each one's logits and final
     hidden, as fp32."""
-    target = targets.load(path, dtype=dtype)
     caches = targets.make_caches(target, BUCKET)
     mx.eval(targets.forward(target, mx.array([PROMPT]), caches=caches).logits)
     out = []
@@ -279,6 +279,38 @@ def _verifies(path, dtype, attention: str) -> list:
         t = fast_verify.forward(target, mx.array([[(11 * r + 7 * i) % 120 + 3 for i in range(16)]]), caches, attention)
         out.append([t.logits.astype(mx.float32), t.final.astype(mx.float32)])
     return out
+
+
+def _quantized(path, dtype=None):
+    """The target at `path`, its linear layers and embedding 4-bit (group 32), as mlx-community's
+    checkpoints mostly are."""
+    target = targets.load(path, dtype=dtype)
+    nn.quantize(target.model, group_size=32, bits=4)
+    return target
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["walk", "control-write-off-by-one"])
+def test_kernel_verify_walk_takes_a_quantized_target(planted, kernel_walk):
+    """The kernel verify's walk calls a quantized target's projections as mlx-lm's layer does: bit
+    for bit the compiled verify on the CPU (within TIER elsewhere; mlx-lm's attention in the
+    kernels' place). Control: its rows written one before the offset, caught."""
+    path = _setup(None)[0].path
+    ref = _verifies(_quantized(path), "sdpa")
+    with controls.planted("serve", "compiled_verify_write_off_by_one") if planted else contextlib.nullcontext():
+        got = _verifies(_quantized(path), "kernel")
+    same = all(_bits_equal(a, b) for g, f in zip(got, ref) for a, b in zip(g, f))
+    assert (same if mx.default_device().type == mx.DeviceType.cpu else not _outside_tier(got, ref)) != planted
+
+
+def test_kernel_verify_reads_the_activations_dtype(monkeypatch):
+    """Where the kernels run, the kernel verify takes bf16 activations only: a quantized
+    projection's from its scales (its weight is packed uint32), refused with the dtype named."""
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    path = _setup(None)[0].path
+    assert fast_verify.kernel_unsupported(_quantized(path, mx.bfloat16), BUCKET) is None
+    assert fast_verify.kernel_unsupported(targets.load(path, dtype=mx.bfloat16), BUCKET) is None
+    why = fast_verify.kernel_unsupported(_quantized(path), BUCKET)
+    assert "bf16 activations" in why and "float32" in why
 
 
 def _distance(got, ref) -> float:
@@ -301,8 +333,8 @@ def test_kernel_verify_as_close_to_fp32_as_the_compiled_verify(bug, monkeypatch)
     source from here) must fail it."""
     _, make, gamma = _setup("dflash")
     path = _setup("dflash")[0].path
-    ref = _verifies(path, mx.float32, "sdpa")
-    allowed = KERNEL_BF16_FACTOR * _distance(_verifies(path, mx.bfloat16, "sdpa"), ref)
+    ref = _verifies(targets.load(path), "sdpa")
+    allowed = KERNEL_BF16_FACTOR * _distance(_verifies(targets.load(path, dtype=mx.bfloat16), "sdpa"), ref)
     target = targets.load(path, dtype=mx.bfloat16)
 
     def loop(verify):
@@ -313,7 +345,7 @@ def test_kernel_verify_as_close_to_fp32_as_the_compiled_verify(bug, monkeypatch)
         monkeypatch.setattr(kernels, name, getattr(kernels, name).replace(old, new))
     kernels._kernels.cache_clear()
     try:
-        distance = _distance(_verifies(path, mx.bfloat16, "kernel"), ref)
+        distance = _distance(_verifies(target, "kernel"), ref)
         tokens, stats = loop("kernel")
     finally:
         monkeypatch.undo()
