@@ -44,6 +44,7 @@ from .compiled import AUTO, VerifyCache
 from .fast import verify as fast_verify
 
 VERIFIES = ("kernel", "compiled", "plain")   # the fix for a refused one: the next that runs
+COMPILED = ("kernel", "compiled")             # the verifies port/fast/verify.py runs as one compiled call
 PIPELINES = ("on", "off")
 
 
@@ -593,7 +594,7 @@ def _unpipelined(verifier, verify: str, source, record: bool, gamma: int) -> str
     """Why `_pipelined` cannot run a request (None: it can)."""
     if not isinstance(verifier, _Greedy):
         return "it runs the greedy verify only (no sampler, processors or rejection mode)"
-    if verify not in ("kernel", "compiled"):
+    if verify not in COMPILED:
         return "it needs the compiled verify (verify='compiled' on a kv_bucket)"
     if record:
         return "record=True keeps every round's logits"
@@ -614,7 +615,7 @@ def target_forward(target: targets.Target, ids: mx.array, caches: list, verify: 
     attention = "kernel" if verify == "kernel" else "sdpa"
     if offset is not None:
         return fast_verify.forward_at(target, ids, caches, offset, attention)
-    if verify in ("kernel", "compiled") and fast_verify.ready(caches):
+    if verify in COMPILED and fast_verify.ready(caches):
         return fast_verify.forward(target, ids, caches, attention)
     return targets.forward(target, ids, caches=caches)
 

@@ -44,12 +44,9 @@ def probe(shape: tuple, built: dict) -> None:
                          for s in ((1, Hq, L, D), (1, Hkv, S, D), (1, Hkv, S, D), (1, Hkv, L, D), (1, Hkv, L, D)))
     on_host, on_gpu = mx.array(valid, mx.int32), mx.array(valid, mx.int32) * 1
     mx.eval(q, ck, cv, bk, bv, on_host, on_gpu)
-    rows = Hq // Hkv * L
-    warps = min(-(-rows // 16), 4)
-    threads, groups = warps * 32, -(-rows // (warps * 16))
-    splits = max(1, min(-(-(S + L) // 32), -(-K.CTAS // (Hkv * groups))))
+    _, threads, launch, groups, splits = K.split_launch(mx.bfloat16, Hq, Hkv, L, D, S)
     template = [("HQ", Hq), ("HKV", Hkv), ("L", L), ("D", D), ("W", 0), ("CAUSAL", True),
-                ("SCALE", K.scale_bits(D ** -0.5)), ("WARPS", warps), ("TK", 32), ("NVT", valid)]
+                ("SCALE", K.scale_bits(D ** -0.5))] + launch + [("NVT", valid)]
     for name, kernel in built.items():
         for where, v in (("valid made on the host", on_host), ("valid made on the GPU", on_gpu)):
             def call(kernel=kernel, v=v):

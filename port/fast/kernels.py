@@ -448,6 +448,21 @@ def check(head_dim: int, error=None) -> None:
                           f"(this drafter's: {head_dim}); use bucket_attention='sdpa'")
 
 
+def split_launch(dtype: mx.Dtype, HQ: int, HKV: int, L: int, D: int, S: int) -> tuple[bool, int, list, int, int]:
+    """The split kernel's launch for these shapes: (on tensor cores, threads a CUDA block, its
+    template past the masking: WARPS or RPB, then TK; query-row groups, key splits)."""
+    rows = HQ // HKV * L
+    if tensor_cores(dtype, D):
+        warps = min(-(-rows // 16), ROWS // 16)
+        on_tensor_cores, threads, tk, launch, groups = True, warps * 32, 32, [("WARPS", warps)], -(-rows // (warps * 16))
+    else:
+        rpb = min(-(-rows // 8) * 8, ROWS)   # whole warps: the row's four threads shuffle
+        tk = 32 if D <= 128 else 16
+        on_tensor_cores, threads, launch, groups = False, rpb * 4, [("RPB", rpb)], -(-rows // rpb)
+    splits = max(1, min(-(-(S + L) // tk), -(-CTAS // (HKV * groups))))
+    return on_tensor_cores, threads, launch + [("TK", tk)], groups, splits
+
+
 def attention(q, ctx_k, ctx_v, blk_k, blk_v, valid, scale: float, window: int | None = None,
               causal: bool = False):
     """softmax(scale q [ctx | block]^T, masked) [ctx | block], as a [1, Hq, L, D] view (its
@@ -456,22 +471,12 @@ def attention(q, ctx_k, ctx_v, blk_k, blk_v, valid, scale: float, window: int | 
     _, HQ, L, D = q.shape
     HKV, S = ctx_k.shape[1], ctx_k.shape[2]
     check(D)
-    rows = HQ // HKV * L
     split, mma, combine = _kernels()
     inputs = [q, ctx_k, ctx_v, blk_k, blk_v, valid]
     masking = [("HQ", HQ), ("HKV", HKV), ("L", L), ("D", D), ("W", window or 0), ("CAUSAL", bool(causal)),
                ("SCALE", scale_bits(scale))]
-    if tensor_cores(q.dtype, D):
-        warps = min(-(-rows // 16), ROWS // 16)
-        kernel, threads, tk = mma, warps * 32, 32
-        template = masking + [("WARPS", warps), ("TK", tk)]
-        groups = -(-rows // (warps * 16))
-    else:
-        rpb = min(-(-rows // 8) * 8, ROWS)   # whole warps: the row's four threads shuffle
-        tk = 32 if D <= 128 else 16
-        kernel, threads, template = split, rpb * 4, masking + [("RPB", rpb), ("TK", tk)]
-        groups = -(-rows // rpb)
-    splits = max(1, min(-(-(S + L) // tk), -(-CTAS // (HKV * groups))))
+    on_tensor_cores, threads, launch, groups, splits = split_launch(q.dtype, HQ, HKV, L, D, S)
+    kernel, template = mma if on_tensor_cores else split, masking + launch
     po, pm, pl = kernel(inputs=inputs, template=template, grid=(splits * threads, HKV, groups),
                         threadgroup=(threads, 1, 1),
                         output_shapes=[(splits, HQ * L, D), (splits, HQ * L), (splits, HQ * L)],

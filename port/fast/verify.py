@@ -34,7 +34,6 @@ from .. import targets
 from . import kernels
 
 FAMILIES = ("qwen3", "gemma4")   # the walks of port/targets.py, each held by the tests
-ATTENTIONS = ("sdpa", "kernel")  # mlx-lm's layers as they are; traced_kernel (qwen3 targets)
 
 
 class BufferView(pieces.VerifyCache):
@@ -139,7 +138,8 @@ def _qwen3_layer(layer, x, view: BufferView, valid):
 def forward(target: targets.Target, ids, caches: list, attention: str = "sdpa") -> targets.Trace:
     """targets.forward(target, ids, caches=caches) for `ready` caches, as one compiled call (traced
     again only for a new buffer length or row count); the caches' buffers are handed over, so the
-    writes can be in place. `attention`: one of ATTENTIONS."""
+    writes can be in place. `attention`: "sdpa" (mlx-lm's layers as they are) or "kernel"
+    (traced_kernel, qwen3 targets)."""
     trace = forward_at(target, ids, caches, mx.array(caches[0].offset, mx.int32), attention)
     for c in caches:
         c.offset += ids.shape[1]
