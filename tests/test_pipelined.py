@@ -82,11 +82,17 @@ def test_pipelined_loop_is_the_sequential_loop(name):
 
 def test_pipelined_kernel_verify_is_the_sequential_loop(kernel_walk):  # noqa: F811
     """The kernel verify (its walk; mlx-lm's attention in the kernels' place off MLX CUDA) at an
-    offset on the device, as the pipelined loop runs it: the sequential loop's request."""
+    offset on the device, as the pipelined loop runs it: the sequential loop's request. Control:
+    the verify writing one row before the committed length, caught."""
     for max_tokens, eos in _ends("dflash")[2:5]:
         off, on = (_run("dflash", max_tokens, eos, p, verify="kernel") for p in ("off", "on"))
         assert on[1].verify == "kernel"
         _same_request(off, on)
+    off = _run("dflash", 40, set(), "off", verify="kernel")
+    with controls.planted("serve", "pipelined_offset_behind"):
+        planted = _run("dflash", 40, set(), "on", verify="kernel")
+    with pytest.raises(AssertionError):
+        _same_request(off, planted)
 
 
 def test_auto_pipelines_where_it_fits():
