@@ -43,7 +43,7 @@ from . import sampling, targets
 from .compiled import AUTO, VerifyCache
 from .fast import verify as fast_verify
 
-VERIFIES = ("kernel", "compiled", "plain")   # the fix for a refused one: the next that runs
+VERIFIES = ("kernel", "compiled", "plain")   # fastest first: AUTO takes the first that runs
 COMPILED = ("kernel", "compiled")             # the verifies port/fast/verify.py runs as one compiled call
 PIPELINES = ("on", "off")
 
@@ -480,9 +480,9 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
 
     `verify`: "compiled" (port/fast/verify.py: the bucketed verify as one compiled call, traced
     once per buffer length; needs a kv_bucket), "kernel" (the same with port/fast/kernels.py's
-    attention: MLX CUDA, Qwen3 targets with bf16 activations; opt-in: less GPU time, but slower
-    in serving on an H100, docs/benchmarks.md "Session 21"), "plain" (targets.forward, op by op),
-    or "auto" (default): compiled where it runs, else plain; `stats.verify` says which ran.
+    attention: MLX CUDA, Qwen3 targets with bf16 activations; 1.03-1.45x the compiled verify's
+    loop in serving, docs/benchmarks.md "Session 22"), "plain" (targets.forward, op by op), or
+    "auto" (default): the first of those that runs here; `stats.verify` says which ran.
 
     `pipeline`: "on" (`_pipelined`: round r + 1 is built while the device runs round r; the
     greedy verify, compiled, and a source with `draft_pipelined` (DFlash, DSpark) or none), "off" (the sequential
@@ -563,11 +563,9 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
 
 
 def resolve_verify(verify: str, target: targets.Target, kv_bucket: int | None) -> str:
-    """The request's verify forward: AUTO is "compiled" where port/fast/verify.py takes it; "kernel"
-    only when asked for."""
+    """The request's verify forward: AUTO is the first of VERIFIES that port/fast/verify.py takes."""
     return _resolve("verify", verify, VERIFIES, {"kernel": fast_verify.kernel_unsupported(target, kv_bucket),
-                                                 "compiled": fast_verify.unsupported(target, kv_bucket)},
-                    auto=("compiled", "plain"))
+                                                 "compiled": fast_verify.unsupported(target, kv_bucket)})
 
 
 def resolve_pipeline(pipeline: str, verifier, verify: str, source, record: bool, gamma: int) -> str:
@@ -575,13 +573,12 @@ def resolve_pipeline(pipeline: str, verifier, verify: str, source, record: bool,
     return _resolve("pipeline", pipeline, PIPELINES, {"on": _unpipelined(verifier, verify, source, record, gamma)})
 
 
-def _resolve(option: str, value: str, choices: tuple[str, ...], why: dict[str, str | None],
-             auto: tuple[str, ...] | None = None) -> str:
+def _resolve(option: str, value: str, choices: tuple[str, ...], why: dict[str, str | None]) -> str:
     """An option whose choices run fastest first, the last everywhere; `why`: why a choice cannot
-    run here (None or absent: it can). AUTO is the first of `auto` (default: all the choices) that
-    can; one asked for where it cannot is refused with the reason and the fix (the next one that can)."""
+    run here (None or absent: it can). AUTO is the first that can; one asked for where it cannot is
+    refused with the reason and the fix (the next one that can)."""
     if value == AUTO:
-        return next(c for c in auto or choices if not why.get(c))
+        return next(c for c in choices if not why.get(c))
     if value not in choices:
         raise ValueError(f"{option}={value!r}: expected one of {choices} or {AUTO!r}")
     if why.get(value):

@@ -19,9 +19,9 @@ from pathlib import Path
 # loop (with our loop's earlier paths beside the default, for the before/after), and the step.
 SETS = {
     "serve-dflash": ["--serve", "--sources", "dflash", "--runs", "2", "--new-tokens", "64",
-                     "--peers", "port-sequential,port-plain-verify,port-kernel-verify,zlab-mlx,dflash-mlx"],
+                     "--peers", "port-sequential,port-plain-verify,port-compiled-verify,port-again,zlab-mlx,dflash-mlx"],
     "serve-dspark": ["--serve", "--sources", "dspark", "--runs", "2", "--new-tokens", "64",
-                     "--peers", "port-sequential,port-plain-verify,port-kernel-verify,dspark-mlx,deepspec-torch"],
+                     "--peers", "port-sequential,port-plain-verify,port-compiled-verify,port-again,dspark-mlx,deepspec-torch"],
     "serve-assistant": ["--serve", "--sources", "assistant", "--runs", "2", "--new-tokens", "64",
                         "--peers", "optiq"],
     "step": ["--sources", "dflash,dspark", "--peers", "port-sdpa,zlab-mlx,dspark-mlx"],

@@ -2,12 +2,10 @@
 (spec_parity/bench/loop_sides.py): per request, the wall time, and the GPU's kernels (CUPTI
 through torch.profiler, timing.kernel_profile): launches, summed kernel time, busy time (their
 union) against the profiled window, by class. Each request is fresh, at a prompt length no other
-request has used (as the serve bench's). Session 21 measured the kernel verify's loop (verify=
-"kernel") 0.87-0.89x the compiled verify's in serving though one verify alone is faster on the GPU
-and no slower on the host (tools/verify_device_time.py, tools/verify_host_time.py); this says
-whether the request's GPU work or its idle time differs. MLX CUDA with a CUDA torch only.
+request has used (as the serve bench's). Session 22 ran it to see why the kernel verify's GPU time
+saved did not show in serving on an H100 (docs/benchmarks.md): a round is bound by the host. MLX CUDA with a CUDA torch only.
 
-    python3 tools/serve_kernels.py [--source dflash|dspark] [--sides port,port-kernel-verify] [--shapes tiny]
+    python3 tools/serve_kernels.py [--source dflash|dspark] [--sides port,port-compiled-verify] [--shapes tiny]
 """
 
 import argparse
@@ -24,7 +22,7 @@ from spec_parity.bench.sides import Stepper
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--source", choices=("dflash", "dspark"), default="dflash")
-    p.add_argument("--sides", default=f"port,{loop_sides.KERNEL_VERIFY}")
+    p.add_argument("--sides", default=f"port,{loop_sides.COMPILED_VERIFY}")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=3, help="timed requests per side, then as many profiled")
     p.add_argument("--shapes", choices=("real", "tiny"), default="real", help="tiny: a CPU runs it (no profile)")

@@ -265,7 +265,7 @@ def deepspec_side(ckpt: Checkpoints, env) -> Loop:
 
 
 PLAIN_VERIFY = "port-plain-verify"  # our default loop with its verify op by op (before port/fast/verify.py)
-KERNEL_VERIFY = "port-kernel-verify"  # our default loop with the opt-in verify="kernel" (port/fast/kernels.py's attention)
+COMPILED_VERIFY = "port-compiled-verify"  # our default loop, its compiled verify on mx.fast's attention (before verify="kernel")
 SEQUENTIAL = "port-sequential"      # our default loop, its rounds one after the other (before serve._pipelined)
 AGAIN = "port-again"                # our default loop once more: the A/A control of a run's side-by-side ratios
 
@@ -277,14 +277,14 @@ SIDES: dict[str, Side] = {s.name: s for s in (
     *(Side(port_sides.path_name(p), tuple(by_source), partial(port_side, path=p), peer=False)
       for p, by_source in port_sides.PATHS.items() if p != "bucketed-2seg"),
     Side(PLAIN_VERIFY, ("dspark", "dflash"), partial(port_side, verify="plain"), peer=False),
-    Side(KERNEL_VERIFY, ("dspark", "dflash"), partial(port_side, verify="kernel"), peer=False),
+    Side(COMPILED_VERIFY, ("dspark", "dflash"), partial(port_side, verify="compiled"), peer=False),
     Side(SEQUENTIAL, ("dspark", "dflash"), partial(port_side, pipeline="off"), peer=False),
     Side(AGAIN, SOURCES, port_side, peer=False),
     *(replace(_PEERS[name], build=build) for name, build in (
         ("optiq", optiq_side), ("zlab-mlx", zlab_mlx_side), ("dflash-mlx", dflash_mlx_side),
         ("dspark-mlx", dspark_mlx_side), ("deepspec-torch", deepspec_side))),
 )}
-OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS) + (PLAIN_VERIFY, KERNEL_VERIFY, SEQUENTIAL, AGAIN)
+OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS) + (PLAIN_VERIFY, COMPILED_VERIFY, SEQUENTIAL, AGAIN)
 
 
 ALWAYS = ("plain", "port")   # the baseline and our default path: in every --serve run, as in the step bench
