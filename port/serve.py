@@ -482,7 +482,8 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     once per buffer length; needs a kv_bucket), "kernel" (the same with port/fast/kernels.py's
     attention: MLX CUDA, Qwen3 targets with bf16 activations; 1.03-1.45x the compiled verify's
     loop in serving, docs/benchmarks.md "Session 22"), "plain" (targets.forward, op by op), or
-    "auto" (default): the first of those that runs here; `stats.verify` says which ran.
+    "auto" (default): the first of "kernel", "compiled", "plain" that runs here; `stats.verify` says
+    which ran.
 
     `pipeline`: "on" (`_pipelined`: round r + 1 is built while the device runs round r; the
     greedy verify, compiled, and a source with `draft_pipelined` (DFlash, DSpark) or none), "off" (the sequential
