@@ -391,3 +391,44 @@ def test_session_21s_tables_are_its_runs():
             row = (f"| {case['case']} | {name} | {side['per_step_s'] * 1e3:.3g} | {wall['p10'] * 1e3:.3g}–"
                    f"{wall['p90'] * 1e3:.3g} | {side['x_floor']:.2f}× | {side['cold_wall_s']['median'] * 1e3:.3g} |")
             assert row in history, row
+
+
+S22_PAIRS = ([[DOCS / f"serve-h200-{src}-s22-run{i}.json" for i in (1, 2)] for src in ("dflash", "dspark")]
+             + [[DOCS / f"serve-h200-{src}-s22-kv-run{i}.json" for i in (3, 4)] for src in ("dflash", "dspark")]
+             + [[DOCS / f"serve-h100-{src}-s22-aa-run{i}.json" for i in (1, 2)] for src in ("dflash", "dspark")])
+
+
+def test_session_22s_tables_are_its_runs():
+    """Session 22 (an H200, then H100s) pasted `combine`'s tables of its committed runs (the step,
+    runs 56 and 57; serving beside the peers; the kernel verify against the compiled one, with the
+    A/A side), the cold ÷ warm rounds of runs 56 and 57 into the targets row, and the inverse of
+    the kernel verify's `port ÷ side` (and of port-again's) per pair into its summary table."""
+    text = (DOCS / "benchmarks.md").read_text()
+    step = [DOCS / f"bench-h200-run{i}.json" for i in (56, 57)]
+    for paths in S22_PAIRS + [step]:
+        rows = [line for line in combine.markdown(combine.combine(*combine.load(paths))).splitlines()
+                if line.startswith("| ") and not line.startswith("| side")]
+        assert rows and not [r for r in rows if r not in text], paths[0].name
+    row = next(line for line in text.splitlines() if line.startswith("| 2. the default path pays no per-length plan"))
+    cold = {}
+    for p in step:
+        for c in json.loads(p.read_text())["cases"]:
+            sv = c["serve"]
+            cold.setdefault(c["case"].split("-")[0], []).append(
+                f"{sv['cold']['round_median_s']['round_s'] / sv['round_median_s']['round_s']:.2f}")
+    assert f"(runs 56, 57, the compiled verify, the default at 32fcfe1): DSpark {' / '.join(cold['dspark'])}, " \
+           f"DFlash {' / '.join(cold['dflash'])}" in row
+
+    def inverse(paths, side):
+        doc = combine.combine(*combine.load(paths))
+        r = next(s for s in doc["cases"][0]["sides"] if s["side"] == side)["port_over_side"]
+        inv = [1 / x for x in r["runs"]]
+        return f"{min(inv):.2f}–{max(inv):.2f}×" if r["moved"] else f"{1 / statistics.median(r['runs']):.2f}×"
+
+    table = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| H200, runs") or
+             line.startswith("| H100, with the A/A")}
+    (d12, s12), (d34, s34), (daa, saa) = (S22_PAIRS[i:i + 2] for i in (0, 2, 4))
+    assert f"| {inverse(d12, 'port-kernel-verify')} | {inverse(s12, 'port-kernel-verify')} |" in table["H200, runs 1–2 (with the peers)"]
+    assert f"| {inverse(d34, 'port-kernel-verify')} | {inverse(s34, 'port-kernel-verify')} |" in table["H200, runs 3–4"]
+    assert (f"| {inverse(daa, 'port-kernel-verify')} (A/A: {inverse(daa, 'port-again')}) | "
+            f"{inverse(saa, 'port-kernel-verify')} (A/A: {inverse(saa, 'port-again')}) |") in table["H100, with the A/A control"]
