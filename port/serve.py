@@ -480,7 +480,7 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
 
     `verify`: "compiled" (port/fast/verify.py: the bucketed verify as one compiled call, traced
     once per buffer length; needs a kv_bucket), "kernel" (the same with port/fast/kernels.py's
-    attention: MLX CUDA, Qwen3 targets with bf16 activations; 1.03-1.45x the compiled verify's
+    attention: MLX CUDA, Qwen3 targets with bf16 activations; 1.03-1.41x the compiled verify's
     loop in serving, docs/benchmarks.md "Session 22"), "plain" (targets.forward, op by op), or
     "auto" (default): the first of "kernel", "compiled", "plain" that runs here; `stats.verify` says
     which ran.

@@ -252,7 +252,7 @@ def test_kernel_verify_walk_is_mlx_lms_layers(name, kernel_walk):
 
 
 def test_auto_takes_the_kernel_verify_where_it_runs(kernel_walk):
-    """"auto" takes the kernel verify where it runs (its loop 1.03-1.45x the compiled verify's in
+    """"auto" takes the kernel verify where it runs (its loop 1.03-1.41x the compiled verify's in
     serving, docs/benchmarks.md "Session 22"), the compiled one where it does not; either asked for."""
     target = _setup(None)[0]
     assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "kernel"

@@ -17,7 +17,7 @@ bf16 Qwen3 targets) the attention is port/fast/kernels.py's instead of mx.fast's
 buffer: on MLX CUDA 0.32.4 that one is a cuDNN launch of ~51 us a layer for 16 rows over 2304 keys
 whose K/V read takes ~4 us (docs/benchmarks.md "Session 20"). The kernels read the buffer in place
 up to the offset and mask by position, so no mask is built either: 41% less attention time on the
-GPU, and its loop 1.03-1.45x the compiled verify's in serving (docs/benchmarks.md "Session 22"). mlx-lm's
+GPU, and its loop 1.03-1.41x the compiled verify's in serving (docs/benchmarks.md "Session 22"). mlx-lm's
 layer cannot take another attention, so `traced_kernel` calls its modules itself, in its order:
 held bit for bit to `traced` on the CPU with mlx-lm's attention put back, and on MLX CUDA no
 further from the fp32 verify than mx.fast's bf16 attention by 1.5x (tests/test_bucketed_verify.py).
