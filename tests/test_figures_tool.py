@@ -1,5 +1,8 @@
 """tools/figures.py: each set's bench twice, each run its own process, then combine on the runs
-that wrote their JSON; the benches themselves are not run here (tests/test_combine.py holds combine)."""
+that wrote their JSON; the benches themselves are not run here (tests/test_combine.py holds combine).
+tools/serve_kernels.py: a round is two request lengths' kernel profiles, their difference over
+their rounds' (the prefill and what every request pays once cancel); its profiles need CUDA, so
+the arithmetic is held on summaries made up to a known round."""
 
 import importlib.util
 from pathlib import Path
@@ -9,9 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load():
-    """tools/figures.py as a module (tools/ is no package)."""
-    spec = importlib.util.spec_from_file_location("figures_tool", ROOT / "tools" / "figures.py")
+def load(tool: str = "figures"):
+    """tools/<tool>.py as a module (tools/ is no package)."""
+    spec = importlib.util.spec_from_file_location(f"{tool}_tool", ROOT / "tools" / f"{tool}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -72,3 +75,24 @@ def test_the_sets_name_only_known_sides():
         known = set(loop_sides.SIDES) if "--serve" in args else set(runner.OTHERS)
         peers = args[args.index("--peers") + 1].split(",")
         assert set(peers) <= known, (name, set(peers) - known)
+
+
+def summary(rounds: int, once: float = 5000.0) -> dict:
+    """A request of `rounds` rounds of 100 launches / 700 us busy each (attention 20 of them, 300 us),
+    after a prefill of 40 launches and `once` us."""
+    return {"status": "ok", "launches_per_call": 40 + 100 * rounds, "kernel_us_per_call": once + 900 * rounds,
+            "busy_us_per_call": once + 700 * rounds, "window_us_per_call": 2 * once + 2000 * rounds,
+            "classes": [{"class": "attention", "launches_per_call": 20 * rounds, "us_per_call": 300 * rounds},
+                        {"class": "matmul", "launches_per_call": 40 + 80 * rounds, "us_per_call": once + 600 * rounds}]}
+
+
+def test_a_round_is_the_difference_over_the_rounds():
+    line = load("serve_kernels").per_round((summary(15), 15.0), (summary(31), 31.0))
+    assert "100 launches, kernels 900 us, busy 700 us, window 2000 us" in line
+    assert "attention 20x 300us, matmul 80x 600us" in line
+
+
+def test_a_per_request_division_would_be_caught():
+    """Control: the long request alone over its rounds (the prefill counted in) is not the round."""
+    s = summary(31)
+    assert f"{s['launches_per_call'] / 31:.0f} launches" not in load("serve_kernels").per_round((summary(15), 15.0), (s, 31.0))
