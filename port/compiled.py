@@ -205,13 +205,20 @@ def over_buffers(caches: list, fn, *args):
     return out
 
 
-def written(keys, values, k, v, at):
-    """K/V rows k, v [B, H, T, D] written into the buffers keys / values at row `at` (an int32
-    scalar array: where the host need not know it): the buffers after. A scatter of the T rows, not
-    mx.slice_update at an array start: on MLX CUDA (0.32.4) that one launches a thread per element
-    of the whole buffer (copy_gg_dynamic over out.size(), the writes repeated modulo the rows),
-    22 us a write into 2304 rows on an H200, where the scatter's threads are the rows'."""
-    rows = (at + mx.arange(k.shape[2], dtype=mx.int32)).reshape(1, 1, -1, 1)
+def rows_at(at, n: int) -> mx.array:
+    """The buffer rows at, at + 1, ..., at + n - 1 (`at` an int32 scalar array: where the host need
+    not know it) as `written` takes them, [1, 1, n, 1]. Made once for every layer's write at the same
+    offset: mx.compile does not merge the same arange-and-add made per layer, and on MLX CUDA each
+    is two launches, host time in a host-bound round."""
+    return (at + mx.arange(n, dtype=mx.int32)).reshape(1, 1, -1, 1)
+
+
+def written(keys, values, k, v, rows):
+    """K/V rows k, v [B, H, T, D] written into the buffers keys / values at `rows` (rows_at(at, T)):
+    the buffers after. A scatter of the T rows, not mx.slice_update at an array start: on MLX CUDA
+    (0.32.4) that one launches a thread per element of the whole buffer (copy_gg_dynamic over
+    out.size(), the writes repeated modulo the rows), 22 us a write into 2304 rows on an H200,
+    where the scatter's threads are the rows'."""
     return mx.put_along_axis(keys, rows, k, axis=2), mx.put_along_axis(values, rows, v, axis=2)
 
 

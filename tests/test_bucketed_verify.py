@@ -223,7 +223,7 @@ def _mlx_lm_attention(q, keys, values, k, v, valid, scale):
     """kernel_attention's twin where the kernels cannot run: mlx-lm's layer's own attention (mx.fast's
     over the whole buffer under VerifyCache's mask), so that the walk around it is held to mlx-lm's
     layers bit for bit."""
-    mask = fast_verify.BufferView(keys, values, valid[0], 1).mask(q.shape[2], q.dtype)
+    mask = fast_verify.BufferView(keys, values, valid[0], 1, compiled.rows_at(valid[0], q.shape[2])).mask(q.shape[2], q.dtype)
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 
@@ -392,6 +392,33 @@ def test_compiled_verify_writes_scatter_rows_not_a_dynamic_slice(old):
                                  list(keys), list(values))
     ops = Counter(counters.graph_nodes(*out[3], *out[4]).values())
     assert (ops["DynamicSliceUpdate"] == 0 and ops["ScatterAxis"] == 2 * len(caches)) != old, ops
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["once", "control-per-layer"])
+def test_compiled_verify_makes_its_write_rows_once(per_layer, monkeypatch):
+    """Every layer writes at the same rows: the compiled verify's function makes them once
+    (compiled.rows_at), not per layer (mx.compile does not merge the per-layer arange-and-add, and
+    on MLX CUDA each is two launches of a host-bound round). The control makes them per layer in
+    each view's write, and must be caught."""
+    target = _setup(None)[0]
+    caches = targets.make_caches(target, BUCKET)
+    mx.eval(targets.forward(target, mx.array([PROMPT]), caches=caches).logits)
+    keys, values = zip(*(c.buffers() for c in caches))
+    calls = []
+    rows_at = compiled.rows_at
+    monkeypatch.setattr(compiled, "rows_at", lambda at, n: calls.append(n) or rows_at(at, n))
+    if per_layer:
+        write = fast_verify.BufferView.update_and_fetch
+
+        def own_rows(self, k, v):
+            self.rows = compiled.rows_at(self.offset, k.shape[2])
+            return write(self, k, v)
+
+        monkeypatch.setattr(fast_verify.BufferView, "update_and_fetch", own_rows)
+    out = fast_verify.traced(target, BUCKET, mx.array([PROMPT[:4]]), mx.array(len(PROMPT), mx.int32),
+                             list(keys), list(values))
+    mx.eval(out[3], out[4])
+    assert (calls == [4]) != per_layer, calls
 
 
 def test_compiled_verify_where_it_fits_else_refused():

@@ -38,7 +38,7 @@ def op_by_op(ctx, rows, at, valid, anchor, room):
     for c, (k, v) in zip(ctx, m.context_kv(m.project(rows), at)):
         c.offset = room
         c.reserve(k.shape[2], k.shape[:2] + (k.shape[3], v.shape[3]), k.dtype)
-        c.keys, c.values = pieces.written(c.keys, c.values, k, v, at)
+        c.keys, c.values = pieces.written(c.keys, c.values, k, v, pieces.rows_at(at, k.shape[2]))
         c.offset = room + 1   # the rows the block attends: those before `valid` (at + 1)
     return m.draft_block(anchor, ctx, room + 1)
 

@@ -96,9 +96,9 @@ def exact_context(m: dflash.Model, rows, offset, keys, values):
     """The new context rows' K/V (projected from their raw taps) written into every layer's buffer
     at `offset`."""
     c = m.project(rows)
-    keys, values = list(keys), list(values)
+    keys, values, at = list(keys), list(values), pieces.rows_at(offset, rows.shape[1])
     for i, layer in enumerate(m.layers):
-        keys[i], values[i] = pieces.written(keys[i], values[i], *layer.self_attn.context_kv(c, offset), offset)
+        keys[i], values[i] = pieces.written(keys[i], values[i], *layer.self_attn.context_kv(c, offset), at)
     return [keys, values]
 
 
@@ -106,14 +106,14 @@ def exact_enter(m: dflash.Model, target, ids, at, k, v):
     """The block's embedding; layer 0's query (rows as heads) and its K/V written at `at`."""
     h = m.embed(target, ids)
     q, bk, bv = m.layers[0].qkv(h, at)
-    return (h, rows_as_heads(q)) + pieces.written(k, v, bk, bv, at)
+    return (h, rows_as_heads(q)) + pieces.written(k, v, bk, bv, pieces.rows_at(at, bk.shape[2]))
 
 
 def exact_between(m: dflash.Model, i: int, h, o, at, k, v):
     """Layer i's output; layer i+1's query (rows as heads) and its K/V written at `at`."""
     h = m.layers[i].finish(h, m.layers[i].self_attn.output(heads_as_rows(o, m.layers[i].self_attn.n_heads)))
     q, bk, bv = m.layers[i + 1].qkv(h, at)
-    return (h, rows_as_heads(q)) + pieces.written(k, v, bk, bv, at)
+    return (h, rows_as_heads(q)) + pieces.written(k, v, bk, bv, pieces.rows_at(at, bk.shape[2]))
 
 
 def exact_leave(m: dflash.Model, target, h, o):
@@ -255,10 +255,10 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
     def joined(self, target: targets.Target, ids, rows, at, valid, w, keys, values):
         """The rows' K/V written at `at` into every layer's buffer, then `bucketed` over them: its
         arrays and the buffers."""
-        c = self.hidden_norm(rows @ w["fc"])
+        c, written_at = self.hidden_norm(rows @ w["fc"]), pieces.rows_at(at, rows.shape[0])
         for i, layer in enumerate(self.layers):
             k, v = layer.self_attn.kv_heads(c @ w[f"k{i}"], c @ w[f"v{i}"], at)
-            keys[i], values[i] = pieces.written(keys[i], values[i], k, v, at)
+            keys[i], values[i] = pieces.written(keys[i], values[i], k, v, written_at)
         return self.bucketed(target, ids, valid, keys, values, w) + (keys, values)
 
     def bucketed(self, target: targets.Target, ids, valid, keys, values, w):

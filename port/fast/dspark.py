@@ -151,8 +151,9 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
     def joined(self, ids, valid, rows, at, weights, keys, values):
         """The rows' K/V written at `at`, then the greedy `block` at `valid` over the buffers: its
         arrays and the buffers."""
+        written_at = pieces.rows_at(at, rows.shape[1])
         for i, (k, v) in enumerate(self.stacked_kv(self.project(rows), at, weights)):
-            keys[i], values[i] = pieces.written(keys[i], values[i], k, v, at)
+            keys[i], values[i] = pieces.written(keys[i], values[i], k, v, written_at)
         return self.block(True, ids, valid, valid, keys, values, weights) + (keys, values)
 
     def stacked_kv(self, c, offset, weights) -> list:

@@ -38,19 +38,19 @@ FAMILIES = ("qwen3", "gemma4")   # the walks of port/targets.py, each held by th
 
 class BufferView(pieces.VerifyCache):
     """One layer's VerifyCache inside the traced verify: its buffers and offset (an int32 scalar
-    array) are the compiled call's inputs, and a write is a scatter at that offset (compiled.written).
-    The offset does not move here (each view is one layer's, written once); `forward` moves the
-    caches'."""
+    array) are the compiled call's inputs, and a write is a scatter at `rows` (compiled.rows_at of
+    the offset, one array for every layer). The offset does not move here (each view is one
+    layer's, written once); `forward` moves the caches'."""
 
-    def __init__(self, keys, values, offset, bucket: int):
+    def __init__(self, keys, values, offset, bucket: int, rows):
         super().__init__(bucket)
-        self.keys, self.values, self.offset = keys, values, offset
+        self.keys, self.values, self.offset, self.rows = keys, values, offset, rows
 
     def length_after(self, n: int) -> int:
         return self.keys.shape[2]
 
     def update_and_fetch(self, keys, values):
-        self.keys, self.values = pieces.written(self.keys, self.values, keys, values, self.offset)
+        self.keys, self.values = pieces.written(self.keys, self.values, keys, values, self.rows)
         return self.keys, self.values
 
 
@@ -93,7 +93,8 @@ def ready(caches: list) -> bool:
 
 def traced(target: targets.Target, bucket: int, ids, offset, keys, values):
     """The verify over the buffers at `offset`: (logits, final, hidden, keys, values)."""
-    views = [BufferView(k, v, offset, bucket) for k, v in zip(keys, values)]
+    rows = pieces.rows_at(offset, ids.shape[1])
+    views = [BufferView(k, v, offset, bucket, rows) for k, v in zip(keys, values)]
     trace = targets.walk(target, ids, caches=views)
     return trace.logits, trace.final, trace.hidden, [v.keys for v in views], [v.values for v in views]
 
@@ -110,9 +111,9 @@ def traced_kernel(target: targets.Target, bucket: int, ids, offset, keys, values
     tm = target.model.model
     h = tm.embed_tokens(ids)
     hidden, keys, values = [h], list(keys), list(values)
-    valid = kernels.device_valid(offset)
+    valid, rows = kernels.device_valid(offset), pieces.rows_at(offset, ids.shape[1])
     for i, layer in enumerate(tm.layers):
-        view = BufferView(keys[i], values[i], offset, bucket)
+        view = BufferView(keys[i], values[i], offset, bucket, rows)
         h = _qwen3_layer(layer, h, view, valid)
         hidden.append(h)
         keys[i], values[i] = view.keys, view.values

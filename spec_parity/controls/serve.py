@@ -79,11 +79,11 @@ def _compiled_verify_write(case):
     write = verify.BufferView.update_and_fetch
 
     def shifted(self, keys, values):   # one before, not past: a write past the buffer's end is not checked
-        offset, self.offset = self.offset, self.offset - 1
+        rows, self.rows = self.rows, self.rows - 1
         try:
             return write(self, keys, values)
         finally:
-            self.offset = offset
+            self.rows = rows
 
     return {(verify.BufferView, "update_and_fetch"): shifted}
 
@@ -121,8 +121,8 @@ def _dynamic_slice_writes(case):
 
     from port import compiled
 
-    def written(keys, values, k, v, at):
-        at = at.reshape(1)
+    def written(keys, values, k, v, rows):
+        at = rows.reshape(-1)[:1]
         return mx.slice_update(keys, k, at, axes=(2,)), mx.slice_update(values, v, at, axes=(2,))
 
     return {(compiled, "written"): written}
