@@ -480,10 +480,10 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
 
     `verify`: "compiled" (port/fast/verify.py: the bucketed verify as one compiled call, traced
     once per buffer length; needs a kv_bucket), "kernel" (the same with port/fast/kernels.py's
-    attention: MLX CUDA, Qwen3 targets with bf16 activations; 1.03-1.41x the compiled verify's
-    loop in serving, docs/benchmarks.md "Session 22"), "plain" (targets.forward, op by op), or
-    "auto" (default): the first of "kernel", "compiled", "plain" that runs here; `stats.verify` says
-    which ran.
+    attention: MLX CUDA from compute capability 8.0, Qwen3 targets with bf16 activations;
+    1.03-1.41x the compiled verify's loop in serving, docs/benchmarks.md "Session 22"), "plain"
+    (targets.forward, op by op), or "auto" (default): the first of "kernel", "compiled", "plain"
+    that runs here; `stats.verify` says which ran.
 
     `pipeline`: "on" (`_pipelined`: round r + 1 is built while the device runs round r; the
     greedy verify, compiled, and a source with `draft_pipelined` (DFlash, DSpark) or none), "off" (the sequential

@@ -316,6 +316,23 @@ def test_kernel_verify_reads_the_activations_dtype(monkeypatch):
     assert "bf16 activations" in why and "float32" in why
 
 
+@pytest.mark.parametrize("capability", [None, 8, 9, 7], ids=["off-cuda", "sm80", "sm90", "sm75-refused"])
+def test_kernel_verify_needs_bf16_tensor_cores(capability, monkeypatch):
+    """MLX CUDA runs on compute capability 7.5, where the MMA kernel does not compile
+    (tests/test_kernels.py): there the kernel verify is refused naming the GPU's capability, and
+    "auto" runs the compiled one; the split kernel takes its FMA path. 8.0 and newer (and the
+    CPU, where only the shapes decide) take it."""
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    monkeypatch.setattr(kernels, "capability", lambda: capability)
+    target = targets.load(_setup(None)[0].path, dtype=mx.bfloat16)
+    why = fast_verify.kernel_unsupported(target, BUCKET)
+    runs = kernels.split_launch(mx.bfloat16, 32, 8, 16, 128, 2304)[0]
+    assert (why is None and runs) == (capability != 7), (why, runs)
+    if capability == 7:
+        assert "compute capability 8.0 or newer (this GPU: 7.x)" in why
+        assert serve.resolve_verify("auto", target, BUCKET) == "compiled"
+
+
 def _distance(got, ref) -> float:
     return max(mx.abs(a - b).max().item() for g, f in zip(got, ref) for a, b in zip(g, f))
 

@@ -175,9 +175,9 @@ def _translation_unit(split: str, mma: str) -> str:
     return "\n".join(parts)
 
 
-def _compiles(source: str, tmp_path) -> subprocess.CompletedProcess:
+def _compiles(source: str, tmp_path, arch: str = "sm_90a") -> subprocess.CompletedProcess:
     (tmp_path / "k.cu").write_text(source)
-    return subprocess.run([NVCC, "-std=c++17", "-arch=sm_90a", "-c", "k.cu", "-o", "k.o"], cwd=tmp_path,
+    return subprocess.run([NVCC, "-std=c++17", f"-arch={arch}", "-c", "k.cu", "-o", "k.o"], cwd=tmp_path,
                           capture_output=True, text=True)
 
 
@@ -190,3 +190,17 @@ def test_kernel_sources_compile_for_the_h200(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     broken = kernels.MMA.replace("l[x] *= alpha[x];", "l[x] *= alpha[x]")
     assert _compiles(_translation_unit(kernels.SPLIT, broken), tmp_path).returncode != 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(NVCC is None, reason="nvcc not on PATH")
+def test_only_the_fma_kernels_compile_for_compute_capability_7_5(tmp_path):
+    """MLX CUDA runs on 7.5 (T4, RTX 20xx); the MMA kernel's bf16 m16n8k16 needs 8.0, so
+    kernels.tensor_cores sends a 7.5 GPU to the FMA kernels: they compile for sm_75, the MMA one
+    does not (for the reason the gate names), and both do for sm_80."""
+    fma_only = _translation_unit(kernels.SPLIT, kernels.MMA).split("__global__ void mma_")[0]
+    fma_only = fma_only[: fma_only.rindex("namespace mlx::core::cu {")]
+    assert _compiles(fma_only, tmp_path, "sm_75").returncode == 0
+    mma = _compiles(_translation_unit(kernels.SPLIT, kernels.MMA), tmp_path, "sm_75")
+    assert mma.returncode != 0 and "requires .target sm_80" in mma.stderr, mma.stderr[-1000:]
+    assert _compiles(_translation_unit(kernels.SPLIT, kernels.MMA), tmp_path, "sm_80").returncode == 0

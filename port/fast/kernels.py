@@ -33,6 +33,7 @@ import mlx.core as mx
 
 ROWS = 64          # query rows per CUDA block at most (FMA: 4 threads a row; tensor cores: 16 a warp)
 CTAS = 264         # CUDA blocks aimed at: two per SM of an H200 (132 SMs)
+MMA_CAPABILITY = 8  # mma.sync's bf16 m16n8k16: compute capability 8.0 or newer (MLX CUDA runs from 7.5)
 
 # Both split kernels start here: which keys of [context rows 0..valid-1 ; block rows] this CUDA
 # block walks (its split's whole tiles of TK keys).
@@ -436,9 +437,20 @@ def fits(head_dim: int) -> bool:
     return head_dim % 16 == 0 and head_dim <= 256
 
 
+@cache
+def capability() -> int | None:
+    """The GPU's compute capability (its major number) on MLX CUDA; None elsewhere."""
+    return int(mx.device_info()["compute_capability_major"]) if mx.cuda.is_available() else None
+
+
 def tensor_cores(dtype: mx.Dtype, head_dim: int) -> bool:
-    """The split kernel runs on bf16 tensor cores (MMA; else the fp32 FMA path, SPLIT)."""
-    return dtype == mx.bfloat16 and head_dim <= 128
+    """The split kernel runs on bf16 tensor cores (MMA; else the fp32 FMA path, SPLIT): bf16, a
+    head_dim <= 128, and a GPU of compute capability MMA_CAPABILITY or newer. On a 7.5 GPU (T4, RTX
+    20xx: MLX CUDA runs there) the MMA source does not compile (ptxas: ".bf16 requires sm_80";
+    tests/test_kernels.py compiles it for both), the FMA one does. Off MLX CUDA the shapes decide:
+    nothing launches the kernels there."""
+    cap = capability()
+    return dtype == mx.bfloat16 and head_dim <= 128 and (cap is None or cap >= MMA_CAPABILITY)
 
 
 def check(head_dim: int, error=None) -> None:

@@ -72,13 +72,17 @@ def unsupported(target: targets.Target, kv_bucket: int | None) -> str | None:
 def kernel_unsupported(target: targets.Target, kv_bucket: int | None) -> str | None:
     """Why the compiled verify cannot take the kernels' attention (None: it can): `unsupported`,
     a family other than qwen3 (the layers traced_kernel walks), or kernels that do not run here or
-    not on tensor cores (bf16 activations, head_dim <= 128; their fp32 path is slower than mx.fast's)."""
+    not on tensor cores (compute capability 8.0 or newer, bf16 activations, head_dim <= 128; their
+    fp32 path is slower than mx.fast's)."""
     if why := unsupported(target, kv_bucket):
         return why
     if target.family != "qwen3":
         return f"its attention kernels are wired into qwen3 layers only (this target: {target.family})"
     if not kernels.available():
         return "its attention kernels run on MLX's CUDA backend only"
+    if (cap := kernels.capability()) is not None and cap < kernels.MMA_CAPABILITY:
+        return (f"its attention kernels run on bf16 tensor cores: compute capability {kernels.MMA_CAPABILITY}.0 or "
+                f"newer (this GPU: {cap}.x)")
     proj = target.model.model.layers[0].self_attn.q_proj
     dtype, head_dim = getattr(proj, "scales", proj.weight).dtype, target.config["head_dim"]
     if not (kernels.fits(head_dim) and kernels.tensor_cores(dtype, head_dim)):
