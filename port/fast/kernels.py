@@ -443,14 +443,22 @@ def capability() -> int | None:
     return int(mx.device_info()["compute_capability_major"]) if mx.cuda.is_available() else None
 
 
+def tensor_core_refusal(dtype: mx.Dtype, head_dim: int) -> str | None:
+    """Why the split kernel does not run on bf16 tensor cores (MMA) but on its fp32 FMA path
+    (SPLIT); None: it does. It needs bf16, a head_dim <= 128, and a GPU of compute capability
+    MMA_CAPABILITY or newer: on a 7.5 GPU (T4, RTX 20xx: MLX CUDA runs there) the MMA source does
+    not compile (ptxas: ".bf16 requires sm_80"; tests/test_kernels.py compiles it for both), the FMA
+    one does. Off MLX CUDA the shapes decide: nothing launches the kernels there."""
+    if (cap := capability()) is not None and cap < MMA_CAPABILITY:
+        return f"run on bf16 tensor cores: compute capability {MMA_CAPABILITY}.0 or newer (this GPU: {cap}.x)"
+    if dtype != mx.bfloat16 or head_dim > 128:
+        return f"take bf16 activations and a head_dim <= 128 (this one: {dtype}, {head_dim})"
+    return None
+
+
 def tensor_cores(dtype: mx.Dtype, head_dim: int) -> bool:
-    """The split kernel runs on bf16 tensor cores (MMA; else the fp32 FMA path, SPLIT): bf16, a
-    head_dim <= 128, and a GPU of compute capability MMA_CAPABILITY or newer. On a 7.5 GPU (T4, RTX
-    20xx: MLX CUDA runs there) the MMA source does not compile (ptxas: ".bf16 requires sm_80";
-    tests/test_kernels.py compiles it for both), the FMA one does. Off MLX CUDA the shapes decide:
-    nothing launches the kernels there."""
-    cap = capability()
-    return dtype == mx.bfloat16 and head_dim <= 128 and (cap is None or cap >= MMA_CAPABILITY)
+    """The split kernel runs on bf16 tensor cores (tensor_core_refusal says why not)."""
+    return tensor_core_refusal(dtype, head_dim) is None
 
 
 def check(head_dim: int, error=None) -> None:

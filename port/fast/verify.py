@@ -80,13 +80,12 @@ def kernel_unsupported(target: targets.Target, kv_bucket: int | None) -> str | N
         return f"its attention kernels are wired into qwen3 layers only (this target: {target.family})"
     if not kernels.available():
         return "its attention kernels run on MLX's CUDA backend only"
-    if (cap := kernels.capability()) is not None and cap < kernels.MMA_CAPABILITY:
-        return (f"its attention kernels run on bf16 tensor cores: compute capability {kernels.MMA_CAPABILITY}.0 or "
-                f"newer (this GPU: {cap}.x)")
     proj = target.model.model.layers[0].self_attn.q_proj
     dtype, head_dim = getattr(proj, "scales", proj.weight).dtype, target.config["head_dim"]
-    if not (kernels.fits(head_dim) and kernels.tensor_cores(dtype, head_dim)):
-        return f"its attention kernels take bf16 activations and a head_dim <= 128 (this target: {dtype}, {head_dim})"
+    if why := kernels.tensor_core_refusal(dtype, head_dim):
+        return f"its attention kernels {why}"
+    if not kernels.fits(head_dim):
+        return f"its attention kernels take a head_dim that is a multiple of 16 (this target: {head_dim})"
     return None
 
 
