@@ -223,7 +223,7 @@ def _mlx_lm_attention(q, keys, values, k, v, valid, scale):
     """kernel_attention's twin where the kernels cannot run: mlx-lm's layer's own attention (mx.fast's
     over the whole buffer under VerifyCache's mask), so that the walk around it is held to mlx-lm's
     layers bit for bit."""
-    mask = fast_verify.BufferView(keys, values, valid[0], 1, compiled.rows_at(valid[0], q.shape[2])).mask(q.shape[2], q.dtype)
+    mask = fast_verify.BufferView(keys, values, valid[0], 1, None).mask(q.shape[2], q.dtype)   # no write: no rows
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
 
 

@@ -3,7 +3,8 @@
 through torch.profiler, timing.kernel_profile): launches, summed kernel time, busy time (their
 union) against the profiled window, by class. Each request is fresh, at a prompt length no other
 request has used (as the serve bench's). Session 22 ran it to see why the kernel verify's GPU time
-saved did not show in serving on an H100 (docs/benchmarks.md): a round is bound by the host. MLX CUDA with a CUDA torch only.
+saved did not show in serving on an H100 (docs/benchmarks.md): a round is bound by the host. MLX
+CUDA with a CUDA torch only.
 
     python3 tools/serve_kernels.py [--source dflash|dspark] [--sides port,port-compiled-verify] [--shapes tiny]
 """
@@ -85,6 +86,7 @@ def per_round(short: tuple[dict, float], long: tuple[dict, float]) -> str:
     return (f"a round ({ra:.0f} and {rb:.0f} rounds a request): {d('launches_per_call'):.0f} launches, kernels "
             f"{d('kernel_us_per_call'):.0f} us, busy {d('busy_us_per_call'):.0f} us, window {d('window_us_per_call'):.0f} us"
             f" | {parts}")
+
 
 if __name__ == "__main__":
     main()

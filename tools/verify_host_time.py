@@ -5,8 +5,8 @@ that evaluation does not drown the host's part; and the trace, paid once per buf
 them after (on MLX CUDA the kernels are encoded in it: at these widths it is mostly host time).
 Medians of 30 verifies of 16 rows after 5; the caches are trimmed back after each. Where the
 kernel verify runs (MLX CUDA; the target then in bf16), "kernel" is the compiled verify with
-port/fast/kernels.py's attention (verify="kernel"): session 21 measured its loop slower than the
-compiled verify's in serving though its GPU time is less, and this separates the host's part.
+port/fast/kernels.py's attention (verify="kernel"): session 22 ran it to see whether the kernel
+verify costs the host more (it does not: docs/benchmarks.md "Session 22").
 
     python3 tools/verify_host_time.py
 """
