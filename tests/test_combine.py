@@ -313,6 +313,28 @@ def test_the_targets_rows_step_ratios_are_the_runs():
     assert not missing, missing
 
 
+def pasted_tables_are_combines(text: str, paths: list) -> None:
+    """Every row of `combine`'s table of the runs at `paths` is in `text`."""
+    rows = [line for line in combine.markdown(combine.combine(*combine.load(paths))).splitlines()
+            if line.startswith("| ") and not line.startswith("| side")]
+    assert rows and not [r for r in rows if r not in text], paths[0].name
+
+
+def cold_over_warm(paths: list) -> dict:
+    """source -> its serve sections' cold ÷ warm rounds, run by run, as the targets row gives them."""
+    cold = {}
+    for p in paths:
+        for c in json.loads(p.read_text())["cases"]:
+            sv = c["serve"]
+            cold.setdefault(c["case"].split("-")[0], []).append(
+                f"{sv['cold']['round_median_s']['round_s'] / sv['round_median_s']['round_s']:.2f}")
+    return {src: " / ".join(r) for src, r in cold.items()}
+
+
+def targets_row(text: str, n: int) -> str:
+    return next(line for line in text.splitlines() if line.startswith(f"| {n}. "))
+
+
 def test_session_19s_tables_are_combine_of_its_runs():
     """Session 19 (an H100) pasted `combine`'s tables of its committed runs: every table row of
     each combination is in docs/benchmarks.md as combine prints it, and the targets table's cold ÷
@@ -321,9 +343,7 @@ def test_session_19s_tables_are_combine_of_its_runs():
     groups = [[DOCS / f"serve-h100-{src}-s19-run{i}.json" for i in (1, 2)] for src in ("dflash", "dspark", "assistant")]
     groups += [[DOCS / f"bench-h100-run{i}.json" for i in runs] for runs in ((45, 46, 47, 48), (49, 50))]
     for paths in groups:
-        rows = [line for line in combine.markdown(combine.combine(*combine.load(paths))).splitlines()
-                if line.startswith("| ") and not line.startswith("| side")]
-        assert rows and not [r for r in rows if r not in text], paths[0].name
+        pasted_tables_are_combines(text, paths)
 
     def ratios(runs, source):
         out = []
@@ -347,9 +367,7 @@ def test_session_20s_tables_are_combine_of_its_runs():
     after = [DOCS / f"bench-h100-run{i}.json" for i in (51, 53)]
     before = [DOCS / f"bench-h100-run{i}-slice-writes.json" for i in (52, 54)]
     for paths in [[DOCS / f"serve-h100-{src}-s20-run{i}.json" for i in (1, 2)] for src in ("dflash", "dspark")] + [after]:
-        rows = [line for line in combine.markdown(combine.combine(*combine.load(paths))).splitlines()
-                if line.startswith("| ") and not line.startswith("| side")]
-        assert rows and not [r for r in rows if r not in text], paths[0].name
+        pasted_tables_are_combines(text, paths)
 
     def cases(paths, source):
         return [next(c for c in json.loads(p.read_text())["cases"] if c["case"].startswith(source)) for p in paths]
@@ -368,10 +386,8 @@ def test_session_20s_tables_are_combine_of_its_runs():
         assert f"| {rounds(before, source)} | {rounds(after, source)} |" in row, row
         row = next(line for line in lines if line.startswith(f"| {name} block, ms"))
         assert f"| {block(before, source)} | {block(after, source)} |" in row, row
-    row = next(line for line in lines if line.startswith("| 2. the default path pays no per-length plan"))
-    cold = {s: " / ".join(f"{c['serve']['cold']['round_median_s']['round_s'] / c['serve']['round_median_s']['round_s']:.2f}"
-                          for c in cases(after, s)) for s in ("dspark", "dflash")}
-    assert f"(runs 51, 53): DSpark {cold['dspark']}, DFlash {cold['dflash']}" in row
+    cold = cold_over_warm(after)
+    assert f"(runs 51, 53): DSpark {cold['dspark']}, DFlash {cold['dflash']}" in targets_row(text, 2)
 
 
 def test_session_21s_tables_are_its_runs():
@@ -406,18 +422,10 @@ def test_session_22s_tables_are_its_runs():
     text = (DOCS / "benchmarks.md").read_text()
     step = [DOCS / f"bench-h200-run{i}.json" for i in (56, 57)]
     for paths in S22_PAIRS + [step]:
-        rows = [line for line in combine.markdown(combine.combine(*combine.load(paths))).splitlines()
-                if line.startswith("| ") and not line.startswith("| side")]
-        assert rows and not [r for r in rows if r not in text], paths[0].name
-    row = next(line for line in text.splitlines() if line.startswith("| 2. the default path pays no per-length plan"))
-    cold = {}
-    for p in step:
-        for c in json.loads(p.read_text())["cases"]:
-            sv = c["serve"]
-            cold.setdefault(c["case"].split("-")[0], []).append(
-                f"{sv['cold']['round_median_s']['round_s'] / sv['round_median_s']['round_s']:.2f}")
-    assert f"(runs 56, 57, the compiled verify, the default at 32fcfe1): DSpark {' / '.join(cold['dspark'])}, " \
-           f"DFlash {' / '.join(cold['dflash'])}" in row
+        pasted_tables_are_combines(text, paths)
+    cold = cold_over_warm(step)
+    assert f"(runs 56, 57, the compiled verify, the default at 32fcfe1): DSpark {cold['dspark']}, " \
+           f"DFlash {cold['dflash']}" in targets_row(text, 2)
 
     def inverse(paths, side):
         doc = combine.combine(*combine.load(paths))
@@ -432,3 +440,15 @@ def test_session_22s_tables_are_its_runs():
     assert f"| {inverse(d34, 'port-kernel-verify')} | {inverse(s34, 'port-kernel-verify')} |" in table["H200, runs 3–4"]
     assert (f"| {inverse(daa, 'port-kernel-verify')} (A/A: {inverse(daa, 'port-again')}) | "
             f"{inverse(saa, 'port-kernel-verify')} (A/A: {inverse(saa, 'port-again')}) |") in table["H100, with the A/A control"]
+
+
+def test_session_23s_tables_are_its_runs():
+    """Session 23 (an H100) pasted `combine`'s step table of runs 58 and 59 (the kernel verify the
+    default) and their cold ÷ warm rounds into the targets row and its section."""
+    text = (DOCS / "benchmarks.md").read_text()
+    step = [DOCS / f"bench-h100-run{i}.json" for i in (58, 59)]
+    pasted_tables_are_combines(text, step)
+    cold = cold_over_warm(step)
+    assert f"(runs 58, 59, the kernel verify, the default at 4f90e3f): DSpark {cold['dspark']}, " \
+           f"DFlash {cold['dflash']}" in targets_row(text, 2)
+    assert f"(DSpark {cold['dspark']},\nDFlash {cold['dflash']})" in text
