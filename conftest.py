@@ -112,3 +112,11 @@ def live_oracle():
             pytest.skip(f"{name} oracle unavailable: {status}")
 
     return need
+
+
+def pytest_collection_finish(session):
+    """The imported modules and collected tests out of the collector's way (gc.freeze): every full
+    collection after this, automatic or a bench's own gc.collect, walks only what the tests make."""
+    import gc
+
+    gc.freeze()
