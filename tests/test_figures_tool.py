@@ -2,11 +2,13 @@
 that wrote their JSON; the benches themselves are not run here (tests/test_combine.py holds combine).
 tools/serve_kernels.py: a round is two request lengths' kernel profiles, their difference over
 their rounds' (the prefill and what every request pays once cancel); its profiles need CUDA, so
-the arithmetic is held on summaries made up to a known round."""
+the arithmetic is held on summaries made up to a known round. tools/serve_memory.py: each request's
+peak is its own (MLX's peak reset before it), held on requests that allocate known sizes."""
 
 import importlib.util
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,3 +98,24 @@ def test_a_per_request_division_would_be_caught():
     """Control: the long request alone over its rounds (the prefill counted in) is not the round."""
     s = summary(31)
     assert f"{s['launches_per_call'] / 31:.0f} launches" not in load("serve_kernels").per_round((summary(15), 15.0), (s, 31.0))
+
+
+def allocating(generate_mib: dict):
+    """A generate that holds `generate_mib[n]` MiB for a moment, as a request of n tokens."""
+    def generate(prompt, n):
+        mx.eval(mx.zeros((generate_mib[n] * 2**18,), mx.float32))
+    return generate
+
+
+def test_each_requests_peak_is_its_own():
+    big, small = load("serve_memory").request_peaks(allocating({1: 64, 2: 16}), [([], 1), ([], 2)])
+    for (before, peak), mib in ((big, 64), (small, 16)):
+        assert mib * 2**20 <= peak - before < (mib + 8) * 2**20
+
+
+def test_a_peak_not_reset_would_be_caught(monkeypatch):
+    """Control: without the reset the small request reads the big one's peak."""
+    mod = load("serve_memory")
+    monkeypatch.setattr(mod.mx, "reset_peak_memory", lambda: None)
+    _, (before, peak) = mod.request_peaks(allocating({1: 64, 2: 16}), [([], 1), ([], 2)])
+    assert not peak - before < 24 * 2**20
