@@ -8,7 +8,9 @@ compiled one, the cost is in what the function does (array offset, slice writes,
 op by op, it is in the compilation. A fourth, "compiled, slice writes", is the compiled verify with
 the K/V writes as they were up to session 19 (tools/slice_writes.py): the before of the scatter.
 Where the kernel verify runs (MLX CUDA, bf16), "compiled, kernel attention" is the compiled verify
-with port/fast/kernels.py's attention (port.serve's verify="kernel", session 21).
+with port/fast/kernels.py's attention (port.serve's verify="kernel", session 21), its Q and K norms
+and RoPE port/fast/norm_rope.py's one kernel since session 23; "kernel attention, norms unfused" is
+it with mlx-lm's four kernels there instead (the before of norm_rope).
 
     python3 tools/verify_device_time.py [--source dflash|dspark] [--scale 1] [--ctx 2048]
 
@@ -22,12 +24,13 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import mlx.core as mx
 import numpy as np
 
 from port import targets
-from port.fast import verify
+from port.fast import norm_rope, verify
 from spec_parity import controls
 from spec_parity.bench import port_sides, shapes, timing
 from spec_parity.bench.sides import Stepper
@@ -73,7 +76,14 @@ def main() -> None:
              "traced, eager": lambda c: verify.forward(eager, ids, c),
              "compiled, slice writes": slice_writes}
     if verify.kernel_unsupported(target, BUCKET) is None:
+        unfused = dataclasses.replace(target, compiled={})
+
+        def unfused_qk(c):
+            with mock.patch.object(norm_rope, "unsupported", lambda attn: "the before, measured"):
+                return verify.forward(unfused, ids, c, "kernel")
+
         sides["compiled, kernel attention"] = lambda c: verify.forward(target, ids, c, "kernel")
+        sides["kernel attention, norms unfused"] = unfused_qk
     caches = {name: prefilled() for name in sides}
     for _ in range(WARM):
         for name, f in sides.items():
@@ -87,7 +97,7 @@ def main() -> None:
     print(f"{case.shapes.label}: verify of {rows} rows at context {a.ctx}, bucket {BUCKET}, {mx.default_device()}")
     for name, s in samples.items():
         q = np.percentile(np.array(s) * 1e3, [50, 10, 90])
-        print(f"  {name:22s} {q[0]:.2f} ms [{q[1]:.2f}-{q[2]:.2f}]")
+        print(f"  {name:32s} {q[0]:.2f} ms [{q[1]:.2f}-{q[2]:.2f}]")
     for name, f in sides.items():
         print(f"  {name} kernels:", kernels(lambda f=f, c=caches[name]: once(f, c)))
 
