@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import test_norm_rope
 
-from port.fast import kernels
+from port.fast import kernels, norm_rope
 from spec_parity import cli, controls
 from spec_parity.bench import combine, loop_sides, loops
 from spec_parity.bench.sides import Side
@@ -169,3 +170,18 @@ def test_a_serve_run_stopped_midway_keeps_its_finished_cases(tmp_path, monkeypat
         cli.main(["bench", "--serve", "--sources", "dspark", "--runs", "2", "--out", str(tmp_path / "b")])
     printed = combine.markdown(combine.combine(*combine.load([tmp_path / "a", tmp_path / "b"])))
     assert "stopped after 1 of its 2 cases" in printed
+
+
+def test_the_unfused_qk_side_refuses_norm_rope_while_it_runs(monkeypatch):
+    """port-unfused-qk's requests run with port/fast/norm_rope.py refused (its kernel verify traces
+    mlx-lm's norms and RoPE: the before); control: outside them the same attention takes it."""
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    attn = test_norm_rope._attention(4, 2, 64, None)
+    seen = []
+
+    def request(*args):
+        seen.append(norm_rope.unsupported(attn))
+
+    loop_sides.without_norm_rope(request)([], 4)
+    request([], 4)
+    assert seen[0] and seen[1] is None

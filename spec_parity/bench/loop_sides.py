@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
+from unittest import mock
 
 import mlx.core as mx
 
@@ -131,6 +132,26 @@ def port_side(ckpt: Checkpoints, env, path: str = "", verify: str = "auto", pipe
     notes = [", ".join([f"{k}={v}" for k, v in options.items()] + port_sides.resolved(provider.drafter)
                        + [port_sides.verify_note(target, provider, verify)])]
     return Loop(generate, notes=notes, split=split, keep=(target, provider))
+
+
+def unfused_qk_side(ckpt: Checkpoints, env) -> Loop:
+    """port_side with the kernel verify's Q and K norms and RoPE as mlx-lm's four kernels: the
+    before of port/fast/norm_rope.py. Its target is its own (its own compiled verify, traced with
+    norm_rope refused for this side's requests only)."""
+    loop = port_side(ckpt, env)
+    loop.notes.append("norm_rope refused")   # the list port_side's requests add their loop's name to
+    return replace(loop, generate=without_norm_rope(loop.generate), split=without_norm_rope(loop.split))
+
+
+def without_norm_rope(fn: Callable) -> Callable:
+    """fn, with port/fast/norm_rope.py refused while it runs (the kernel verify then traces mlx-lm's
+    norms and RoPE)."""
+    from port.fast import norm_rope
+
+    def call(*args):
+        with mock.patch.object(norm_rope, "unsupported", lambda attn: "refused: the bench's before side"):
+            return fn(*args)
+    return call
 
 
 # ---- the peers' own loops ------------------------------------------------------------------------
@@ -268,6 +289,7 @@ PLAIN_VERIFY = "port-plain-verify"  # our default loop with its verify op by op 
 COMPILED_VERIFY = "port-compiled-verify"  # our default loop, its compiled verify on mx.fast's attention (before verify="kernel")
 SEQUENTIAL = "port-sequential"      # our default loop, its rounds one after the other (before serve._pipelined)
 AGAIN = "port-again"                # our default loop once more: the A/A control of a run's side-by-side ratios
+UNFUSED_QK = "port-unfused-qk"      # our default loop, its kernel verify's Q and K norms and RoPE op by op (before norm_rope)
 
 # plain first (the reference stream and the baseline), then ours, then the peers' loops: each peer's
 # Side of the step bench (its name, sources, framework, modules and install line) with its loop.
@@ -280,11 +302,13 @@ SIDES: dict[str, Side] = {s.name: s for s in (
     Side(COMPILED_VERIFY, ("dspark", "dflash"), partial(port_side, verify="compiled"), peer=False),
     Side(SEQUENTIAL, ("dspark", "dflash"), partial(port_side, pipeline="off"), peer=False),
     Side(AGAIN, SOURCES, port_side, peer=False),
+    Side(UNFUSED_QK, ("dspark", "dflash"), unfused_qk_side, peer=False),
     *(replace(_PEERS[name], build=build) for name, build in (
         ("optiq", optiq_side), ("zlab-mlx", zlab_mlx_side), ("dflash-mlx", dflash_mlx_side),
         ("dspark-mlx", dspark_mlx_side), ("deepspec-torch", deepspec_side))),
 )}
-OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS) + (PLAIN_VERIFY, COMPILED_VERIFY, SEQUENTIAL, AGAIN)
+OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS) + (PLAIN_VERIFY, COMPILED_VERIFY, SEQUENTIAL, AGAIN,
+                                                                      UNFUSED_QK)
 
 
 ALWAYS = ("plain", "port")   # the baseline and our default path: in every --serve run, as in the step bench
