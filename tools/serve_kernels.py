@@ -12,7 +12,6 @@ CUDA with a CUDA torch only.
 import argparse
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 
@@ -28,12 +27,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3, help="timed requests per side, then as many profiled")
     p.add_argument("--shapes", choices=("real", "tiny"), default="real", help="tiny: a CPU runs it (no profile)")
     args = p.parse_args()
-    opts = loops.Options(shapes=args.shapes, sources=(args.source,), conditions=("random",),
-                         dtype="bfloat16" if args.shapes == "real" else "float32")
-    case = loops.cases(opts)[0][1]
-    names = args.sides.split(",")
-    sides = sorted((s for s in loop_sides.sides_for(case.module, names) if s.name in names), key=lambda s: names.index(s.name))
-    env = SimpleNamespace(torch_device=None, torch_reason="not used")
+    opts, case, sides, env = loops.our_sides(args.source, args.shapes, args.sides.split(","))
     with tempfile.TemporaryDirectory() as root:
         ckpt = shapes.build(case, Path(root))
         vocab = ckpt.target_config["vocab_size"]

@@ -11,7 +11,6 @@ import argparse
 import gc
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -27,12 +26,7 @@ def main() -> None:
     p.add_argument("--sides", default=f"port,{loop_sides.COMPILED_VERIFY},{loop_sides.AGAIN}")
     p.add_argument("--shapes", choices=("real", "tiny"), default="real", help="tiny: a CPU runs it")
     args = p.parse_args()
-    opts = loops.Options(shapes=args.shapes, sources=(args.source,), conditions=("random",),
-                         dtype="bfloat16" if args.shapes == "real" else "float32")
-    case = loops.cases(opts)[0][1]
-    names = args.sides.split(",")
-    sides = sorted((s for s in loop_sides.sides_for(case.module, names) if s.name in names), key=lambda s: names.index(s.name))
-    env = SimpleNamespace(torch_device=None, torch_reason="not used")
+    opts, case, sides, env = loops.our_sides(args.source, args.shapes, args.sides.split(","))
     unit, label = (2**30, "GiB") if args.shapes == "real" else (2**20, "MiB")
     with tempfile.TemporaryDirectory() as root:
         ckpt = shapes.build(case, Path(root))

@@ -24,15 +24,14 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
-from unittest import mock
 
 import mlx.core as mx
 import numpy as np
 
 from port import targets
-from port.fast import norm_rope, verify
+from port.fast import verify
 from spec_parity import controls
-from spec_parity.bench import port_sides, shapes, timing
+from spec_parity.bench import loop_sides, port_sides, shapes, timing
 from spec_parity.bench.sides import Stepper
 
 BUCKET, RUNS, WARM, PROFILED = 256, 30, 5, 10
@@ -77,13 +76,9 @@ def main() -> None:
              "compiled, slice writes": slice_writes}
     if verify.kernel_unsupported(target, BUCKET) is None:
         unfused = dataclasses.replace(target, compiled={})
-
-        def unfused_qk(c):
-            with mock.patch.object(norm_rope, "unsupported", lambda attn: "the before, measured"):
-                return verify.forward(unfused, ids, c, "kernel")
-
         sides["compiled, kernel attention"] = lambda c: verify.forward(target, ids, c, "kernel")
-        sides["kernel attention, norms unfused"] = unfused_qk
+        sides["kernel attention, norms unfused"] = loop_sides.without_norm_rope(
+            lambda c: verify.forward(unfused, ids, c, "kernel"))
     caches = {name: prefilled() for name in sides}
     for _ in range(WARM):
         for name, f in sides.items():

@@ -112,6 +112,17 @@ def cases(opts: Options) -> list[tuple[str, Case]]:
     return out
 
 
+def our_sides(source: str, shape: str, names: list[str]) -> tuple[Options, Case, list[Side], SimpleNamespace]:
+    """What a tool that runs some of our loop sides outside `bench` builds (tools/serve_kernels.py,
+    tools/serve_memory.py): the options and case of `source`'s random condition at `shape` ("real":
+    bf16, "tiny": fp32), the sides named in their order, and an env with no torch side."""
+    opts = Options(shapes=shape, sources=(source,), conditions=("random",),
+                   dtype="bfloat16" if shape == "real" else "float32")
+    case = cases(opts)[0][1]
+    sides = sorted((s for s in loop_sides.sides_for(case.module, names) if s.name in names), key=lambda s: names.index(s.name))
+    return opts, case, sides, SimpleNamespace(torch_device=None, torch_reason="not used")
+
+
 # ---- one side ------------------------------------------------------------------------------------
 
 def stream_check(tokens: list[int], reference: list[int] | None) -> dict:
