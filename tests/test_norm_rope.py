@@ -1,20 +1,26 @@
 """port/fast/norm_rope.py: a Qwen3 layer's Q and K norms and RoPE as one CUDA kernel, against
 mlx-lm's own modules (verify.mlx_lm_qk, in fp32) on MLX CUDA, over head_dims 64 and 128, GQA,
 offsets 0 and inside a long context, a linear-scaled RoPE; and the kernel verify that uses it,
-against the fp32 verify, within the tier the kernel verify holds without it. Planted bugs, edited
+against the fp32 verify, within the tier the kernel verify holds without it; the bucketed DFlash
+and fused DSpark blocks that use it, against their fp32 blocks, as close as with mlx-lm's ops. Planted bugs, edited
 into the kernel's source from here, must fail the same comparisons. On the CPU: which attentions
 it refuses, and (with nvcc) that its source compiles for sm_90a and sm_75."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
+import test_bucketed as tb
 import test_bucketed_verify as tbv
 import test_kernels
 from mlx_lm.models import qwen3
+from mlx_lm.models.cache import make_prompt_cache
 
-from port import targets
+from port import serve, targets
+from port.fast import dflash as fast_dflash
+from port.fast import dspark as fast_dspark
 from port.fast import kernels, norm_rope
 from port.fast import verify as fast_verify
+from port.sources.dspark import DeepspecSource
 from spec_parity import budgets, checkpoints, compare
 
 CUDA = pytest.mark.skipif(not kernels.available(), reason="the kernel runs on MLX CUDA only")
@@ -113,6 +119,92 @@ def test_kernel_verify_with_it_holds_its_tier(bug, planted, monkeypatch):
         planted(bug)
     distance = tbv._distance(tbv._verifies(target, "kernel"), ref)
     assert (distance <= allowed) == (bug is None), (bug, distance, allowed)
+
+
+def _dflash_blocks(dtype, kv_bucket, attention="auto") -> tuple[list, object]:
+    """Six rounds of the DFlash drafter with head_dim 64 (tests/test_bucketed.py's FEEDS, the
+    context 5 -> 20 rows), drafter and target at `dtype`: each block's hidden and logits, as fp32;
+    and the drafter."""
+    path = checkpoints.build("dflash-drafter", 0, {"head_dim": 64})
+    m = fast_dflash.load(path, kv_bucket=kv_bucket, bucket_attention=attention)
+    target = targets.load(checkpoints.build("qwen3-target", 0, {}), dtype=dtype)
+    if dtype is not None:
+        m.set_dtype(dtype)
+    rows, caches, out = tb._taps("qwen3-target", path), m.make_caches(), []
+    for r, (lo, hi) in enumerate(tb.FEEDS):
+        b = m.block(target, 7 + r, m.args.block_size - 1, rows[:, lo:hi].astype(dtype or mx.float32), caches)
+        out.append([b.hidden.astype(mx.float32), b.logits.astype(mx.float32)])
+    return out, m
+
+
+def _dspark_blocks(dtype, kv_bucket, attention="auto") -> tuple[list, object]:
+    """The same for the Qwen3 DSpark drafter (Fused where bucketed): hidden, base and Markov rows."""
+    path = checkpoints.build("dspark-drafter", 0, {**tb.DSPARK_VARIANTS["qwen3"], "target_overrides": {"head_dim": 64}})
+    m = fast_dspark.load(path, True, kv_bucket, attention)
+    if dtype is not None:
+        m.set_dtype(dtype)
+    target = tb._target("qwen3-target")
+    rows = tb._taps("qwen3-target", path).astype(dtype or mx.float32)
+    src, out = DeepspecSource(m, serve.TargetView(target, make_prompt_cache(target.model))), []
+    for r, (lo, hi) in enumerate(tb.FEEDS):
+        src.pending = rows[:, lo:hi]
+        b = src._block([7 + r], None)
+        out.append([x.astype(mx.float32) for x in (b.hidden, b.base_logits, b.logits)])
+    return out, m
+
+
+BLOCKS = {"dflash": _dflash_blocks, "dspark": _dspark_blocks}
+
+
+@CUDA
+@pytest.mark.parametrize("bug", [None, "position", "rotation"])
+@pytest.mark.parametrize("source", sorted(BLOCKS))
+def test_bucketed_block_with_it_holds_its_tier(source, bug, planted, monkeypatch):
+    """The bucketed DFlash block and the fused DSpark one in bf16 (kernel attention, the serve
+    default there) with the fused Q and K are no further from the fp32 compiled block than the
+    same block with norm_rope refused (mlx-lm's ops), by BF16_FACTOR; a planted bug must leave
+    that tier."""
+    blocks = BLOCKS[source]
+    ref, m = blocks(None, None)
+    assert norm_rope.unsupported(m.layers[0].self_attn) is None
+    with monkeypatch.context() as refused:
+        refused.setattr(norm_rope, "unsupported", lambda attn: "refused")
+        unfused, _ = blocks(mx.bfloat16, tb.BUCKET, "kernel")
+    if bug:
+        planted(bug)
+    allowed = BF16_FACTOR * tbv._distance(unfused, ref)
+    distance = tbv._distance(blocks(mx.bfloat16, tb.BUCKET, "kernel")[0], ref)
+    assert np.isfinite(distance) and (distance <= allowed) == (bug is None), (bug, distance, allowed)
+
+
+def _stand_in(late: int, calls: list):
+    """norm_rope.qk as the attention's own modules (`late`: positions that many late), called as
+    the kernel is: projected rows, positions from the device copy of the offset."""
+    def qk(attn, qp, kp, offset, valid):
+        calls.append(qp.shape)
+        d = attn.q_norm.weight.shape[0]
+        at = valid[0] + late
+
+        def heads(x, norm):
+            return norm(x.reshape(1, x.shape[-2], -1, d)).transpose(0, 2, 1, 3)
+        return attn.rope(heads(qp, attn.q_norm), offset=at), attn.rope(heads(kp, attn.k_norm), offset=at)
+    return qk
+
+
+@pytest.mark.parametrize("late", [0, 1])
+@pytest.mark.parametrize("source", sorted(BLOCKS))
+def test_the_bucketed_blocks_take_it_where_it_runs(source, late, monkeypatch):
+    """Any backend, the kernel replaced by a stand-in of mlx-lm's ops: where norm_rope runs, the
+    bucketed DFlash and fused DSpark blocks take their Q and K from it (every layer, every trace)
+    and are bit for bit the blocks without it; control: a stand-in one position late is not."""
+    without, _ = BLOCKS[source](None, tb.BUCKET, "sdpa")
+    calls: list = []
+    monkeypatch.setattr(norm_rope, "unsupported", lambda attn: None)
+    monkeypatch.setattr(norm_rope, "qk", _stand_in(late, calls))
+    got, m = BLOCKS[source](None, tb.BUCKET, "sdpa")
+    assert len(calls) == len(m.layers) * m._bucketed.traces > 0, calls
+    distance = tbv._distance(got, without)
+    assert distance == 0 if not late else distance > 1e-3, distance
 
 
 def test_refusals(monkeypatch):

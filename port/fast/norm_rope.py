@@ -1,10 +1,12 @@
 """A Qwen3 layer's Q and K norms and RoPE as one custom CUDA kernel (MLX CUDA only; the kernel
-verify's, port/fast/verify.py, where `unsupported` is None).
+verify's, port/fast/verify.py, and the bucketed DFlash block's, port/fast/dflash.py, where
+`unsupported` is None).
 
 Why: a serving round on MLX CUDA is bound by the host, at 8-9 us of host time a launch
 (docs/benchmarks.md "Session 22"), and mlx-lm's Qwen3 attention launches four kernels between its
 projections and its attention: q_norm, k_norm (mx.fast.rms_norm) and RoPE on each
-(mx.fast.rope). Here one launch does all four: 108 fewer a verify of Qwen3-4B's 36 layers.
+(mx.fast.rope); DFlash's draft layers the same. Here one launch does all four: 108 fewer a verify
+of Qwen3-4B's 36 layers, 15 fewer a block of its DFlash drafter's 5.
 
 One warp a (row, head) of [Q heads ; K heads]; a lane holds D / 32 of the head's elements, at
 lane + 32 e, so the RoPE pair (j, j + D/2) of a non-traditional RoPE is in one lane (D a multiple
@@ -93,11 +95,12 @@ def unsupported(attn) -> str | None:
 
 
 def qk(attn, qp, kp, offset, valid):
-    """mlx-lm's Qwen3 Attention from its projections to its attention's inputs: q [1, Hq, L, D]
-    and k [1, Hkv, L, D], normed and rotated at positions valid[0] + row (`valid`:
+    """A Qwen3-style attention (mlx-lm's, or a drafter's with the same q_norm, k_norm and rope) from
+    its projected rows qp [.., L, Hq * D], kp [.., L, Hkv * D] to its attention's inputs: q [1, Hq,
+    L, D] and k [1, Hkv, L, D], normed and rotated at positions valid[0] + row (`valid`:
     kernels.device_valid's array of the `offset`, read on the device, not from MLX's scalar pool)."""
-    _, L, _ = qp.shape
-    hq, hkv, d = attn.n_heads, attn.n_kv_heads, attn.q_norm.weight.shape[0]
+    d = attn.q_norm.weight.shape[0]
+    L, hq, hkv = qp.shape[-2], qp.shape[-1] // d, kp.shape[-1] // d
     template = [("T", qp.dtype), ("HQ", hq), ("HKV", hkv), ("L", L), ("D", d), ("EPS", kernels.scale_bits(attn.q_norm.eps)),
                 ("SCALE", kernels.scale_bits(attn.rope.scale)), ("LOG2BASE", kernels.scale_bits(math.log2(attn.rope.base)))]
     warps = (hq + hkv) * L

@@ -135,17 +135,18 @@ def port_side(ckpt: Checkpoints, env, path: str = "", verify: str = "auto", pipe
 
 
 def unfused_qk_side(ckpt: Checkpoints, env) -> Loop:
-    """port_side with the kernel verify's Q and K norms and RoPE as mlx-lm's four kernels: the
-    before of port/fast/norm_rope.py. Its target is its own (its own compiled verify, traced with
-    norm_rope refused for this side's requests only)."""
+    """port_side with the Q and K norms and RoPE of the kernel verify and of the drafter's bucketed
+    block as mlx-lm's four kernels: the before of port/fast/norm_rope.py. Its target and drafter
+    are its own (their compiled calls traced with norm_rope refused, for this side's requests
+    only)."""
     loop = port_side(ckpt, env)
     loop.notes.append("norm_rope refused")   # the list port_side's requests add their loop's name to
     return replace(loop, generate=without_norm_rope(loop.generate), split=without_norm_rope(loop.split))
 
 
 def without_norm_rope(fn: Callable) -> Callable:
-    """fn, with port/fast/norm_rope.py refused while it runs (the kernel verify then traces mlx-lm's
-    norms and RoPE)."""
+    """fn, with port/fast/norm_rope.py refused while it runs (the kernel verify and the bucketed
+    drafter blocks then trace mlx-lm's norms and RoPE)."""
     from port.fast import norm_rope
 
     def call(*args):
@@ -289,7 +290,7 @@ PLAIN_VERIFY = "port-plain-verify"  # our default loop with its verify op by op 
 COMPILED_VERIFY = "port-compiled-verify"  # our default loop, its compiled verify on mx.fast's attention (before verify="kernel")
 SEQUENTIAL = "port-sequential"      # our default loop, its rounds one after the other (before serve._pipelined)
 AGAIN = "port-again"                # our default loop once more: the A/A control of a run's side-by-side ratios
-UNFUSED_QK = "port-unfused-qk"      # our default loop, its kernel verify's Q and K norms and RoPE op by op (before norm_rope)
+UNFUSED_QK = "port-unfused-qk"      # our default loop, Q's and K's norms and RoPE op by op (before norm_rope)
 
 # plain first (the reference stream and the baseline), then ours, then the peers' loops: each peer's
 # Side of the step bench (its name, sources, framework, modules and install line) with its loop.
