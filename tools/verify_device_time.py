@@ -31,7 +31,7 @@ import numpy as np
 from port import targets
 from port.fast import verify
 from spec_parity import controls
-from spec_parity.bench import loop_sides, port_sides, shapes, timing
+from spec_parity.bench import port_sides, shapes, timing
 from spec_parity.bench.sides import Stepper
 
 BUCKET, RUNS, WARM, PROFILED = 256, 30, 5, 10
@@ -77,7 +77,7 @@ def main() -> None:
     if verify.kernel_unsupported(target, BUCKET) is None:
         unfused = dataclasses.replace(target, compiled={})
         sides["compiled, kernel attention"] = lambda c: verify.forward(target, ids, c, "kernel")
-        sides["kernel attention, norms unfused"] = loop_sides.without_norm_rope(
+        sides["kernel attention, norms unfused"] = port_sides.without_norm_rope(
             lambda c: verify.forward(unfused, ids, c, "kernel"))
     caches = {name: prefilled() for name in sides}
     for _ in range(WARM):

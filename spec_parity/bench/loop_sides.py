@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from unittest import mock
 
 import mlx.core as mx
 
@@ -141,18 +140,8 @@ def unfused_qk_side(ckpt: Checkpoints, env) -> Loop:
     only)."""
     loop = port_side(ckpt, env)
     loop.notes.append("norm_rope refused")   # the list port_side's requests add their loop's name to
-    return replace(loop, generate=without_norm_rope(loop.generate), split=without_norm_rope(loop.split))
-
-
-def without_norm_rope(fn: Callable) -> Callable:
-    """fn, with port/fast/norm_rope.py refused while it runs (the kernel verify and the bucketed
-    drafter blocks then trace mlx-lm's norms and RoPE)."""
-    from port.fast import norm_rope
-
-    def call(*args):
-        with mock.patch.object(norm_rope, "unsupported", lambda attn: "refused: the bench's before side"):
-            return fn(*args)
-    return call
+    unfused = port_sides.without_norm_rope
+    return replace(loop, generate=unfused(loop.generate), split=unfused(loop.split))
 
 
 # ---- the peers' own loops ------------------------------------------------------------------------
@@ -290,7 +279,7 @@ PLAIN_VERIFY = "port-plain-verify"  # our default loop with its verify op by op 
 COMPILED_VERIFY = "port-compiled-verify"  # our default loop, its compiled verify on mx.fast's attention (before verify="kernel")
 SEQUENTIAL = "port-sequential"      # our default loop, its rounds one after the other (before serve._pipelined)
 AGAIN = "port-again"                # our default loop once more: the A/A control of a run's side-by-side ratios
-UNFUSED_QK = "port-unfused-qk"      # our default loop, Q's and K's norms and RoPE op by op (before norm_rope)
+UNFUSED_QK = port_sides.UNFUSED_QK   # our default loop, Q's and K's norms and RoPE op by op (before norm_rope)
 
 # plain first (the reference stream and the baseline), then ours, then the peers' loops: each peer's
 # Side of the step bench (its name, sources, framework, modules and install line) with its loop.
