@@ -138,7 +138,9 @@ def _dflash_blocks(dtype, kv_bucket, attention="auto") -> tuple[list, object]:
 
 
 def _dspark_blocks(dtype, kv_bucket, attention="auto") -> tuple[list, object]:
-    """The same for the Qwen3 DSpark drafter (Fused where bucketed): hidden, base and Markov rows."""
+    """The same for the Qwen3 DSpark drafter (Fused where bucketed): hidden and base logits (not
+    its Markov rows: they follow the block's own tokens, and one token apart between bf16 and fp32
+    moves every row after it by the logits' size)."""
     path = checkpoints.build("dspark-drafter", 0, {**tb.DSPARK_VARIANTS["qwen3"], "target_overrides": {"head_dim": 64}})
     m = fast_dspark.load(path, True, kv_bucket, attention)
     if dtype is not None:
@@ -149,7 +151,7 @@ def _dspark_blocks(dtype, kv_bucket, attention="auto") -> tuple[list, object]:
     for r, (lo, hi) in enumerate(tb.FEEDS):
         src.pending = rows[:, lo:hi]
         b = src._block([7 + r], None)
-        out.append([x.astype(mx.float32) for x in (b.hidden, b.base_logits, b.logits)])
+        out.append([x.astype(mx.float32) for x in (b.hidden, b.base_logits)])
     return out, m
 
 
@@ -196,15 +198,18 @@ def _stand_in(late: int, calls: list):
 def test_the_bucketed_blocks_take_it_where_it_runs(source, late, monkeypatch):
     """Any backend, the kernel replaced by a stand-in of mlx-lm's ops: where norm_rope runs, the
     bucketed DFlash and fused DSpark blocks take their Q and K from it (every layer, every trace)
-    and are bit for bit the blocks without it; control: a stand-in one position late is not."""
+    and are the blocks without it (bit for bit on the CPU; on MLX CUDA, where the compiled graphs
+    differ, within tests/test_bucketed.py's TIER); control: a stand-in one position late is not."""
     without, _ = BLOCKS[source](None, tb.BUCKET, "sdpa")
     calls: list = []
     monkeypatch.setattr(norm_rope, "unsupported", lambda attn: None)
     monkeypatch.setattr(norm_rope, "qk", _stand_in(late, calls))
     got, m = BLOCKS[source](None, tb.BUCKET, "sdpa")
     assert len(calls) == len(m.layers) * m._bucketed.traces > 0, calls
-    distance = tbv._distance(got, without)
-    assert distance == 0 if not late else distance > 1e-3, distance
+    outside = tb._outside_tier(got, without)
+    assert bool(outside) == bool(late), outside
+    if mx.default_device() == mx.cpu and not late:
+        assert tbv._distance(got, without) == 0
 
 
 def test_refusals(monkeypatch):
