@@ -81,6 +81,12 @@ def _outside(shape, dtype) -> list:
     return bad
 
 
+@CUDA
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+def test_norm_rope_is_mlx_lms_norms_and_rope(dtype):
+    assert not [b for shape in SHAPES for b in _outside(shape, dtype)]
+
+
 @pytest.fixture
 def planted(monkeypatch):
     def plant(bug):
