@@ -452,3 +452,11 @@ def test_session_23s_tables_are_its_runs():
     assert f"(runs 58, 59, the kernel verify, the default at 4f90e3f): DSpark {cold['dspark']}, " \
            f"DFlash {cold['dflash']}" in targets_row(text, 2)
     assert f"(DSpark {cold['dspark']},\nDFlash {cold['dflash']})" in text
+
+
+def test_session_24s_tables_are_its_runs():
+    """Session 24 (an H100) pasted `combine`'s serving tables of norm_rope against its before
+    (port-unfused-qk) beside the A/A side, two runs a source."""
+    text = (DOCS / "benchmarks.md").read_text()
+    for src in ("dflash", "dspark"):
+        pasted_tables_are_combines(text, [DOCS / f"serve-h100-{src}-s24-qk-run{i}.json" for i in (1, 2)])
