@@ -121,21 +121,13 @@ class Attention(nn.Module):
 
     def heads_kv(self, k, v, offset):
         """kv from the projected rows k, v [1, T, n_kv * D] (v None: attention_k_eq_v)."""
-        return self.heads(k, self.n_kv, self.k_norm, offset), self.heads_v(k, v)
-
-    def heads_v(self, k, v):
-        """V [1, n_kv, T, D] from the projected rows k, v (v None: attention_k_eq_v, V is the raw
-        K); Gemma-4 normalizes it without a weight."""
         B, T, _ = k.shape
-        v = (k if v is None else v).reshape(B, T, self.n_kv, self.head_dim)
+        k_raw = k.reshape(B, T, self.n_kv, self.head_dim)
+        v = k_raw if v is None else v.reshape(B, T, self.n_kv, self.head_dim)
+        k = self.rope(self.k_norm(k_raw).transpose(0, 2, 1, 3), offset=offset)
         if self.a.family == "gemma4":
             v = rms_norm(v, None, self.a.rms_norm_eps)
-        return v.transpose(0, 2, 1, 3)
-
-    def heads(self, x, n, norm, offset):
-        """Projected rows x [1, T, n * D] -> normed, rotated heads [1, n, T, D] at offset.."""
-        B, T, _ = x.shape
-        return self.rope(norm(x.reshape(B, T, n, self.head_dim)).transpose(0, 2, 1, 3), offset=offset)
+        return k, v.transpose(0, 2, 1, 3)
 
     def block_qkv(self, x, offset):
         """Q, K, V of the block rows x [1, T, H] at offset.. (an int or a scalar array)."""
@@ -143,7 +135,9 @@ class Attention(nn.Module):
 
     def block_q(self, x, offset):
         """Q of the block rows x [1, T, H] at offset.. (q_norm, RoPE), as [1, n_heads, T, D]."""
-        return self.heads(self.q_proj(x), self.n_heads, self.q_norm, offset)
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(B, T, self.n_heads, self.head_dim)).transpose(0, 2, 1, 3)
+        return self.rope(q, offset=offset)
 
     @staticmethod
     def join(ctx, k, v):

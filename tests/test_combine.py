@@ -455,8 +455,9 @@ def test_session_23s_tables_are_its_runs():
 
 
 def test_session_24s_tables_are_its_runs():
-    """Session 24 (an H100) pasted `combine`'s serving tables of norm_rope against its before
-    (port-unfused-qk) beside the A/A side, two runs a source."""
+    """Session 24 (an H100) pasted `combine`'s tables of norm_rope against its before
+    (port-unfused-qk): serving beside the A/A side, two runs a source, and the step (runs 60, 61)."""
     text = (DOCS / "benchmarks.md").read_text()
     for src in ("dflash", "dspark"):
         pasted_tables_are_combines(text, [DOCS / f"serve-h100-{src}-s24-qk-run{i}.json" for i in (1, 2)])
+    pasted_tables_are_combines(text, [DOCS / f"bench-h100-run{i}.json" for i in (60, 61)])

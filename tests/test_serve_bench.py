@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import test_norm_rope
 
-from port.fast import kernels, norm_rope
+from port.fast import kernels
 from spec_parity import cli, controls
-from spec_parity.bench import combine, loop_sides, loops, port_sides
-from spec_parity.bench.sides import Side, Stepper
+from spec_parity.bench import combine, loop_sides, loops
+from spec_parity.bench.sides import Side
 
 SMALL = dict(sources=("dspark",), sides=["port"], prompt_len=32, new_tokens=12, runs=2)
 
@@ -170,36 +169,3 @@ def test_a_serve_run_stopped_midway_keeps_its_finished_cases(tmp_path, monkeypat
         cli.main(["bench", "--serve", "--sources", "dspark", "--runs", "2", "--out", str(tmp_path / "b")])
     printed = combine.markdown(combine.combine(*combine.load([tmp_path / "a", tmp_path / "b"])))
     assert "stopped after 1 of its 2 cases" in printed
-
-
-def test_the_unfused_qk_side_refuses_norm_rope_while_it_runs(monkeypatch):
-    """port-unfused-qk's requests run with port/fast/norm_rope.py refused (its kernel verify traces
-    mlx-lm's norms and RoPE: the before); control: outside them the same attention takes it."""
-    monkeypatch.setattr(kernels, "available", lambda: True)
-    attn = test_norm_rope._attention(4, 2, 64, None)
-    seen = []
-
-    def request(*args):
-        seen.append(norm_rope.unsupported(attn))
-
-    port_sides.without_norm_rope(request)([], 4)
-    request([], 4)
-    assert seen[0] and seen[1] is None
-
-
-def test_the_unfused_qk_step_side_refuses_norm_rope_built_and_stepping(monkeypatch):
-    """The step bench's port-unfused-qk: built (where its block traces first) and stepped with
-    port/fast/norm_rope.py refused, and says so; control: outside them the attention takes it."""
-    monkeypatch.setattr(kernels, "available", lambda: True)
-    attn = test_norm_rope._attention(4, 2, 64, None)
-    seen = []
-
-    def built(prep):
-        seen.append(norm_rope.unsupported(attn))
-        return Stepper(lambda: seen.append(norm_rope.unsupported(attn)))
-
-    monkeypatch.setattr(port_sides, "port_side", built)
-    stepper = port_sides.unfused_qk_side(None)
-    stepper.step()
-    seen.append(norm_rope.unsupported(attn))
-    assert seen[0] and seen[1] and seen[2] is None and "norm_rope refused" in stepper.notes, seen

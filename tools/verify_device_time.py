@@ -8,9 +8,7 @@ compiled one, the cost is in what the function does (array offset, slice writes,
 op by op, it is in the compilation. A fourth, "compiled, slice writes", is the compiled verify with
 the K/V writes as they were up to session 19 (tools/slice_writes.py): the before of the scatter.
 Where the kernel verify runs (MLX CUDA, bf16), "compiled, kernel attention" is the compiled verify
-with port/fast/kernels.py's attention (port.serve's verify="kernel", session 21), its Q and K norms
-and RoPE port/fast/norm_rope.py's one kernel since session 23; "kernel attention, norms unfused" is
-it with mlx-lm's four kernels there instead (the before of norm_rope).
+with port/fast/kernels.py's attention (port.serve's verify="kernel", session 21).
 
     python3 tools/verify_device_time.py [--source dflash|dspark] [--scale 1] [--ctx 2048]
 
@@ -75,10 +73,7 @@ def main() -> None:
              "traced, eager": lambda c: verify.forward(eager, ids, c),
              "compiled, slice writes": slice_writes}
     if verify.kernel_unsupported(target, BUCKET) is None:
-        unfused = dataclasses.replace(target, compiled={})
         sides["compiled, kernel attention"] = lambda c: verify.forward(target, ids, c, "kernel")
-        sides["kernel attention, norms unfused"] = port_sides.without_norm_rope(
-            lambda c: verify.forward(unfused, ids, c, "kernel"))
     caches = {name: prefilled() for name in sides}
     for _ in range(WARM):
         for name, f in sides.items():
@@ -92,7 +87,7 @@ def main() -> None:
     print(f"{case.shapes.label}: verify of {rows} rows at context {a.ctx}, bucket {BUCKET}, {mx.default_device()}")
     for name, s in samples.items():
         q = np.percentile(np.array(s) * 1e3, [50, 10, 90])
-        print(f"  {name:32s} {q[0]:.2f} ms [{q[1]:.2f}-{q[2]:.2f}]")
+        print(f"  {name:22s} {q[0]:.2f} ms [{q[1]:.2f}-{q[2]:.2f}]")
     for name, f in sides.items():
         print(f"  {name} kernels:", kernels(lambda f=f, c=caches[name]: once(f, c)))
 

@@ -14,8 +14,7 @@ a float mask, the custom CUDA kernels of port/fast/kernels.py (the buffer read i
 valid length, two launches a layer; tests/test_kernels.py), or "two-segment", a two-segment
 softmax. It builds few graph nodes, each host time on MLX CUDA: 2-D rows, projections on
 transposed weight views (fusion.Transposed), one mask per layer kind (docs/benchmarks.md, "Session
-12"); on MLX CUDA Q's and K's norms and RoPE are port/fast/norm_rope.py's one kernel (held in
-tests/test_norm_rope.py). Held to the plain forward within fp32 tolerance (bit-exact on the CPU backend with "sdpa",
+12"). Held to the plain forward within fp32 tolerance (bit-exact on the CPU backend with "sdpa",
 measured: tests/test_bucketed.py).
 window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
 
@@ -35,7 +34,7 @@ import mlx.nn as nn
 
 from .. import compiled as pieces
 from .. import dflash, targets
-from . import fusion, kernels, norm_rope
+from . import fusion
 
 
 def enter(m: dflash.Model, h, block_at):
@@ -268,26 +267,16 @@ class Bucketed(pieces.ResolvedAttention, Compiled):
         self._bucketed.traces += 1
         h = self.embed(target, ids)
         masks: dict = {}
-        at = None if norm_rope.unsupported(self.layers[0].self_attn) else kernels.device_valid(valid)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             x = layer.input_layernorm(h)
-            q, bk, bv = block_heads(a, x @ w[f"q{i}"], x @ w[f"k{i}"], x @ w[f"v{i}"], valid, at)
+            q, bk, bv = a.block_heads(x @ w[f"q{i}"], x @ w[f"k{i}"], x @ w[f"v{i}"], valid)
             o = attend(a, self.bucket_attention, q, bk, bv, keys[i], values[i], valid, masks)
             # mlx-lm's Qwen3 MLP: down(silu(gate(x)) * up(x))
             h = layer.finish(h, a.rows(o) @ w[f"o{i}"], partial(fusion.gated_mlp, nn.silu, w, i))
         hidden = self.norm(h[1:])
         logits = self.logits(target, hidden)
         return hidden, logits, mx.argmax(logits, axis=-1)
-
-
-def block_heads(attn: dflash.Attention, q, k, v, valid, at):
-    """Attention.block_heads of the projected block rows at `valid`..; `at` (kernels.device_valid
-    of `valid`, or None where norm_rope is unsupported): Q's and K's norms and RoPE as
-    port/fast/norm_rope.py's one kernel."""
-    if at is None:
-        return attn.block_heads(q, k, v, valid)
-    return norm_rope.qk(attn, q, k, valid, at) + (attn._heads(v, attn.n_kv),)
 
 
 def attend(attn: dflash.Attention, how: str, q, bk, bv, keys, values, valid, masks: dict):

@@ -17,8 +17,7 @@ measured: tests/test_bucketed.py; the kernels on the H200: tests/test_kernels.py
 
 Fused (the provider's default; `fused=False` is Bucketed): the bucketed block on stacked projections
 (port/fast/fusion.py), fewer matmul launches for the same products; bit for bit Bucketed on the CPU
-backend (tests/test_fused.py). On MLX CUDA its Q's and K's norms and RoPE are port/fast/norm_rope.py's
-one kernel (held in tests/test_norm_rope.py)."""
+backend (tests/test_fused.py)."""
 
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ import mlx.core as mx
 
 from .. import compiled as pieces
 from .. import dspark, targets
-from . import fusion, kernels, norm_rope
+from . import fusion
 
 
 def enter(m: dspark.Model, ids, start):
@@ -233,25 +232,18 @@ class Fused(Bucketed):
         self._bucketed.traces += 1
         h = self.embed(ids)
         mask = None
-        at = None if norm_rope.unsupported(self.layers[0].self_attn) else kernels.device_valid(start)
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             x = layer.input_layernorm(h)
-            kv = fusion.parts(fusion.project(x, weights[f"kv{i}"])) if f"kv{i}" in weights else (a.k_proj(x), None)
-            q, k, v = block_qkv(a, a.q_proj(x), *kv, start, at)
+            q = a.block_q(x, start)
             mask = self.mask(q, keys[0], valid) if mask is None else mask
+            if f"kv{i}" in weights:
+                k, v = a.heads_kv(*fusion.parts(fusion.project(x, weights[f"kv{i}"])), start)
+            else:
+                k, v = a.heads_kv(a.k_proj(x), None, start)
             o = self.attend(i, q, keys[i], values[i], mask, k, v)
             h = layer.finish(h, a.output(o), partial(fused_mlp, layer.mlp, weights[f"gate_up{i}"]))
         return self.outputs(greedy, ids, *self.final(h))
-
-
-def block_qkv(attn: dspark.Attention, q, k, v, start, at):
-    """The block's Q, K, V heads from its projected rows q, k, v (v None: attention_k_eq_v) at
-    `start`..; `at` (kernels.device_valid of `start`, or None where norm_rope is unsupported):
-    Q's and K's norms and RoPE as port/fast/norm_rope.py's one kernel."""
-    if at is None:
-        return (attn.heads(q, attn.n_heads, attn.q_norm, start),) + attn.heads_kv(k, v, start)
-    return norm_rope.qk(attn, q, k, start, at) + (attn.heads_v(k, v),)
 
 
 def fused_mlp(mlp: dspark.MLP, gate_up, x):

@@ -426,9 +426,9 @@ def device_valid(valid) -> mx.array:
 
 
 def scale_bits(scale: float) -> int:
-    """A float (the scale; norm_rope.py's eps and RoPE base too) as a template constant: its fp32
-    bits as an int, read back with __int_as_float. Not an input array: a scalar array is read from
-    MLX CUDA's small managed pool at every launch (device_valid says what that costs)."""
+    """The scale as a template constant (its fp32 bits as an int; the kernel reads them back with
+    __int_as_float), not an input array: a scalar array is read from MLX CUDA's small managed pool
+    at every launch (device_valid says what that costs)."""
     return struct.unpack("<i", struct.pack("<f", scale))[0]
 
 

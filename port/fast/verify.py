@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from .. import compiled as pieces
 from .. import targets
-from . import kernels, norm_rope
+from . import kernels
 
 FAMILIES = ("qwen3", "gemma4")   # the walks of port/targets.py, each held by the tests
 
@@ -110,39 +110,29 @@ def kernel_attention(q, keys, values, k, v, valid, scale: float):
 
 
 def traced_kernel(target: targets.Target, bucket: int, ids, offset, keys, values):
-    """`traced` on a qwen3 target, its attention kernel_attention, its Q and K norms and RoPE
-    port/fast/norm_rope.py's one kernel where it runs: (logits, final, hidden, keys, values)."""
+    """`traced` on a qwen3 target, its attention kernel_attention: (logits, final, hidden, keys, values)."""
     tm = target.model.model
     h = tm.embed_tokens(ids)
     hidden, keys, values = [h], list(keys), list(values)
     valid, rows = kernels.device_valid(offset), pieces.rows_at(offset, ids.shape[1])
-    qk = mlx_lm_qk if norm_rope.unsupported(tm.layers[0].self_attn) else norm_rope.qk
     for i, layer in enumerate(tm.layers):
         view = BufferView(keys[i], values[i], offset, bucket, rows)
-        h = _qwen3_layer(layer, h, view, valid, qk)
+        h = _qwen3_layer(layer, h, view, valid)
         hidden.append(h)
         keys[i], values[i] = view.keys, view.values
     final = tm.norm(h)
     return targets.head(target, final), final, hidden, keys, values
 
 
-def mlx_lm_qk(a, qp, kp, offset, valid):
-    """mlx-lm's Qwen3 Attention from its projections to its attention's inputs (q_norm, k_norm, RoPE
-    at `offset`): norm_rope.qk op by op."""
-    B, L, _ = qp.shape
-    q = a.q_norm(qp.reshape(B, L, a.n_heads, -1)).transpose(0, 2, 1, 3)
-    k = a.k_norm(kp.reshape(B, L, a.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-    return a.rope(q, offset=offset), a.rope(k, offset=offset)
-
-
-def _qwen3_layer(layer, x, view: BufferView, valid, qk):
-    """mlx-lm's Qwen3 decoder layer (TransformerBlock, Attention) over `view`, its attention
-    kernel_attention, its Q and K from qk (mlx_lm_qk or norm_rope.qk)."""
+def _qwen3_layer(layer, x, view: BufferView, valid):
+    """mlx-lm's Qwen3 decoder layer (TransformerBlock, Attention) over `view`, its attention kernel_attention."""
     a = layer.self_attn
     B, L, _ = x.shape
     y = layer.input_layernorm(x)
-    q, k = qk(a, a.q_proj(y), a.k_proj(y), view.offset, valid)
+    q = a.q_norm(a.q_proj(y).reshape(B, L, a.n_heads, -1)).transpose(0, 2, 1, 3)
+    k = a.k_norm(a.k_proj(y).reshape(B, L, a.n_kv_heads, -1)).transpose(0, 2, 1, 3)
     v = a.v_proj(y).reshape(B, L, a.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    q, k = a.rope(q, offset=view.offset), a.rope(k, offset=view.offset)
     keys, values = view.update_and_fetch(k, v)
     o = kernel_attention(q, keys, values, k, v, valid, a.scale)
     h = x + a.o_proj(o.transpose(0, 2, 1, 3).reshape(B, L, -1))

@@ -133,17 +133,6 @@ def port_side(ckpt: Checkpoints, env, path: str = "", verify: str = "auto", pipe
     return Loop(generate, notes=notes, split=split, keep=(target, provider))
 
 
-def unfused_qk_side(ckpt: Checkpoints, env) -> Loop:
-    """port_side with the Q and K norms and RoPE of the kernel verify and of the drafter's bucketed
-    block as mlx-lm's four kernels: the before of port/fast/norm_rope.py. Its target and drafter
-    are its own (their compiled calls traced with norm_rope refused, for this side's requests
-    only)."""
-    loop = port_side(ckpt, env)
-    loop.notes.append("norm_rope refused")   # the list port_side's requests add their loop's name to
-    unfused = port_sides.without_norm_rope
-    return replace(loop, generate=unfused(loop.generate), split=unfused(loop.split))
-
-
 # ---- the peers' own loops ------------------------------------------------------------------------
 
 def optiq_side(ckpt: Checkpoints, env) -> Loop:
@@ -279,7 +268,6 @@ PLAIN_VERIFY = "port-plain-verify"  # our default loop with its verify op by op 
 COMPILED_VERIFY = "port-compiled-verify"  # our default loop, its compiled verify on mx.fast's attention (before verify="kernel")
 SEQUENTIAL = "port-sequential"      # our default loop, its rounds one after the other (before serve._pipelined)
 AGAIN = "port-again"                # our default loop once more: the A/A control of a run's side-by-side ratios
-UNFUSED_QK = port_sides.UNFUSED_QK   # our default loop, Q's and K's norms and RoPE op by op (before norm_rope)
 
 # plain first (the reference stream and the baseline), then ours, then the peers' loops: each peer's
 # Side of the step bench (its name, sources, framework, modules and install line) with its loop.
@@ -292,13 +280,11 @@ SIDES: dict[str, Side] = {s.name: s for s in (
     Side(COMPILED_VERIFY, ("dspark", "dflash"), partial(port_side, verify="compiled"), peer=False),
     Side(SEQUENTIAL, ("dspark", "dflash"), partial(port_side, pipeline="off"), peer=False),
     Side(AGAIN, SOURCES, port_side, peer=False),
-    Side(UNFUSED_QK, ("dspark", "dflash"), unfused_qk_side, peer=False),
     *(replace(_PEERS[name], build=build) for name, build in (
         ("optiq", optiq_side), ("zlab-mlx", zlab_mlx_side), ("dflash-mlx", dflash_mlx_side),
         ("dspark-mlx", dspark_mlx_side), ("deepspec-torch", deepspec_side))),
 )}
-OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS) + (PLAIN_VERIFY, COMPILED_VERIFY, SEQUENTIAL, AGAIN,
-                                                                      UNFUSED_QK)
+OURS = tuple(port_sides.path_name(p) for p in port_sides.PATHS) + (PLAIN_VERIFY, COMPILED_VERIFY, SEQUENTIAL, AGAIN)
 
 
 ALWAYS = ("plain", "port")   # the baseline and our default path: in every --serve run, as in the step bench

@@ -7,10 +7,7 @@ lazily (mlx-lm imports transformers, and the bench imports without it).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
-from unittest import mock
 
 import mlx.core as mx
 
@@ -119,33 +116,13 @@ def port_side(prep: Prep, path: str = "") -> Stepper:
     return Stepper(step, keep=src, tokens=_host_list, notes=notes)
 
 
-def unfused_qk_side(prep: Prep) -> Stepper:
-    """port_side with port/fast/norm_rope.py refused while it is built and steps (its block traces
-    mlx-lm's Q and K norms and RoPE): the step's before of norm_rope in the drafters' blocks."""
-    stepper = without_norm_rope(port_side)(prep)
-    stepper.notes.append("norm_rope refused")
-    return replace(stepper, step=without_norm_rope(stepper.step))
-
-
-def without_norm_rope(fn: Callable) -> Callable:
-    """fn, with port/fast/norm_rope.py refused while it runs (the kernel verify and the bucketed
-    drafter blocks then trace mlx-lm's norms and RoPE)."""
-    from port.fast import norm_rope
-
-    def call(*args):
-        with mock.patch.object(norm_rope, "unsupported", lambda attn: "refused: the bench's before side"):
-            return fn(*args)
-    return call
-
-
 def _host_list(tokens: mx.array) -> list[int]:
     return tokens.tolist()
 
 
 # Ours, never a peer: the default path first; the others are selected with the peers (--peers).
-UNFUSED_QK = "port-unfused-qk"   # the default path, Q's and K's norms and RoPE op by op (before norm_rope)
 SIDES = tuple(Side(path_name(path), tuple(by_source), partial(port_side, path=path), peer=False)
-              for path, by_source in PATHS.items()) + (Side(UNFUSED_QK, ("dspark", "dflash"), unfused_qk_side, peer=False),)
+              for path, by_source in PATHS.items())
 
 
 class PortProvider:
