@@ -454,10 +454,25 @@ def test_session_23s_tables_are_its_runs():
     assert f"(DSpark {cold['dspark']},\nDFlash {cold['dflash']})" in text
 
 
+S24_SERVE_DFLASH = [DOCS / f"serve-h100-dflash-s24-qk-run{i}.json" for i in (1, 2)]
+S24_STEP = [DOCS / f"bench-h100-run{i}.json" for i in (60, 61)]
+
+
 def test_session_24s_tables_are_its_runs():
     """Session 24 (an H100) pasted `combine`'s tables of norm_rope against its before
     (port-unfused-qk): serving beside the A/A side, two runs a source, and the step (runs 60, 61)."""
     text = (DOCS / "benchmarks.md").read_text()
     for src in ("dflash", "dspark"):
         pasted_tables_are_combines(text, [DOCS / f"serve-h100-{src}-s24-qk-run{i}.json" for i in (1, 2)])
-    pasted_tables_are_combines(text, [DOCS / f"bench-h100-run{i}.json" for i in (60, 61)])
+    pasted_tables_are_combines(text, S24_STEP)
+
+
+@pytest.mark.parametrize("pasted, edited, paths", [("| 63.7 | 0.52–0.64× |", "| 63.8 | 0.52–0.64× |", S24_SERVE_DFLASH),
+                                                   ("| 2.298 | 3.24× |", "| 2.299 | 3.24× |", S24_STEP)])
+def test_a_pasted_figure_edited_fails_the_table_check(pasted, edited, paths):
+    """Control of pasted_tables_are_combines: one of session 24's pasted figures (a serving median,
+    a step median) changed in the text fails it."""
+    text = (DOCS / "benchmarks.md").read_text()
+    assert text.count(pasted) == 1
+    with pytest.raises(AssertionError):
+        pasted_tables_are_combines(text.replace(pasted, edited), paths)
