@@ -15,21 +15,18 @@ random weights in memory.
 """
 
 import argparse
-import tempfile
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from port import serve
 from spec_parity.bench import port_sides, shapes
 
 RUNS, WARM = 50, 10
 
 
 def phases(step, rounds: int) -> dict[str, list[float]]:
-    """step() -> (commit, draft): the seconds of each phase over `rounds` steps."""
+    """step() -> the lazy draft tokens: the seconds of each phase over `rounds` steps."""
     out: dict[str, list[float]] = {"build": [], "dispatch": [], "wait": [], "total": []}
     for _ in range(rounds):
         t0 = time.perf_counter()
@@ -50,22 +47,13 @@ def main() -> None:
     p.add_argument("--scale", type=int, default=1)
     p.add_argument("--ctx", type=int, default=2048)
     a = p.parse_args()
-    case = next(c for c in shapes.real_cases(ctx=a.ctx, scale=a.scale) if c.module == a.source)
-    ckpt = shapes.build(case, Path(tempfile.mkdtemp()))
+    ckpt = shapes.real_block_case(a.source, a.ctx, a.scale)
     prep = port_sides.prepare(ckpt, (None, "not used"), [(7 * i) % 1000 + 3 for i in range(a.ctx)])
-    options = port_sides.PATHS[""][a.source]
-    drafter = port_sides.load_port_drafter(ckpt, **options)
-    src = port_sides._source_class(ckpt)(drafter, serve.TargetView(prep.target, prep.caches))
-    src.prefill(list(range(prep.ctx)), [prep.taps])
-
-    def step():
-        src.commit(prep.gamma, 0, [prep.row])
-        return src.draft_device([prep.anchor], prep.gamma, prep.anchor_hidden)
-
-    phases(step, WARM)
-    samples = phases(step, RUNS)
-    notes = ", ".join([f"{k}={v}" for k, v in options.items()] + port_sides.resolved(drafter))
-    print(f"{case.shapes.label}: one block after one committed verify, {mx.default_device()} ({notes})")
+    stepper = port_sides.port_side(prep)
+    phases(stepper.step, WARM)
+    samples = phases(stepper.step, RUNS)
+    print(f"{ckpt.case.shapes.label}: one block after one committed verify, {mx.default_device()} "
+          f"({', '.join(stepper.notes)})")
     for name, s in samples.items():
         q = np.percentile(np.array(s) * 1e3, [50, 10, 90])
         print(f"  {name:9s} {q[0]:.3f} ms [{q[1]:.3f}-{q[2]:.3f}]")

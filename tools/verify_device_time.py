@@ -18,10 +18,8 @@ width and its 36 layers), its random weights in memory.
 
 import argparse
 import dataclasses
-import tempfile
 import time
 from functools import partial
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -41,8 +39,8 @@ def main() -> None:
     p.add_argument("--scale", type=int, default=1)
     p.add_argument("--ctx", type=int, default=2048)
     a = p.parse_args()
-    case = next(c for c in shapes.real_cases(ctx=a.ctx, scale=a.scale) if c.module == a.source)
-    target = port_sides.load_target(shapes.build(case, Path(tempfile.mkdtemp())))
+    ckpt = shapes.real_block_case(a.source, a.ctx, a.scale)
+    case, target = ckpt.case, port_sides.load_target(ckpt)
     rows = case.shapes.gamma + 1
     ids = mx.array([list(range(5, 5 + rows))])
     prompt = mx.array([[(7 * i) % 1000 + 3 for i in range(a.ctx)]])

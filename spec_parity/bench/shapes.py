@@ -22,6 +22,7 @@ import contextlib
 import copy
 import json
 import os
+import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,6 +223,14 @@ def _in_memory_dir(root: Path, name: str, config: dict) -> Path:
     (d / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_file({}, str(d / "model.safetensors"), metadata={"format": "pt"})  # empty: served by serve_weights
     return d
+
+
+def real_block_case(source: str, ctx: int, scale: int = 1) -> Checkpoints:
+    """The real-shape case of a block source ("dspark", "dflash") at context `ctx`, built under a
+    fresh temporary directory: what a tool beside the bench measures (tools/verify_device_time.py,
+    tools/block_host_time.py)."""
+    case = next(c for c in real_cases(ctx=ctx, scale=scale) if c.module == source)
+    return build(case, Path(tempfile.mkdtemp()))
 
 
 def build(case: Case, root: Path) -> Checkpoints:
