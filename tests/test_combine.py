@@ -315,9 +315,14 @@ def test_the_targets_rows_step_ratios_are_the_runs():
 
 def pasted_tables_are_combines(text: str, paths: list) -> None:
     """Every row of `combine`'s table of the runs at `paths` is in `text`."""
-    rows = [line for line in combine.markdown(combine.combine(*combine.load(paths))).splitlines()
+    pasted_rows_are(text, combine.combine(*combine.load(paths)), paths[0].name)
+
+
+def pasted_rows_are(text: str, doc: dict, name: str = "") -> None:
+    """Every row of the table of combine's `doc` is in `text`."""
+    rows = [line for line in combine.markdown(doc).splitlines()
             if line.startswith("| ") and not line.startswith("| side")]
-    assert rows and not [r for r in rows if r not in text], paths[0].name
+    assert rows and not [r for r in rows if r not in text], name
 
 
 def cold_over_warm(paths: list) -> dict:
@@ -476,3 +481,36 @@ def test_a_pasted_figure_edited_fails_the_table_check(pasted, edited, paths):
     assert text.count(pasted) == 1
     with pytest.raises(AssertionError):
         pasted_tables_are_combines(text.replace(pasted, edited), paths)
+
+
+S25_STEP = DOCS / "step-h100-s25-combined.json"
+
+
+def test_session_25s_tables_are_its_runs():
+    """Session 25 (an H100) pasted combine's step table of runs 62 and 63 (run 63's bench.json did
+    not come back from the device, so its figures are the combined.json combine wrote on the
+    device; its first run is run 62's JSON, recombined here), its serving tables of each graph
+    setting, and the targets row's cold ÷ warm rounds."""
+    text = (DOCS / "benchmarks.md").read_text()
+    doc = json.loads(S25_STEP.read_text())
+    run62 = DOCS / "bench-h100-run62.json"
+    alone = combine.combine("bench", [(run62, json.loads(run62.read_text()))] * 2)
+    for c, c62 in zip(doc["cases"], alone["cases"]):
+        assert c["floor_step_s"][0] == c62["floor_step_s"][0] and c["rounds"][0] == c62["rounds"][0]
+        assert [s["step_s"][0] for s in c["sides"]] == [s["step_s"][0] for s in c62["sides"]]
+    pasted_rows_are(text, doc)
+    for k in ("default", "ops10"):
+        pasted_tables_are_combines(text, [DOCS / f"serve-h100-dflash-s25-{k}-run{i}.json" for i in (1, 2)])
+    cold = {c["case"].split("-")[0]: " / ".join(f"{r['cold_s'] / r['warm_s']:.2f}" for r in c["rounds"])
+            for c in doc["cases"]}
+    assert f"(runs 62, 63, the default at 8066869): DSpark {cold['dspark']}, DFlash {cold['dflash']}" \
+        in targets_row(text, 2)
+
+
+def test_a_pasted_figure_edited_fails_the_combined_table_check():
+    """Control of pasted_rows_are: session 25's DFlash step median edited in the text fails it."""
+    text = (DOCS / "benchmarks.md").read_text()
+    pasted = "| 2.197 | 3.15× |"
+    assert text.count(pasted) == 1
+    with pytest.raises(AssertionError):
+        pasted_rows_are(text.replace(pasted, "| 2.198 | 3.15× |"), json.loads(S25_STEP.read_text()))
