@@ -175,6 +175,16 @@ def test_runs_that_cannot_make_one_figure_are_refused_in_one_line(bad, tmp_path,
     assert named in err
 
 
+def test_runs_made_with_other_mlx_settings_are_refused():
+    """Session 25's serving runs of one tree, two with MLX CUDA's graphs at 10 ops: those two
+    combine, and one of each does not (that setting moved the figures, "Session 25")."""
+    default, ops10 = ([DOCS / f"serve-h100-dflash-s25-{k}-run{i}.json" for i in (1, 2)] for k in ("default", "ops10"))
+    for paths in (default, ops10):
+        combine.load(paths)
+    with pytest.raises(combine.CombineError, match="MLX_MAX_OPS_PER_BUFFER=10"):
+        combine.load([default[0], ops10[0]])
+
+
 def test_a_folder_stands_for_its_run(tmp_path):
     a = _copy(tmp_path, S12["dspark"][0], "a").parent
     b = _copy(tmp_path, S12["dspark"][1], "b").parent

@@ -119,6 +119,10 @@ def load(paths: list[str | Path]) -> tuple[str, list[tuple[Path, dict]]]:
         if _tree(d) != _tree(d0):
             raise CombineError(f"{p}: tree {_tree(d)}, {p0}: tree {_tree(d0)}; a figure combines runs of one "
                                "tree: combine each tree's runs apart and compare the tables")
+        e, e0 = _mlx_env(d), _mlx_env(d0)
+        if e is not None and e0 is not None and e != e0:
+            raise CombineError(f"{p}: MLX settings {_env_text(e)}, {p0}: {_env_text(e0)}; MLX CUDA's graph "
+                               "settings move the figures: combine runs made with the same environment")
         o, o0 = d.get("options") or {}, d0.get("options") or {}
         for key in sorted((set(o) | set(o0)) - SELECTING):
             if o.get(key) != o0.get(key):
@@ -173,6 +177,15 @@ def _tree(doc: dict) -> str:
     git = git.get("commit") if isinstance(git, dict) else git
     tree = str(p.get("source_sha256") or p.get("commit") or git or "unknown")
     return tree[:12] if re.fullmatch("[0-9a-f]{13,}", tree) else tree
+
+
+def _mlx_env(doc: dict) -> dict | None:
+    """The run's MLX_* environment (bench.json `machine.mlx_env`); None for runs older than it."""
+    return (doc.get("machine") or {}).get("mlx_env")
+
+
+def _env_text(env: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in sorted(env.items())) or "none set"
 
 
 def _stopped(doc: dict) -> str | None:
