@@ -4,10 +4,14 @@ bench's `port` side (spec_parity/bench/port_sides.py: one verify's rows committe
 building, the context rows' join, the compiled block's call), dispatch (mx.async_eval returning:
 on MLX CUDA the kernels encoded and launched by this thread) and wait (mx.eval after it: the
 device's work not yet done). Session 24's kernel profile left 0.54 ms of a DFlash block that
-neither its kernels nor its launches explain (docs/benchmarks-history.md); this says in which
-phase the host spends it. Medians and p10-p90 of RUNS steps after WARM, the phases in one step.
+neither its kernels nor its launches explained; this found it in the wait: MLX CUDA launches the
+block's CUDA graphs late (docs/benchmarks.md, "Session 25"). Medians and p10-p90 of RUNS steps
+after WARM, the phases in one step.
 
-    python3 tools/block_host_time.py [--source dflash|dspark] [--scale 1] [--ctx 2048]
+    python3 tools/block_host_time.py [--source dflash|dspark|assistant-12b-tied|assistant-e4b-centroid]
+                                     [--scale 1] [--ctx 2048]
+
+An assistant case times the bench's call of that case: its γ steps chained (4), one eval.
 
 `--scale 8` divides the widths (a CPU runs it; there async_eval hands the work to MLX's stream
 thread, so dispatch is small and wait is the compute); the target is the bench's stand-in, its
@@ -43,7 +47,8 @@ def phases(step, rounds: int) -> dict[str, list[float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--source", choices=("dflash", "dspark"), default="dflash")
+    p.add_argument("--source", choices=("dflash", "dspark", "assistant-12b-tied", "assistant-e4b-centroid"),
+                   default="dflash")
     p.add_argument("--scale", type=int, default=1)
     p.add_argument("--ctx", type=int, default=2048)
     a = p.parse_args()
@@ -52,8 +57,10 @@ def main() -> None:
     stepper = port_sides.port_side(prep)
     phases(stepper.step, WARM)
     samples = phases(stepper.step, RUNS)
-    print(f"{ckpt.case.shapes.label}: one block after one committed verify, {mx.default_device()} "
-          f"({', '.join(stepper.notes)})")
+    call = (f"one call of {prep.gamma} chained steps" if prep.source == "assistant"
+            else "one block after one committed verify")
+    print(f"{ckpt.case.shapes.label}: {call}, {mx.default_device()} "
+          f"({', '.join(stepper.notes) or 'default options'})")
     for name, s in samples.items():
         q = np.percentile(np.array(s) * 1e3, [50, 10, 90])
         print(f"  {name:9s} {q[0]:.3f} ms [{q[1]:.3f}-{q[2]:.3f}]")

@@ -225,11 +225,11 @@ def _in_memory_dir(root: Path, name: str, config: dict) -> Path:
     return d
 
 
-def real_block_case(source: str, ctx: int, scale: int = 1) -> Checkpoints:
-    """The real-shape case of a block source ("dspark", "dflash") at context `ctx`, built under a
-    fresh temporary directory: what a tool beside the bench measures (tools/verify_device_time.py,
-    tools/block_host_time.py)."""
-    case = next(c for c in real_cases(ctx=ctx, scale=scale) if c.module == source)
+def real_block_case(name: str, ctx: int, scale: int = 1) -> Checkpoints:
+    """The real-shape case named `name` (a case's name, or a block source: "dspark", "dflash") at
+    context `ctx`, built under a fresh temporary directory: what a tool beside the bench measures
+    (tools/verify_device_time.py, tools/block_host_time.py)."""
+    case = next(c for c in real_cases(ctx=ctx, scale=scale) if name in (c.name, c.module))
     return build(case, Path(tempfile.mkdtemp()))
 
 
