@@ -303,7 +303,7 @@ def test_dflash_buffer_growth_bit_exact_vs_zlab_mlx(name, live_oracle):
 
 def _compiled_matches_plain(model, run, mutate) -> None:
     """`run()` (a list of arrays) with the model's compiled pieces equals it with the plain ones,
-    bit for bit; after `mutate()` replaces a weight, still (the parameters are compile inputs),
+    bit for bit; after `mutate()` replaces weights, still (the parameters are compile inputs),
     while pieces compiled with the weights captured as constants (the control) are caught."""
     def both():
         model.compiled = True
@@ -330,19 +330,22 @@ def _compiled_matches_plain(model, run, mutate) -> None:
     assert not all(_bits_equal(a, b) for a, b in zip(stale_out, plain))
 
 
-def _scale(module, name: str, factor: float = 1.5):
-    return lambda: setattr(module, name, getattr(module, name) * factor)
+def _scale_every(model, factor: float = 1.25):
+    """Every floating weight of `model` replaced by itself × factor: a piece whose compile inputs
+    miss a module it reads keeps that module's old weights as constants, and is caught."""
+    return lambda: model.update(tree_map(lambda w: w * factor if mx.issubdtype(w.dtype, mx.floating) else w,
+                                         model.parameters()))
 
 
 LONG_PROMPT = list(range(3, 25))   # past the tiny targets' sliding window (8)
 
 
-def _assistant_chain(head: str, dt):
-    """The drafter and a 4-step chain of it past the sliding window: run() -> tokens, logits, next
-    hidden, candidates of every step."""
+def _assistant_chain(head: str, dt, path=None):
+    """The drafter (the factory's of `head`, or the one at `path`) and a 4-step chain of it past
+    the sliding window: run() -> tokens, logits, next hidden, candidates of every step."""
     target = targets.load(checkpoints.build("gemma4-target", 0, {}), dt)
-    drafter = fast_assistant.load(checkpoints.build("gemma4-assistant", 0,
-                                                    {"use_ordered_embeddings": head == "centroid"}), dt)
+    path = path or checkpoints.build("gemma4-assistant", 0, {"use_ordered_embeddings": head == "centroid"})
+    drafter = fast_assistant.load(path, dt)
     caches = make_prompt_cache(target.model)
     trace = targets.forward(target, mx.array([LONG_PROMPT]), caches=caches)
     donors, hidden = targets.donor_view(target, caches), trace.final[:, -1:, :]
@@ -356,12 +359,16 @@ def _assistant_chain(head: str, dt):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("head", ["centroid", "tied"])
-def test_assistant_compiled_step_equals_plain(head, dtype):
-    """A 4-step chain (donors past the sliding window): tokens, logits, next hidden, candidates."""
-    drafter, run = _assistant_chain(head, getattr(mx, dtype))
+@pytest.mark.parametrize("head", ["centroid", "tied", "untied"])
+def test_assistant_compiled_step_equals_plain(head, dtype, tmp_path):
+    """A 4-step chain (donors past the sliding window): tokens, logits, next hidden, candidates;
+    each head, since the last piece reads the head's own modules."""
+    from test_edge_checkpoints import _untied
 
-    _compiled_matches_plain(drafter, run, _scale(drafter.model.layers[1].pre_feedforward_layernorm, "weight"))
+    drafter, run = _assistant_chain(head, getattr(mx, dtype), _untied(tmp_path) if head == "untied" else None)
+    assert drafter.head == head
+
+    _compiled_matches_plain(drafter, run, _scale_every(drafter))
 
 
 @pytest.mark.parametrize("head", ["centroid", "tied"])
@@ -422,7 +429,7 @@ def test_dspark_compiled_block_equals_plain(variant, dtype):
             out += [b.hidden, b.base_logits, b.logits, b.token_ids] + ([b.confidence] if b.confidence is not None else [])
         return out
 
-    _compiled_matches_plain(m, run, _scale(m.layers[0].mlp.up_proj, "weight"))
+    _compiled_matches_plain(m, run, _scale_every(m))
 
 
 DFLASH_VARIANTS = {
@@ -455,7 +462,7 @@ def test_dflash_compiled_block_equals_plain(variant, dtype):
         ext.set_dtype(getattr(mx, dtype))
     rows = m.taps(targets.forward(target, mx.array([LONG_PROMPT])).hidden)
     _compiled_matches_plain(m, lambda: _dflash_rounds_on(m, target, rows, ext),
-                            _scale(m.layers[-1].mlp.down_proj, "weight"))
+                            _scale_every(m))
 
 
 def _dflash_rounds_on(m, target, rows, ext=None) -> list:

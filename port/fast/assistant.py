@@ -81,10 +81,15 @@ class Compiled(assistant.Model):
         return self._weights.current()
 
     def pieces(self) -> tuple:
-        """(enter, [between_i], exit), plain or compiled."""
-        n = len(self.model.layers)
-        return self._pieces.get(self, lambda: ((partial(enter, self), [partial(between, self, i) for i in range(n - 1)],
-                                                partial(leave, self)), None))
+        """(enter, [between_i], exit), plain or compiled; each compiled with the modules it reads as
+        its inputs (not the whole model's state: flattened at every call, 5 calls a step)."""
+        n, layers = len(self.model.layers), self.model.layers
+        head = [self.model.norm, self.post_projection, self.model.embed_tokens]
+        head += [getattr(self, k) for k in ("lm_head", "masked_embedding") if hasattr(self, k)]
+        return self._pieces.get(self, lambda: (
+            (partial(enter, self), [partial(between, self, i) for i in range(n - 1)], partial(leave, self)),
+            ([self.pre_projection, layers[0]], [[layers[i], layers[i + 1]] for i in range(n - 1)],
+             [layers[-1]] + head)))
 
     def __call__(self, emb, hidden_in, views: dict, position):
         first, middle, last = self.pieces()
