@@ -25,12 +25,13 @@ import mlx.core as mx
 import numpy as np
 
 from port import targets
+from port.compiled import BUCKET
 from port.fast import verify
 from spec_parity import controls
 from spec_parity.bench import port_sides, shapes, timing
 from spec_parity.bench.sides import Stepper
 
-BUCKET, RUNS, WARM, PROFILED = 256, 30, 5, 10
+RUNS, WARM, PROFILED = 30, 5, 10
 
 
 def main() -> None:
