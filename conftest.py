@@ -122,10 +122,13 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter, config):
     if hasattr(config, "workerinput"):
         return
+    from spec_parity import protocol
+
     ported = _ported()
+    ours = [m for m in protocol.MODULES if m not in ported]
     if ported:
-        terminalreporter.write_line(f"checking a port: every parity case of {', '.join(ported)} run (golden and "
-                                    "live); the other modules' parity cases deselected (our port answers them)")
+        terminalreporter.write_line(f"checking a port: every parity case of {', '.join(ported)} run (golden and live)"
+                                    + (f"; those of {', '.join(ours)} deselected (our port answers them)" if ours else ""))
     if _oracle_selected(config):
         terminalreporter.write_line("-m oracle: every live parity case run (no dev-loop thinning)")
     if not _slow_selected(config):
