@@ -3,7 +3,11 @@ the hypothesis profiles, and xdist by default.
 
 Plain `pytest` is the developer loop: the suite under pytest-xdist (`-n auto`) when it is installed,
 the `slow` tests deselected and each parametrized test once, hypothesis's `dev` profile. CI (tox) runs
-`--slow --hypothesis-profile ci`: every test, hypothesis's default example counts."""
+`--slow --hypothesis-profile ci`: every test, hypothesis's default example counts.
+
+Checking a port is not the dev loop: with --port / --port-cmd the parity tests run every case of
+the ported modules (golden and live) and none of the others (our port answers those); with `-m`
+selecting `oracle` (what a port author runs before merge) every live parity case runs."""
 
 import os
 import re
@@ -37,11 +41,16 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    """--port / --port-cmd select who answers the parity cases, as `spec-parity run` does."""
+    """--port / --port-cmd select who answers the parity cases, as `spec-parity run` does; a spec
+    that cannot be used is a one-line usage error."""
     from spec_parity import exchange, ports
 
+    config.addinivalue_line("markers", "parity(module): a parity case of `module` (tests/test_parity.py)")
     cmd = config.getoption("--port-cmd")
-    ports.configure(config.getoption("--port"), exchange.command_port(cmd) if cmd else None)
+    try:
+        ports.configure(config.getoption("--port"), exchange.command_port(cmd) if cmd else None)
+    except ports.PortError as e:
+        raise pytest.UsageError(str(e)) from None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -61,17 +70,46 @@ def _slow_selected(config) -> bool:
     return config.getoption("--slow") or re.search(r"\bslow\b", config.option.markexpr or "") is not None
 
 
+def _oracle_selected(config) -> bool:
+    """-m selects `oracle`: a test marked only `oracle` is selected and an unmarked one is not."""
+    from _pytest.mark.expression import Expression
+
+    expr = config.option.markexpr
+    if not expr:
+        return False
+    compiled = Expression.compile(expr)
+    return compiled.evaluate(lambda name, **kw: name == "oracle") and not compiled.evaluate(lambda name, **kw: False)
+
+
+def _ported() -> tuple[str, ...]:
+    """The modules --port / --port-cmd hand to a port other than ours."""
+    from spec_parity import ports, protocol
+
+    return tuple(m for m in protocol.MODULES if not ports.for_module(m).ours)
+
+
+def _parity_module(item) -> str | None:
+    mark = item.get_closest_marker("parity")
+    return mark.args[0] if mark else None
+
+
 def pytest_collection_modifyitems(config, items):
-    """The dev loop: `slow` tests out, and each parametrized test function once (its first
-    parameter set not marked slow); a test named by its id runs. --slow: the whole matrix."""
-    if _slow_selected(config):
-        return
+    """Checking a port: the ported modules' parity cases all run, the other modules' are deselected.
+    `-m oracle`: every live parity case runs. The dev loop, for the rest: `slow` tests out, and
+    each parametrized test function once (its first parameter set not marked slow); a test named
+    by its id runs. --slow: the whole matrix."""
+    ported, oracle, slow = _ported(), _oracle_selected(config), _slow_selected(config)
     named = [a for a in config.args if "::" in a]
     keep, out, seen = [], [], set()
     for item in items:
+        module = _parity_module(item)
+        if ported and module is not None and module not in ported:
+            out.append(item)
+            continue
+        whole = slow or module in ported or (oracle and module is not None and item.get_closest_marker("oracle"))
         is_named = any(item.nodeid == a or item.nodeid.startswith(a + "[") for a in named)
         function = item.nodeid.split("[", 1)[0]
-        if is_named or not (item.get_closest_marker("slow") or function in seen):
+        if whole or is_named or not (item.get_closest_marker("slow") or function in seen):
             keep.append(item)
             seen.add(function)
         else:
@@ -82,8 +120,20 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    if not _slow_selected(config) and not hasattr(config, "workerinput"):
-        terminalreporter.write_line("the dev loop: slow tests and all but one parameter set per test deselected; "
+    if hasattr(config, "workerinput"):
+        return
+    from spec_parity import protocol
+
+    ported = _ported()
+    ours = [m for m in protocol.MODULES if m not in ported]
+    if ported:
+        terminalreporter.write_line(f"checking a port: every parity case of {', '.join(ported)} run (golden and live)"
+                                    + (f"; those of {', '.join(ours)} deselected (our port answers them)" if ours else ""))
+    if _oracle_selected(config):
+        terminalreporter.write_line("-m oracle: every live parity case run (no dev-loop thinning)")
+    if not _slow_selected(config):
+        terminalreporter.write_line("the dev loop: slow tests and all but one parameter set per test deselected"
+                                    f"{' (parity cases aside)' if ported or _oracle_selected(config) else ''}; "
                                     "--slow runs them")
 
 

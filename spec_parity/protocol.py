@@ -62,10 +62,70 @@ class Protocol:
         q = self.quantity(key)
         return q is not None and not q.required
 
+    def undocumented(self, options: dict) -> list[str]:
+        """The keys of a case's options (harness.options) this protocol does not document."""
+        return sorted(set(options) - set(self.options))
 
-LOOP_OPTIONS = {"max_tokens / max_new_tokens": "tokens to generate", "gamma": "draft tokens per round (assistant)",
-                "eos": "stop token id(s); EOS is not content", "threshold": "DSpark confidence threshold",
-                "window / embed / prefill": "the reference's conventions (DFlash)"}
+
+REQUEST = {
+    "module": "the module the case belongs to (`targets`, `assistant`, `dspark`, `dflash`)",
+    "case": "the case's name within its module (e.g. `mod-qwen3`)",
+    "kind": "the protocol the case follows: the sections below are `module/kind`",
+    "target": "the target checkpoint's directory, as it is on disk (config.json and safetensors)",
+    "drafter": "the drafter checkpoint's directory; None for a `targets` case",
+    "prompt": "the prompt's token ids, int32 [1, P]",
+    "options": "how to run the case, name -> value: the keys listed under each protocol below, and "
+               "only those (the case's parameters over the reference's conventions)",
+    "dtype": "the precision to load the checkpoints and compute in (`float32`, or `bfloat16` / `float16` "
+             "for a case in that dtype); the returned arrays keep the dtypes the tables give",
+    "inputs": "the reference arrays the port is fed, name -> numpy array (Inputs below; empty where none)",
+}
+"""Request's fields and what each holds (docs/protocol.md; a test holds it to the dataclass)."""
+
+
+def choice(what: str, values: dict) -> str:
+    """An option's meaning and each value it takes."""
+    return what + ": " + "; ".join(f'`"{v}"` {meaning}' for v, meaning in values.items())
+
+
+PROMPT_LEN = {"prompt_len": "P, the prompt's length (the ids are `Request.prompt`)"}
+GAMMA = {"gamma": "draft tokens per round"}
+DFLASH_SCALES = {"scales": choice(
+    "where the drafter's `input_embedding_scale` and `output_multiplier` are read from config.json", {
+        "nested": "from `dflash_config` only, a top-level key is not read (z-lab MLX)",
+        "either": "`dflash_config` first, then the config's top level (z-lab torch); the two agree on a "
+                  "checkpoint that nests both"})}
+DFLASH_CONVENTIONS = {
+    "window": choice("the context window of the drafter's sliding layers; the two differ only after a one-row "
+                     "context update on a full ring", {
+                         "positional": "by position: the window drops the oldest context rows (z-lab torch)",
+                         "zlab-mlx": "mlx-lm's rotating buffer attended as it lies, masked by buffer index: "
+                                     "the block loses the newest context rows instead of the oldest (z-lab MLX)"}),
+    "embed": choice("the block's embedding (anchor and mask tokens through the target's embedding)", {
+        "scaled": "times the target's embedding scale, Gemma-4's sqrt(H) (z-lab MLX)",
+        "raw": "the raw embedding rows (z-lab torch); on a target with no scale (Qwen3) the two agree"}),
+    "prefill": choice("how the target prefills the prompt, which makes the first tap rows (`taps.0`) and the first "
+                      "anchor", {
+                          "split": "the prompt less its last token in one forward, then the last token on its "
+                                   "own (z-lab MLX)",
+                          "whole": "the whole prompt in one forward (z-lab torch)"})
+               + ". On a Gemma-4 target the two give `taps.0` (and the logits drafted from it) different last "
+                 "bits, so a z-lab MLX module case (L1, bit-exact) prefilled whole fails there; on a Qwen3 "
+                 "target they agree bit for bit. A loop case prefills as the port's serve loop does (its L2 "
+                 "budgets allow the difference)",
+    **DFLASH_SCALES,
+}
+"""The reference's conventions a DFlash case names (spec_parity/deltas.py: one delta each): the port
+must follow the value the case gives, the one its reference uses."""
+
+DFLASH_EOS = {"eos": "stop token ids, a list (empty: none); a stop token ends the stream and is not content"}
+LOOP_OPTIONS = {
+    "assistant": {**PROMPT_LEN, **GAMMA, "max_tokens": "tokens to generate",
+                  "eos": "a stop token id (-1: none); it ends the stream and is not content"},
+    "dspark": {**PROMPT_LEN, "max_new_tokens": "tokens to generate (DeepSpec's count)",
+               "threshold": "the confidence threshold each block's proposal is pruned at"},
+    "dflash": {**DFLASH_CONVENTIONS, **PROMPT_LEN, "max_tokens": "tokens to generate", **DFLASH_EOS},
+}
 LOOP_RETURNS = (
     Quantity("stream.tokens", "[N]", "int32", "the generated content tokens (T=0)", True),
     Quantity("stream.drafted", "[R]", "int32", "tokens proposed per round"),
@@ -88,26 +148,31 @@ LAYER_RETURNS = (
 )
 
 
-SAMPLED_OPTIONS = {"temperature": "the sampler's temperature", "runs": "requests to run, one seed each",
-                   "seed0": "the first seed (seeds seed0 .. seed0 + runs - 1)",
-                   "max_new_tokens / max_tokens": "tokens a request generates (as the module's loop counts them)",
-                   "threshold / gamma": "the module's loop option (DSpark confidence threshold, assistant drafts per round)"}
+SAMPLED = {"temperature": "the sampler's temperature", "runs": "requests to run, one seed each",
+           "seed0": "the first seed (request i samples with seed seed0 + i)",
+           "ref_seed0": "the reference's first seed, so its draws are independent of the port's; a port ignores it"}
+SAMPLED_OPTIONS = {
+    "assistant": {"prompt": "the fixed prompt's ids (also `Request.prompt`)", **GAMMA,
+                  "max_tokens": "tokens a request generates (as the assistant's loop counts them)", **SAMPLED},
+    "dspark": {**PROMPT_LEN, "max_new_tokens": "tokens a request generates (DeepSpec's count)",
+               "threshold": "the confidence threshold each block's proposal is pruned at", **SAMPLED},
+}
 
 
 def _sampled(module: str, returns: tuple[Quantity, ...]) -> Protocol:
     return Protocol(module, "sampled", "the serve loop at T > 0, once per seed: per request a few small integers, "
                     "compared as distributions with the reference's sampled loop (two-sample chi-square)",
-                    SAMPLED_OPTIONS, {}, returns)
+                    SAMPLED_OPTIONS[module], {}, returns)
 
 
 def _loop(module: str) -> Protocol:
     return Protocol(module, "loop", "the serve loop: draft, one batched verify, accept, trim, at T=0",
-                    LOOP_OPTIONS, {}, LOOP_RETURNS)
+                    LOOP_OPTIONS[module], {}, LOOP_RETURNS)
 
 
 PROTOCOLS = {p.module + "/" + p.kind: p for p in (
     Protocol("targets", "forward", "the target's forward on the prompt, and its greedy stream",
-             {"new_tokens": "greedy tokens to generate"},
+             {**PROMPT_LEN, "new_tokens": "N, greedy tokens to generate after the prompt"},
              {"hidden.*": "the reference's input to each layer (hidden.0 = embeddings), for the own-error run",
               "stream.tokens": "the reference's greedy stream, for the teacher-forced score"},
              (Quantity("logits", "[P, V]", "float32", "logits at every prompt position", True),
@@ -119,7 +184,12 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
               Quantity("stream.logits", "[N, V]", "float32", "the logits each greedy token was chosen from"),
               Quantity("tf.logits", "[N, V]", "float32", "logits on the reference's stream (teacher-forced)"))),
     Protocol("assistant", "step", "the assistant drafter's chained draft steps from the first anchor",
-             {"gamma": "draft steps", "convention": "positions / window convention (optiq, hfpos, hfwin)"},
+             {**PROMPT_LEN, "gamma": "draft steps to chain", "convention": choice(
+                 "the reference's draft-step convention (spec_parity/adapters/assistant.py CONVENTIONS)", {
+                     "optiq": "step k at position P+k, the donor sliding view the newest W-1 entries (optiq)",
+                     "hfpos": "every step at position P (transformers), the donor view as optiq's",
+                     "hfwin": "positions as optiq's, the donor sliding view transformers' own mask: the newest "
+                              "W+1 entries"})},
              {"in.*": "transformers cases: the anchor, position, donor K/V and embedding table to draft from",
               **LAYER_INPUTS},
              (Quantity("step*.token", "[1]", "int32", "the draft token of step i", True),
@@ -129,7 +199,8 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
               Quantity("donor.*", "[1, heads, S, d]", "float32", "the donor K/V views the drafter attends"))
              + LAYER_RETURNS),
     Protocol("dspark", "modules", "the first DSpark draft round after prefill, module by module",
-             {"thresholds": "confidence thresholds for the proposal"}, LAYER_INPUTS,
+             {**PROMPT_LEN, "thresholds": "the confidence thresholds t of `prefix@t` and `proposal@t`"},
+             LAYER_INPUTS,
              (Quantity("tokens", "[B-1]", "int32", "the block's draft tokens", True),
               Quantity("logits", "[B-1, V]", "float32", "Markov-corrected logits", True),
               Quantity("prefix@*", "[1]", "int32", "tokens kept at threshold t", True),
@@ -143,7 +214,9 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
               Quantity("base_logits", "[B-1, V]", "float32", "logits before the Markov head"),
               Quantity("confidence", "[B-1]", "float32", "the confidence head's logits")) + LAYER_RETURNS),
     Protocol("dflash", "modules", "DFlash draft rounds with forced commits (the accept schedule)",
-             {"accepts": "forced accepted count per round", "window / embed / prefill": "the reference's conventions"},
+             {**DFLASH_CONVENTIONS, **PROMPT_LEN,
+              "accepts": "one entry a round: round r accepts its first min(accepts[r], B-1) drafts whatever the "
+                         "target says; the next anchor is the target's greedy token after them"},
              LAYER_INPUTS, (Quantity("tokens.*", "[B-1]", "int32", "round r's draft tokens", True),
                   Quantity("logits.*", "[B-1, V]", "float32", "round r's drafter logits", True),
                   Quantity("anchors", "[R+1]", "int32", "each round's anchor", True),
@@ -163,8 +236,9 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
     _sampled("dspark", (Quantity("sampled.first", "[runs]", "int32", "each request's first-round accepted length", True),
                         Quantity("sampled.rounds", "[runs]", "int32", "each request's verify rounds", True))),
     Protocol("dflash", "extension", "the DSpark-on-DFlash extension (no reference: L3), extras on, at T=0",
-             {"thresholds": "confidence thresholds (one for every position, or one per position)",
-              "max_tokens": "tokens to generate"}, {},
+             {**DFLASH_SCALES, "extension": "true: the case is the extension's (its kind says so too)",
+              **PROMPT_LEN, "max_tokens": "tokens to generate",
+              "thresholds": "confidence thresholds (one for every position, or one per position)"}, {},
              LOOP_RETURNS + (
                  Quantity("ext.confidence", "[sum n_r]", "float32", "every block's confidence logits", True),
                  Quantity("ext.block_len", "[R]", "int32", "each block's length n_r", True),
@@ -183,14 +257,27 @@ def get(module: str, kind: str) -> Protocol:
     return PROTOCOLS[f"{module}/{kind}"]
 
 
+def _request_section() -> list[str]:
+    """What a port is handed (Request), and how it declines a case."""
+    from .ports import DECLINE_EXIT
+
+    return ["## The request", "", "A port's run is called with one `spec_parity.protocol.Request` per case "
+            "(through the file protocol: request.json and inputs.safetensors, below):", "",
+            *[f"- `{name}`: {meaning}." for name, meaning in REQUEST.items()], "",
+            "A port that does not implement a case (a kind, or a checkpoint variant it has no counterpart for) "
+            "raises `spec_parity.ports.Declined(reason)`; a `--port-cmd` command exits with status "
+            f"{DECLINE_EXIT}, its last line of stderr the reason. The case reads DECLINED with that reason: "
+            "counted apart, never as a pass. Any other exception, or exit status, is the case's ERROR.", ""]
+
+
 def markdown() -> str:
     """Every protocol as tables: docs/protocol.md's first part (exchange.markdown adds the files)."""
     lines = ["# The port protocol", "", "Generated by `spec-parity protocol` from spec_parity/protocol.py; "
-             "do not edit by hand.", "", __doc__.split("\n\n", 1)[1].strip(), ""]
+             "do not edit by hand.", "", __doc__.split("\n\n", 1)[1].strip(), "", *_request_section()]
     for key, p in PROTOCOLS.items():
         lines += [f"## {key}", "", p.what + ".", ""]
         if p.options:
-            lines += ["Options: " + "; ".join(f"`{k}` {v}" for k, v in p.options.items()) + ".", ""]
+            lines += ["Options:", "", *[f"- `{k}`: {v}." for k, v in p.options.items()], ""]
         if p.inputs:
             lines += ["Inputs: " + "; ".join(f"`{k}` {v}" for k, v in p.inputs.items()) + ".", ""]
         lines += ["| array | shape | dtype | required | meaning |", "|---|---|---|---|---|"]

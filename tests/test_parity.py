@@ -7,8 +7,9 @@ caught first at that layer.
 The slow marks are the harness's (`harness.params`): the dev loop runs every module case and
 control and the first serve loop of each checkpoint kind, per module against the goldens and per
 reference live (z-lab's torch twins have their own first loops live; against the goldens they
-repeat their MLX twins'). The live cases of z-lab's torch reference carry `tf515`: they need
-transformers 5.15 (`tox -e oracle-tf515`)."""
+repeat their MLX twins'). Checking a port (--port / --port-cmd) runs every case of its modules,
+golden and live, and `-m oracle` every live case (conftest.py). The live cases of z-lab's torch
+reference carry `tf515`: they need transformers 5.15 (`tox -e oracle-tf515`)."""
 
 import pytest
 
@@ -17,11 +18,12 @@ from spec_parity.pairs import dflash
 
 
 def _params(group, extra_marks=lambda case: (), keep=lambda case: True) -> list:
-    """The cases `keep` keeps, id `module/case`, marked by `harness.params` over their group."""
+    """The cases `keep` keeps, id `module/case`, marked by `harness.params` over their group and
+    `parity(module)` (conftest.py: a port's module runs whole, the others are deselected)."""
     groups: dict = {}
     for case in filter(keep, harness.all_cases()):
         groups.setdefault(group(case), []).append(case)
-    return [pytest.param(case, id=case.id, marks=[*p.marks, *extra_marks(case)])
+    return [pytest.param(case, id=case.id, marks=[*p.marks, *extra_marks(case), pytest.mark.parity(case.module)])
             for cases in groups.values() for p in harness.params(cases) for case in p.values]
 
 
