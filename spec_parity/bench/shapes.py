@@ -5,13 +5,13 @@ side reads with its own loader (`build` -> Checkpoints).
 `tiny`: the factory's own tiny checkpoints (spec_parity/checkpoints/), read from disk.
 `real`: the shapes of docs/references.md ("Real shapes") with RANDOM weights built in memory: the
 same factory kinds (so the tensor names and the config are the checkpoint format the loaders
-expect), with every draw taken from mx.random instead of numpy. Nothing large is written: the directory holds the
-config.json and an empty model.safetensors, and while a side loads, `serve_weights` makes
-`mx.load` of that file return the in-memory tensors. Every side (our port, optiq, z-lab, the
-peer ports, the mlx-lm target) therefore loads through its own code path and gets the SAME arrays
-(shared, not copied). The target is a stand-in of the real one: its real width, vocabulary, head
-dims and donor K/V, at a depth given by `target_layers` (Qwen3-4B: its real 36; Gemma-4: 6, the
-real depths are not in docs/references.md).
+expect), with every draw taken from mx.random instead of numpy. Nothing large is written: the
+directory holds the config.json and an empty model.safetensors, and while a side loads,
+`serve_weights` makes `mx.load` of that file return the in-memory tensors. Every side (our port,
+optiq, z-lab, the peer ports, the mlx-lm target) therefore loads through its own code path and gets
+the SAME arrays (shared, not copied). The target is a stand-in of the real one: its real width,
+vocabulary, head dims and donor K/V, at a depth given by `target_layers` (Qwen3-4B: its real 36;
+Gemma-4: 6, the real depths are not in docs/references.md).
 
 The bytes model of a step (what it must read, for the bandwidth floor) is `step_bytes`.
 """
