@@ -245,7 +245,7 @@ def tables_are_their_runs(text: str) -> int:
 
 
 def log_tables_are_their_logs(text: str) -> int:
-    """Each "From `benchmarks/X.log`" paragraph's tables quote only figures that log holds, and its
+    """Each "From `benchmarks/<name>.log`" paragraph's tables quote only figures that log holds, and its
     machine and tree are the log's."""
     blocks = _blocks(text, "From `benchmarks/")
     for head, block in blocks:
