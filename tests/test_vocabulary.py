@@ -1,8 +1,9 @@
 """The repository speaks of what the project is, not of how it was built: no tracked file names a
-work session, a lent machine or an issue number, and every docs/ or benchmarks/ file a text cites
-is in the repository. Recorded outputs (benchmarks/, fixtures/: what a tool printed or wrote, kept
-as it wrote them) are not read. Files listed in NOT_YET_CLEAN hold known hits and are skipped
-until they are cleaned; each entry must still have a hit, so the list only shrinks."""
+work session, a lent machine or an issue number, and every docs/ or benchmarks/ file and docs
+section title a text cites is in the repository. Recorded outputs (benchmarks/, fixtures/: what a
+tool printed or wrote, kept as it wrote them) are not read. Files listed in NOT_YET_CLEAN and
+CITES_MISSING hold known hits and are skipped until they are cleaned; each entry must still have
+its hit, so the lists only shrink."""
 
 from __future__ import annotations
 
@@ -41,7 +42,11 @@ NOT_YET_CLEAN = {
 }
 CITES_MISSING = {
     "port/targets.py": "docs/benchmarks-history.md",
+    "port/assistant.py": "REFERENCES.md",
+    "docs/serve.md": "Session 22",
 }
+# `docs/x.md "Title"` or `[x.md](x.md), "Title"`: a section cited by its title.
+SECTION = re.compile(r'(?:docs/)?\b([\w-]+\.md)\]?(?:\([^)]*\))?,? "([^"\n]+)"')
 
 
 def _tracked() -> list[str]:
@@ -49,7 +54,9 @@ def _tracked() -> list[str]:
         out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: the tracked files are unknown")
-    return [p for p in out.decode().split("\0") if p and not p.startswith(RECORDED) and not p.endswith(BINARY)]
+    here = str(Path(__file__).resolve().relative_to(ROOT))   # this file holds the words as its controls
+    return [p for p in out.decode().split("\0")
+            if p and p != here and not p.startswith(RECORDED) and not p.endswith(BINARY)]
 
 
 def _text(path: str) -> str:
@@ -65,7 +72,20 @@ def notebook_words(text: str) -> list[str]:
 
 
 def missing_citations(text: str) -> list[str]:
-    return sorted({c for c in CITED.findall(text) if c != PLACEHOLDER and not (ROOT / c).exists()})
+    """docs/ and benchmarks/ files the text cites that are not here, and sections it cites by title
+    (`docs/benchmarks.md "The draft step"`) that no heading of that page begins with."""
+    files = {c for c in CITED.findall(text) if c != PLACEHOLDER and not (ROOT / c).exists()}
+    for name, title in SECTION.findall(text):
+        page = next((p for p in (ROOT / "docs" / name, ROOT / name) if p.is_file()), None)
+        if page is None:
+            files.add(name)
+        elif not any(h.lower().startswith(title.lower()) for h in _headings(page)):
+            files.add(f'{name} "{title}"')
+    return sorted(files)
+
+
+def _headings(page: Path) -> list[str]:
+    return [line.lstrip("#").strip() for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("#")]
 
 
 def test_no_tracked_file_speaks_of_how_it_was_built():
@@ -106,8 +126,12 @@ def test_the_notebook_words_are_found(text, words):
     assert notebook_words(text) == words
 
 
-def test_a_citation_of_a_missing_file_is_found():
-    """Control: a citation of a removed file is found; one of a file that is here is not."""
+def test_a_citation_of_a_missing_file_or_section_is_found():
+    """Control: a citation of a removed file or of a section title no heading has is found; one of
+    a file and a section that are here is not."""
     assert missing_citations("docs/benchmarks-history.md and docs/bench-h200-run9.json") == [
         "docs/bench-h200-run9.json", "docs/benchmarks-history.md"]
-    assert missing_citations("docs/benchmarks.md, benchmarks/step-h100-1.json") == []
+    assert missing_citations('[benchmarks.md](benchmarks.md), "Session 22"') == ['benchmarks.md "Session 22"']
+    assert missing_citations('REFERENCES.md, "Reference deltas"') == ["REFERENCES.md"]
+    assert missing_citations('docs/benchmarks.md, benchmarks/step-h100-1.json; docs/benchmarks.md "The draft step"; '
+                             '[bench.md](bench.md), "The code"') == []
