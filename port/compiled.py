@@ -95,7 +95,8 @@ def check_attention(attention: str, error, head_dim: int | None = None) -> str:
 
 def resolve_attention(attention: str, head_dim: int, dtype: mx.Dtype) -> str:
     """AUTO: "kernel" where the kernels beat mx.fast's attention (MLX CUDA, bf16 weights: their
-    tensor-core path, docs/benchmarks.md; on fp32 their FMA path is the slower one), else "sdpa"."""
+    tensor-core path, docs/benchmarks.md "The draft step"; on fp32 their FMA path is the slower
+    one), else "sdpa"."""
     if attention != AUTO:
         return attention
     return "kernel" if kernels.available() and kernels.fits(head_dim) and dtype == mx.bfloat16 else "sdpa"

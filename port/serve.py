@@ -256,8 +256,8 @@ _FIELD = (1 << _BITS) - 1
 
 def _verdict(drafts: mx.array, greedy: mx.array, eos: mx.array | None) -> mx.array:
     """A greedy round's outcome as ONE int64 scalar: on MLX CUDA a host read of more than 8 bytes
-    puts the buffer in managed memory and the next round's kernels page-fault on it (0.1-0.56 ms,
-    docs/benchmarks-history.md "Unified memory"); an 8-byte scalar costs nothing. Fields: k, the accepted
+    puts the buffer in managed memory and the next round's kernels page-fault on it (0.1-0.56 ms
+    a block, measured on an H200); an 8-byte scalar costs nothing. Fields: k, the accepted
     drafts (the prefix where drafts == greedy); the index of the first EOS in greedy (n + 1: none);
     the round's last new token, greedy[k]. The round's new tokens are greedy[:k + 1]: the accepted
     drafts equal the target's."""
@@ -481,7 +481,8 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     `verify`: "compiled" (port/fast/verify.py: the bucketed verify as one compiled call, traced
     once per buffer length; needs a kv_bucket), "kernel" (the same with port/fast/kernels.py's
     attention: MLX CUDA from compute capability 8.0, Qwen3 targets with bf16 activations;
-    1.03-1.41x the compiled verify's loop in serving, docs/benchmarks.md "Session 22"), "plain"
+    1.03-1.41x the compiled verify's loop in serving: docs/benchmarks.md, "The kernel verify against
+    the compiled one"), "plain"
     (targets.forward, op by op), or "auto" (default): the first of "kernel", "compiled", "plain"
     that runs here; `stats.verify` says which ran.
 

@@ -107,7 +107,7 @@ _measured("dflash", "layer_own", 5e-5, _LAYERS.format("dflash", "1.43e-05") + " 
 # order move fp32. Measured on an H100, MLX CUDA 0.32.4, tests/test_bucketed_verify.py and
 # tests/test_pipelined.py with --slow: the compiled verify on Gemma-4 targets max |Δ| 2.3e-5-5.3e-5
 # (the largest at |ref| ~260), the pipelined DSpark-on-DFlash loop 1.5e-5, tokens and drafts equal;
-# session 11 on an H200: the bucketed verify on Gemma-4 targets 3-5e-5 off the default.
+# on an H200: the bucketed verify on Gemma-4 targets 3-5e-5 off the default.
 _measured("serve", "mlx_cuda", 2e-4, "measured by tools/fast_path_tiers.py on an H100, MLX CUDA 0.32.4: "
           "max |Δ| 5.34e-05")
 
@@ -123,7 +123,8 @@ L3_GATES = {("dflash", "extension"): {"kl_mean_min": 1e-3, "kl_mean_max": 5.0, "
 # (and the port token's gap to top-1) is below this many ULPs of the dtype at the top-1 logit's
 # magnitude. fp32: cross-framework logit errors measured above reach ~50 ULPs at |logit| ~20, so
 # 1024 ULPs (2e-3 at 20) is ~20x the noise and still far below a real top-1 margin of this suite.
-# bf16: 4 ULPs (0.25 at 20), as logits differ 0.05-0.3 between frameworks (REFERENCES.md).
+# bf16: 4 ULPs (0.25 at 20), as logits differ 0.05-0.3 between frameworks (docs/references.md,
+# "Target models").
 KNIFE_EDGE_ULPS = {"float32": 1024, "float16": 16, "bfloat16": 4}
 
 

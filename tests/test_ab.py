@@ -331,7 +331,7 @@ def test_ab_takes_every_draft_source(target, drafter, overrides):
 
 
 def test_readme_says_which_drafters_ab_takes():
-    """Issue 18: README names every draft source `ab` takes (test_ab_takes_every_draft_source runs them)."""
+    """README names every draft source `ab` takes (test_ab_takes_every_draft_source runs them)."""
     from pathlib import Path
 
     text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())

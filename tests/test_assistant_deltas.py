@@ -1,4 +1,4 @@
-"""Where optiq and transformers disagree (REFERENCES.md "Reference deltas"): each delta is shown
+"""Where optiq and transformers disagree (docs/references.md "Reference deltas"): each delta is shown
 to exist between the live references, and which convention the port follows. The port follows
 optiq in the serve loop; for deltas 1 and 2 it offers transformers' convention as an option, held
 to transformers by the `-hfpos` / `-hfwin` cases in tests/test_assistant.py. Delta 3 (the first

@@ -102,8 +102,9 @@ def test_serve_weights_hands_out_the_same_arrays_and_restores_mx_load(tmp_path):
 
 
 def test_real_shapes_build_in_memory_at_the_references_floor_bytes(tmp_path):
-    """At full size (nothing evaluated: the draws are lazy) the bytes model gives REFERENCES.md's
-    floors: 12B tied 0.24 ms, E4B centroid 0.0095 ms, DFlash 0.52 ms at 3.6 TB/s."""
+    """At full size (nothing evaluated: the draws are lazy) the bytes model gives the real
+    shapes' floors (docs/references.md, "Real shapes"): 12B tied 0.24 ms, E4B centroid 0.0095 ms,
+    DFlash 0.52 ms at 3.6 TB/s."""
     floors = {}
     for case in shapes.real_cases(dtype="bfloat16"):
         ckpt = shapes.build(case, tmp_path)
@@ -323,9 +324,9 @@ def test_launch_floor_is_the_steps_launches_times_the_measured_launch_cost():
 
 
 def test_kernel_classes_of_names_an_h200_run_recorded():
-    """Kernel names as CUPTI recorded them in run 9 (docs/bench-h200-run9.json): cuBLASLt's Hopper
-    GEMMs are `nvjet_*` (they read "other" until session 5), cuDNN's attention contains "wgmma"
-    (not a GEMM here). Control: a name no class names stays "other"."""
+    """Kernel names as CUPTI recorded them on an H200: cuBLASLt's Hopper GEMMs are `nvjet_*`,
+    cuDNN's attention contains "wgmma" (not a GEMM here). Control: a name no class names stays
+    "other"."""
     names = {"nvjet_sm90_tst_128x16_64x11_4x1_v_bz_TNT": "matmul",
              "void mlx::core::cu::gemv_single<__nv_bfloat16, 8, 4>(__nv_bfloat16 const*)": "matmul",
              "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128": "attention",
@@ -345,8 +346,8 @@ def test_bench_kernels_on_cpu_says_why_not(tmp_path):
 
 def test_port_blocks_index_without_gathers(tmp_path):
     """MLX makes a lone integer index (`logits[0]`) a Gather; on MLX CUDA one over a block's logits
-    costs 22-257 us of device time (H200, docs/benchmarks-history.md), a slice (`logits[0, ...]`) is free. The
-    DFlash block's one Gather is its embedding lookup. Control: a planted `[0]` on the logits adds one."""
+    costs 22-257 us of device time (H200), a slice (`logits[0, ...]`) is free. The DFlash block's
+    one Gather is its embedding lookup. Control: a planted `[0]` on the logits adds one."""
     case = next(c for c in shapes.tiny_cases() if c.name == "dflash-qwen3")
     prep = runner.prepare(shapes.build(case, tmp_path), (None, "off"), 0)
     assert bench.count_step(port_sides.port_side(prep))["op_kinds"].get("Gather") == 1
@@ -362,8 +363,8 @@ def _host_buffers(prep, side) -> int:
                                                      "dspark-qwen3"))
 def test_port_steps_build_no_host_filled_buffers(name, tmp_path):
     """A draft step / block (plain and bucketed) builds no array from host data over 8 bytes: on MLX
-    CUDA the GPU page-faults on such a buffer (H200: a block's embedding Gather 100-280 us instead of 3,
-    docs/benchmarks-history.md). Control (blocks): the ids built as one host list, as they were, must count."""
+    CUDA the GPU page-faults on such a buffer (H200: a block's embedding Gather 100-280 us instead
+    of 3). Control (blocks): the ids built as one host list, as they were, must count."""
     case = next(c for c in shapes.tiny_cases() if c.name == name)
     prep = runner.prepare(shapes.build(case, tmp_path), (None, "off"), 0)
     for side in port_sides.SIDES:

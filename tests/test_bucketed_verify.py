@@ -60,12 +60,13 @@ def IDS(name):
     return name or "plain"
 
 
-# Measured on an H200 (session 11) and an H100 (session 19), MLX CUDA 0.32.4, fp32: on a Gemma-4
+# Measured on an H200 and an H100, MLX CUDA 0.32.4, fp32: on a Gemma-4
 # target (sliding layers) the bucketed verify is 3-5e-5 off the default, past torch's fp32 budget
 # (the loop tests hold it to TIER); against an uncached recompute it is held to fp32 itself, which
 # MLX CUDA does not meet. Bit-exact on the CPU. Strict: the mark goes the day it holds there.
 GEMMA4_ON_GPU = pytest.mark.xfail(mx.default_device() != mx.cpu, strict=True,
-                                  reason="MLX CUDA: Gemma-4 bucketed verify 3-5e-5 off the default (docs/benchmarks.md)")
+                                  reason="MLX CUDA: Gemma-4 bucketed verify 3-5e-5 off the default "
+                                         "(docs/benchmarks.md, Parity on MLX CUDA)")
 
 
 @functools.cache
@@ -253,7 +254,8 @@ def test_kernel_verify_walk_is_mlx_lms_layers(name, kernel_walk):
 
 def test_auto_takes_the_kernel_verify_where_it_runs(kernel_walk):
     """"auto" takes the kernel verify where it runs (its loop 1.03-1.41x the compiled verify's in
-    serving, docs/benchmarks.md "Session 22"), the compiled one where it does not; either asked for."""
+    serving, docs/benchmarks.md "The kernel verify against the compiled one"), the compiled one
+    where it does not; either asked for."""
     target = _setup(None)[0]
     assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "kernel"
     assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET, verify="compiled")[1].verify == "compiled"
@@ -338,7 +340,7 @@ def _distance(got, ref) -> float:
 
 
 # The kernel verify's bf16 tier: no further from the fp32 verify than the bf16 verify it replaces,
-# by this factor. Measured on an H100 (session 21): 0.043 / 0.060 (logits / final) for the kernels,
+# by this factor. Measured on an H100: 0.043 / 0.060 (logits / final) for the kernels,
 # 0.043 / 0.091 for mx.fast's attention, over the five verifies below.
 KERNEL_BF16_FACTOR = 1.5
 
@@ -397,7 +399,7 @@ def test_compiled_verify_traces_once_per_buffer_length(monkeypatch):
 @pytest.mark.parametrize("old", [False, True], ids=["scatter", "control-slice-update"])
 def test_compiled_verify_writes_scatter_rows_not_a_dynamic_slice(old):
     """MLX CUDA 0.32.4 launches a slice update at an array start over the whole buffer: 1.6 ms of
-    a 36-layer verify on an H200 (docs/benchmarks.md "Session 20"), a cost only a GPU shows, so the
+    a 36-layer verify on an H200 (tools/verify_device_time.py), a cost only a GPU shows, so the
     graph is held here: each K/V write of the compiled verify's function is a ScatterAxis, none a
     DynamicSliceUpdate. The control puts the old write back and must be caught."""
     target = _setup(None)[0]

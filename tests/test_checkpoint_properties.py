@@ -1,7 +1,7 @@
 """Property tests per checkpoint family (assistant, DSpark, DFlash, Qwen3 and Gemma-4 targets):
 over config and tensor mutations of the factory's checkpoints (required keys removed, renamed,
 moved between nesting levels; tensors extra, missing, misshaped; mismatched pair dimensions),
-our load refuses with one line naming the file and the key or tensor (issue 18, item 1). The
+our load refuses with one line naming the file and the key or tensor. The
 properties are the plain functions of tests/checkpoint_mutations.py; planted-bug controls, applied
 from outside product code, show each property fails on the bug it guards against."""
 
@@ -146,7 +146,7 @@ EXTRA = [(f, n) for f in DRAFTERS for n in ("model.layers.0.extra.weight", "fc.b
 
 
 def test_control_a_loader_that_drops_unknown_tensors_is_caught(monkeypatch):
-    """The bug issue 18 found: load_into keeping only the tensors the model declares."""
+    """The bug the properties found: load_into keeping only the tensors the model declares."""
     honest = checkpoint.load_into
 
     def lax(model, path, weights, error, hint, unused=()):

@@ -1,5 +1,5 @@
 """Edge checkpoints: computed the way the reference computes them, or refused by name, never
-computed some other way (issue 18). Each is a factory checkpoint edited in tmp_path."""
+computed some other way. Each is a factory checkpoint edited in tmp_path."""
 
 import json
 import re

@@ -1,7 +1,7 @@
 """The published config.json files (fixtures/configs/, sources in its README.md) load as they are:
 a random-weight checkpoint built from each exact config, shrunk by the one rule of
 spec_parity/checkpoints/published.py, goes through our loader and every reference loader that
-runs here, each consuming every tensor (issue 18, item 2)."""
+runs here, each consuming every tensor."""
 
 import json
 

@@ -167,8 +167,8 @@ BAD_INPUTS = [
 
 
 def _run(t: Path, name: str, **project) -> Path:
-    """A committed serve run (docs/), copied to t/name/serve.json with `project` keys replaced."""
-    doc = json.loads((ROOT / "docs" / "serve-h200-dflash-s12-run1.json").read_text())
+    """A committed serve run (benchmarks/), copied to t/name/serve.json with `project` keys replaced."""
+    doc = json.loads((ROOT / "benchmarks" / "serve-dflash-h200-peers-1.json").read_text())
     doc["project"].update(project)
     (t / name).mkdir()
     (t / name / "serve.json").write_text(json.dumps(doc))

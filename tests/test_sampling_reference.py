@@ -32,7 +32,7 @@ def _optiq_pair(softcap: bool):
 @pytest.mark.slow
 def test_optiqs_sampled_loop_samples_the_logits_without_the_softcap(live_oracle):
     """A reference delta at T > 0: optiq projects its verify rows with the head alone
-    (`_project_to_logits`, no final softcap; at T = 0 the argmax is the same, REFERENCES.md), so
+    (`_project_to_logits`, no final softcap; at T = 0 the argmax is the same, docs/references.md), so
     it samples softmax(raw / T), not the target's softmax(softcap(raw) / T). Its first sampled
     token (softcapped agreeing target, T = 3, the prompt [3, 4, 51] whose successor's logit is
     large enough for the softcap to matter: total variation 0.11 between the two) fits the

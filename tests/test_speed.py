@@ -100,7 +100,7 @@ def test_syncs_per_round_at_t0(name, kind, overrides, make, gamma, bound, monkey
     assert max(per_round) <= most_per_round(bound, stats), per_round
     assert end == 1, f"the request's tokens and proposals must reach the host in one read, not {end}"
     # on MLX CUDA a buffer over 8 bytes the host read is managed memory the next round's kernels
-    # fault on (docs/benchmarks-history.md "Unified memory"); the control is test_planted_extra_sync_is_counted
+    # fault on; the control is test_planted_extra_sync_is_counted
     assert max(largest) <= 8, f"a round read a {max(largest)}-byte buffer: {largest}"
 
 
@@ -400,7 +400,8 @@ DSPARK_VARIANTS = {v: dspark_pair.VARIANTS[v]
 # (g * state + (1 - g) * tanh(cand)) rounds differently from the op-by-op path, rows <= 4.8e-7 apart,
 # tokens equal; bit-exact on the CPU. Strict: it must still fail there, or the mark goes.
 RNN_FUSION_ON_GPU = pytest.mark.xfail(mx.default_device() != mx.cpu, strict=True,
-                                      reason="MLX GPU fusion of the RNN Markov state update (docs/benchmarks.md)")
+                                      reason="MLX GPU fusion of the RNN Markov state update "
+                                             "(docs/benchmarks.md, Parity on MLX CUDA)")
 
 
 def _dspark_variant(variant: str, *rest):
@@ -492,11 +493,11 @@ def _same(a, b, dtype: str) -> bool:
     return compare.tensor_metrics(a, b, budgets.DTYPE_DEFAULTS[dtype], dtype)["ok"]
 
 
-# Measured on the H200 (MLX CUDA 0.32.4, session 11): in bf16 the exact block falls outside the
+# Measured on an H200 (MLX CUDA 0.32.4): in bf16 the exact block falls outside the
 # default bf16 budget of the compiled block (cuDNN's decode kernel against its multi-row one); its
 # tier there is not established, so off the CPU only fp32 is held.
 BF16_OFF_CPU = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="bf16 tier of the exact block on a GPU "
-                                  "not established (docs/benchmarks.md, session 11)")
+                                  "not established")
 
 
 @pytest.mark.parametrize("variant,dtype", [("qwen3", "float32"), ("gemma4", "float32"),
@@ -567,7 +568,8 @@ def test_assistant_native_gqa_equals_repeated_kv_on_the_cpu():
     mapping is 1 ulp off it); on the CPU the no-copy option computes the same bits. Control: a
     query head mapped onto the wrong K/V head is caught."""
     if mx.default_device() != mx.cpu:
-        pytest.skip("held on the CPU only: on MLX CUDA the two differ by design (docs/benchmarks.md)")
+        pytest.skip("held on the CPU only: on MLX CUDA the two differ by design "
+                    "(docs/benchmarks.md, Parity on MLX CUDA)")
     path = checkpoints.build("gemma4-assistant", 0, {})
     target = targets.load(checkpoints.build("gemma4-target", 0, {}))
     caches = make_prompt_cache(target.model)

@@ -1,5 +1,5 @@
 """The DFlash block's attention, five layers' worth, in the forms the port and z-lab MLX use, timed
-on one device: where the bucketed block's extra evaluation time goes (docs/benchmarks.md, session 10).
+on one device: where the bucketed block's extra evaluation time goes.
 
     python3 tools/attention_variants.py          # Qwen3-4B DFlash shapes, bf16 (on MLX CUDA)
     python3 tools/attention_variants.py tiny     # tiny shapes: that the script runs (CPU)

@@ -1,12 +1,12 @@
 """Where a default draft block's wall time goes, on the device this runs on: the step of the step
 bench's `port` side (spec_parity/bench/port_sides.py: one verify's rows committed, then
 `draft_device`) split into build (draft_device returning its lazy tokens: Python, MLX's graph
-building, the context rows' join, the compiled block's call), dispatch (mx.async_eval returning:
-on MLX CUDA the kernels encoded and launched by this thread) and wait (mx.eval after it: the
-device's work not yet done). Session 24's kernel profile left 0.54 ms of a DFlash block that
-neither its kernels nor its launches explained; this found it in the wait: MLX CUDA launches the
-block's CUDA graphs late (docs/benchmarks.md, "Session 25"). Medians and p10-p90 of RUNS steps
-after WARM, the phases in one step.
+building, the context rows' join, the compiled block's call), dispatch (mx.async_eval returning: on
+MLX CUDA the kernels encoded and launched by this thread) and wait (mx.eval after it: the device's
+work not yet done). A kernel profile left about half a millisecond of a DFlash block that neither
+its kernels nor its launches explained; this finds it in the wait: MLX CUDA launches the block's
+CUDA graphs late (docs/benchmarks.md, "Where a block's time goes"). Medians and p10-p90 of RUNS
+steps after WARM, the phases in one step.
 
     python3 tools/block_host_time.py [--source dflash|dspark|assistant-12b-tied|assistant-e4b-centroid] [--verify]
                                      [--scale 1] [--ctx 2048]

@@ -1,10 +1,11 @@
-"""Host time to build one pipelined DSpark draft (docs/benchmarks.md, session 16): the verify's
-rows joined into every layer's buffer op by op, then the compiled block (session 15's path, built
-here from the port's public pieces: the block at a host length, as the sequential loop's), against port/fast/dspark.py Bucketed.block_at, the join and
-the block in one compiled call, on the factory's DSpark drafter with the 5 draft layers of the
-real shapes (spec_parity/bench/shapes.py). build = the call returning its lazy arrays (the host's graph
-building, which the pipelined loop overlaps with the device's work on MLX CUDA); the evaluation is
-not timed. Both paths' tokens are compared on every step. Medians of 60 steps, two passes.
+"""Host time to build one pipelined DSpark draft: the verify's rows joined into every layer's
+buffer op by op, then the compiled block (the path before the joined call, built here from the
+port's public pieces: the block at a host length, as the sequential loop's), against
+port/fast/dspark.py Bucketed.block_at, the join and the block in one compiled call, on the factory's
+DSpark drafter with the 5 draft layers of the real shapes (spec_parity/bench/shapes.py). build = the
+call returning its lazy arrays (the host's graph building, which the pipelined loop overlaps with
+the device's work on MLX CUDA); the evaluation is not timed. Both paths' tokens are compared on
+every step. Medians of 60 steps, two passes.
 
     python3 tools/dspark_join_host.py
 """

@@ -2,9 +2,9 @@
 device this runs on: the compiled verify against the plain verify (tests/test_bucketed_verify.py's
 loops) and the pipelined loop against the sequential one (tests/test_pipelined.py's requests), per
 tensor of a round the largest |Δ| and the largest |ref|, and whether the tokens are equal. Zero
-everywhere on the CPU; on MLX CUDA it is what budgets ("serve", "mlx_cuda") was set from
-(docs/benchmarks.md, session 19). `--controls`: how far the planted controls that those tests
-hold move the same tensors (the budget must stay far below the smallest).
+everywhere on the CPU; on MLX CUDA it is what budgets ("serve", "mlx_cuda") was set from.
+`--controls`: how far the planted controls that those tests hold move the same tensors (the budget
+must stay far below the smallest).
 
     PYTHONPATH=$PWD:$PWD/tests python3 tools/fast_path_tiers.py [--controls]
 """

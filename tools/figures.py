@@ -1,7 +1,7 @@
 """Every speed figure of docs/benchmarks.md in one command, on the machine it runs on (MLX CUDA
 or Metal; `--shapes tiny` on a CPU to try it): each bench runs twice, each run in its own process,
 then `spec-parity combine` makes one table of each pair. A figure is never one run's, and runs made
-apart (another day, another lent machine) combine the same way: `spec-parity combine A B C`.
+apart (another day, another host) combine the same way: `spec-parity combine A B C`.
 
     python3 tools/figures.py OUT [--only serve-dflash,step,...] [--runs 2] [--shapes real|tiny]
 

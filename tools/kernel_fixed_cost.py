@@ -2,8 +2,8 @@
 (port/fast/kernels.py) as it is, with the valid length a template constant instead of read from
 its array, with its partial results not written, and a kernel that only reads the valid length
 (KEYS), each with `valid` made on the host and made by a GPU op. CUPTI kernel time per launch,
-30 launches (spec_parity.bench.timing.kernel_profile); MLX CUDA only. Session 21 ran it on an H100
-(docs/benchmarks.md "Session 21"): the read of a scalar array was most of the kernel.
+30 launches (spec_parity.bench.timing.kernel_profile); MLX CUDA only. On an H100 the read of a
+scalar array was most of the kernel (docs/references.md, "What runs where").
 
     python3 tools/kernel_fixed_cost.py
 """

@@ -1,11 +1,11 @@
-"""Where a round's time goes on this backend, sequential against pipelined (docs/benchmarks.md,
-session 15): one-row compiled verifies (port/fast/verify.py forward_at, the pipelined loop's
-forward) on a Qwen3 stand-in at Qwen3-4B's depth (36 layers) and tiny widths. Per step: build =
-the call returning its lazy arrays, queue = mx.async_eval of them, wait = the host read of a step's
-token (the sequential loop reads this step's, the pipelined one the last step's, after queuing
-this one). Where `queue` holds the evaluation (the CPU backend: its work runs inside async_eval),
-there is nothing for a pipeline to overlap; on MLX CUDA `queue` only encodes the kernels and
-`wait` is the device's time. Medians of 40 steps, the two loops alternating, two passes each.
+"""Where a round's time goes on this backend, sequential against pipelined: one-row compiled
+verifies (port/fast/verify.py forward_at, the pipelined loop's forward) on a Qwen3 stand-in at
+Qwen3-4B's depth (36 layers) and tiny widths. Per step: build = the call returning its lazy arrays,
+queue = mx.async_eval of them, wait = the host read of a step's token (the sequential loop reads
+this step's, the pipelined one the last step's, after queuing this one). Where `queue` holds the
+evaluation (the CPU backend: its work runs inside async_eval), there is nothing for a pipeline to
+overlap; on MLX CUDA `queue` only encodes the kernels and `wait` is the device's time. Medians of 40
+steps, the two loops alternating, two passes each.
 
     python3 tools/pipeline_overlap.py
 """

@@ -2,8 +2,7 @@
 (spec_parity/bench/loop_sides.py): per request, the wall time, and the GPU's kernels (CUPTI
 through torch.profiler, timing.kernel_profile): launches, summed kernel time, busy time (their
 union) against the profiled window, by class. Each request is fresh, at a prompt length no other
-request has used (as the serve bench's). Session 22 ran it to see why the kernel verify's GPU time
-saved did not show in serving on an H100 (docs/benchmarks.md): a round is bound by the host. MLX
+request has used (as the serve bench's): whether a round is bound by the GPU or by the host. MLX
 CUDA with a CUDA torch only.
 
     python3 tools/serve_kernels.py [--source dflash|dspark] [--sides port,port-compiled-verify] [--shapes tiny]

@@ -1,8 +1,8 @@
 """Peak memory of a request, per side of `bench --serve` (spec_parity/bench/loop_sides.py), each side
 built in turn in one process as the serve bench builds them, every side served the same prompt
-lengths: MLX's active memory before the request, its peak during it, the rise. Session 23 ran it to
-see whether the kernel verify's higher peak in session 22's serving tables was its own (it is not:
-the side built first in a process peaks lower, whichever it is; docs/benchmarks.md "Session 23").
+lengths: MLX's active memory before the request, its peak during it, the rise: whether a side's
+higher peak in a serving table is its own or its build order's (on MLX CUDA the side built first
+in a process peaked lower, whichever it was).
 
     python3 tools/serve_memory.py [--source dflash|dspark] [--sides port,port-compiled-verify,port-again] [--shapes tiny]
 """

@@ -1,14 +1,13 @@
 """One verify of the serve loop at the bench's shapes, op by op (targets.forward) against the
 compiled verify (port/fast/verify.py), on the device this runs on: wall time per verify (issue +
 evaluation), medians of RUNS in rotation, and where torch sees CUDA the kernels each launches
-(CUPTI through torch.profiler, as `bench --kernels` counts a step). Session 19 measured the
-compiled verify 0.8-1.3 ms a round slower on an H100 (docs/benchmarks.md); this says where. A
+(CUPTI through torch.profiler, as `bench --kernels` counts a step): where one verify's time goes. A
 third side, "traced, eager", runs the compiled verify's function without mx.compile: slow like the
 compiled one, the cost is in what the function does (array offset, slice writes, masks); fast like
 op by op, it is in the compilation. A fourth, "compiled, slice writes", is the compiled verify with
-the K/V writes as they were up to session 19 (tools/slice_writes.py): the before of the scatter.
+the K/V writes as they were before the scatter (tools/slice_writes.py): the before of the scatter.
 Where the kernel verify runs (MLX CUDA, bf16), "compiled, kernel attention" is the compiled verify
-with port/fast/kernels.py's attention (port.serve's verify="kernel", session 21).
+with port/fast/kernels.py's attention (port.serve's verify="kernel").
 
     python3 tools/verify_device_time.py [--source dflash|dspark] [--scale 1] [--ctx 2048]
 

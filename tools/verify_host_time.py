@@ -1,12 +1,11 @@
 """Host time to issue one bucketed verify, op by op (targets.forward) against the compiled verify
-(port/fast/verify.py), on a Qwen3 stand-in at Qwen3-4B's depth (36 layers) and tiny widths, so
-that evaluation does not drown the host's part; and the trace, paid once per buffer length
-(docs/benchmarks.md, session 14). Issue = the call returning its lazy arrays; eval = mx.eval of
-them after (on MLX CUDA the kernels are encoded in it: at these widths it is mostly host time).
-Medians of 30 verifies of 16 rows after 5; the caches are trimmed back after each. Where the
-kernel verify runs (MLX CUDA; the target then in bf16), "kernel" is the compiled verify with
-port/fast/kernels.py's attention (verify="kernel"): session 22 ran it to see whether the kernel
-verify costs the host more (it does not: docs/benchmarks.md "Session 22").
+(port/fast/verify.py), on a Qwen3 stand-in at Qwen3-4B's depth (36 layers) and tiny widths, so that
+evaluation does not drown the host's part; and the trace, paid once per buffer length. Issue = the
+call returning its lazy arrays; eval = mx.eval of them after (on MLX CUDA the kernels are encoded in
+it: at these widths it is mostly host time). Medians of 30 verifies of 16 rows after 5; the caches
+are trimmed back after each. Where the kernel verify runs (MLX CUDA; the target then in bf16),
+"kernel" is the compiled verify with port/fast/kernels.py's attention (verify="kernel"): whether the
+kernel verify costs the host more.
 
     python3 tools/verify_host_time.py
 """

@@ -13,16 +13,15 @@ buffer grows (or the block length changes). Its attention (`bucket_attention`, d
 a float mask, the custom CUDA kernels of port/fast/kernels.py (the buffer read in place up to the
 valid length, two launches a layer; tests/test_kernels.py), or "two-segment", a two-segment
 softmax. It builds few graph nodes, each host time on MLX CUDA: 2-D rows, projections on
-transposed weight views (fusion.Transposed), one mask per layer kind (docs/benchmarks.md, "Session
-12"). Held to the plain forward within fp32 tolerance (bit-exact on the CPU backend with "sdpa",
-measured: tests/test_bucketed.py).
+transposed weight views (fusion.Transposed), one mask per layer kind. Held to the plain forward
+within fp32 tolerance (bit-exact on the CPU backend with "sdpa", measured: tests/test_bucketed.py).
 window="zlab-mlx" (a quirk of the ring's buffer order) is refused with it.
 
 Exact (`kv_bucket` with bucket_attention="exact", opt-in; full non-causal layers only): the block
 rows folded into the query heads over a view of the buffers at the exact key length, one cuDNN
 plan per buffer length on MLX CUDA, no mask; the writes into the buffers in place. Bit for bit the
-compiled block on the CPU (tests/test_speed.py); measured on the H200 in docs/benchmarks.md
-(sessions 11 and 12: not faster than the default there, so not the default)."""
+compiled block on the CPU (tests/test_speed.py); measured on an H200, not faster than the default
+there, so not the default."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ gate and up, every layer's context K).
 `x @ stack.swapaxes(-1, -2)` with `stack` = [W_0, W_1, ...] of one shape gives [x @ W_0.T, ...],
 each part a contiguous view (no copy before a norm), in one launch. On the CPU backend the parts
 equal the separate products bit for bit (measured, and held: tests/test_fused.py); on MLX CUDA
-docs/benchmarks.md states the tier measured on the H200.
+the fp32 tier holds them (tests/test_fused.py, docs/benchmarks.md "Parity on MLX CUDA").
 
 A stack is built from the module's current weights and rebuilt when one of them is replaced (a
 weight swapped after load is seen, as the compiled pieces see it). mx.compile, when it traces with

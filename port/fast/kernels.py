@@ -15,14 +15,14 @@ tiles of TK keys held in shared memory, the next tile's loads in flight while on
 and keeps an online softmax per row (fp32: running max, sum, unnormalised output). Two versions:
 MMA, bf16 with head_dim <= 128 (the default's): a warp owns 16 rows, both products on tensor
 cores; SPLIT, the rest (fp32, fp16, head_dim 144-256): four threads share a row, a quarter of
-the head dimension each, fp32 FMAs (slower on the GPU, docs/benchmarks.md "Session 13").
+the head dimension each, fp32 FMAs (slower on the GPU).
 Kernel 2 (combine): the splits' partial results rescaled to the common max and summed, written
 as [1, L, Hq, D] so that the layer's output projection reads its rows without a copy.
 
 Masking, as compiled.bucketed_mask states it: a context row j is seen by block row i when
 j < valid and (no window, or valid + i - j < window); a block row m when not causal or m <= i.
 Scores are scale * q.k in fp32, exp by expf (no fast math): held to joined_sdpa within tolerance
-on the H200 (tests/test_kernels.py; docs/benchmarks.md states the measured tier)."""
+on MLX CUDA (tests/test_kernels.py; docs/benchmarks.md "Parity on MLX CUDA")."""
 
 from __future__ import annotations
 
@@ -420,7 +420,7 @@ def device_valid(valid) -> mx.array:
     bytes. MLX CUDA (0.32) keeps every array of at most 8 bytes in a small pool of managed memory
     that the GPU reads where it lies (cudaMemAdviseSetAccessedBy), so each launch's read of a scalar
     array took ~17 us on an H100 (a kernel that reads only it: 18.2 us, 1.6 us with the value a
-    constant; docs/benchmarks.md "Session 21"); a larger array a GPU op makes is in device memory.
+    constant: tools/kernel_fixed_cost.py); a larger array a GPU op makes is in device memory.
     Made once per block or verify, read by every layer's launch."""
     return valid + mx.zeros((4,), mx.int32)
 

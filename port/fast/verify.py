@@ -6,21 +6,22 @@ as the last round's until the buffers grow by a bucket; only the offset moves. H
 as an int32 array and mlx-lm's own decoder layers are traced once per buffer length and row count
 (mx.compile), so a round replays one graph instead of building the whole target in Python: about 25
 ops a layer, 36 layers for Qwen3-4B, each host time while the GPU waits (the verify is most of a
-serve round on MLX CUDA, docs/benchmarks.md). Nothing is re-written: the traced function is
-targets.walk over BufferViews, the same layers, masks and head; the writes and the mask read the
-offset array where the plain caches read an int (Gemma-4's kv-shared layers take it from their
-owner's, its sliding layers' window is in the mask). Bit for bit the plain bucketed verify on the
-CPU, Qwen3 and Gemma-4 targets (tests/test_bucketed_verify.py).
+serve round on MLX CUDA: docs/benchmarks.md, "Serving: DFlash beside z-lab MLX's loop"). Nothing
+is re-written: the traced function is targets.walk over BufferViews, the same layers, masks and
+head; the writes and the mask read the offset array where the plain caches read an int (Gemma-4's
+kv-shared layers take it from their owner's, its sliding layers' window is in the mask). Bit for
+bit the plain bucketed verify on the CPU, Qwen3 and Gemma-4 targets (tests/test_bucketed_verify.py).
 
 With `attention="kernel"` (port.serve.generate's verify="kernel": the default on MLX CUDA with
 bf16 Qwen3 targets) the attention is port/fast/kernels.py's instead of mx.fast's over the whole
 buffer: on MLX CUDA 0.32.4 that one is a cuDNN launch of ~51 us a layer for 16 rows over 2304 keys
-whose K/V read takes ~4 us (docs/benchmarks.md "Session 20"). The kernels read the buffer in place
+whose K/V read takes ~4 us (tools/verify_device_time.py). The kernels read the buffer in place
 up to the offset and mask by position, so no mask is built either: 41% less attention time on the
-GPU, and its loop 1.03-1.41x the compiled verify's in serving (docs/benchmarks.md "Session 22"). mlx-lm's
-layer cannot take another attention, so `traced_kernel` calls its modules itself, in its order:
-held bit for bit to `traced` on the CPU with mlx-lm's attention put back, and on MLX CUDA no
-further from the fp32 verify than mx.fast's bf16 attention by 1.5x (tests/test_bucketed_verify.py).
+GPU, and its loop 1.03-1.41x the compiled verify's in serving (docs/benchmarks.md, "The kernel
+verify against the compiled one"). mlx-lm's layer cannot take another attention, so
+`traced_kernel` calls its modules itself, in its order: held bit for bit to `traced` on the CPU
+with mlx-lm's attention put back, and on MLX CUDA no further from the fp32 verify than mx.fast's
+bf16 attention by 1.5x (tests/test_bucketed_verify.py).
 """
 
 from __future__ import annotations

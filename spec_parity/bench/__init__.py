@@ -7,7 +7,7 @@ bench/peers.py), on the same weights and inputs (bench/runner.py):
   (a) one draft step chain (assistant: `gamma` chained steps) / one draft block: median and
       p10-p90 wall time over `iters` runs after `warmup`, each run synchronized (`mx.eval` of
       its outputs; torch: `torch.cuda.synchronize()`), every side of the case timed in the same
-      rounds, in rotation (bench/timing.py time_sides); CPU time too (this machine is shared);
+      rounds, in rotation (bench/timing.py time_sides); CPU time too (a shared host shows there);
   (c) host synchronizations per step, COUNTED (`HostSyncs`, bench/counters.py);
   (e) peak memory over the side's warm-up runs (mx.get_peak_memory after mx.reset_peak_memory;
       torch: max_memory_allocated), and the active memory before them (the other sides' too);

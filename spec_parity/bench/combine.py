@@ -1,11 +1,11 @@
 """`spec-parity combine`: one table from two or more bench runs, the way docs/benchmarks.md reports.
 
-A lent machine is another host each time, so one run's figures are not the figure: each side's
-figure is shown run by run (median [p10–p90]) with the median of the runs, and a ratio between two
-sides is one value only where every run's ratio lies inside every other run's spread; else it
-moved more than its spread, and it is given as the range of the runs (issue 19, item 4). The runs
-must be of one kind (bench.json or serve.json), of one tree and measured with the same options;
-their machines may differ, and each is named.
+Two runs may land on two hosts, and one run's spread is not the spread between runs, so one run's
+figures are not the figure: each side's figure is shown run by run (median [p10–p90]) with the
+median of the runs, and a ratio between two sides is one value only where every run's ratio lies
+inside every other run's spread; else it moved more than its spread, and it is given as the range
+of the runs. The runs must be of one kind (bench.json or serve.json), of one tree and measured with
+the same options; their machines may differ, and each is named.
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def _kind(doc: dict) -> str:
 
 def _tree(doc: dict) -> str:
     """Which code ran: the source digest where the run has one, else its commit."""
-    p, git = doc.get("project") or {}, doc.get("git")  # `git`: how runs before session 9 named their tree
+    p, git = doc.get("project") or {}, doc.get("git")  # `git`: how older runs named their tree
     git = git.get("commit") if isinstance(git, dict) else git
     tree = str(p.get("source_sha256") or p.get("commit") or git or "unknown")
     return tree[:12] if re.fullmatch("[0-9a-f]{13,}", tree) else tree

@@ -43,7 +43,7 @@ class HostSyncs:
 
     `reads` holds (sync number, bytes) of every array the host read (the methods and numpy): on
     MLX CUDA a read of more than 8 bytes moves the buffer into managed memory, where the next
-    kernels that touch it fault (docs/benchmarks-history.md "Unified memory")."""
+    kernels that touch it fault."""
 
     METHODS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")
     FUNCS = ("eval", "synchronize")
@@ -147,7 +147,7 @@ class HostBuffers:
     """Counts, while active, the arrays the port's modules build from host data (`mx.array` of a
     list, a number or numpy) over 8 bytes. Why: on MLX CUDA such a buffer is managed memory the host
     has just written, and the first kernel that reads it page-faults (H200: the embedding Gather of
-    a block 100-280 us instead of 3, docs/benchmarks-history.md); buffers up to 8 bytes live in MLX's
+    a block 100-280 us instead of 3); buffers up to 8 bytes live in MLX's
     GPU-mapped scalar pool and do not. The port modules' `mx` is swapped for the duration for one
     whose `array` records (isinstance checks keep working); other code is not watched."""
 

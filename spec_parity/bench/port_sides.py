@@ -96,7 +96,7 @@ def port_side(prep: Prep, path: str = "") -> Stepper:
     """Our port on one of its PATHS through the serve loop's seam: the source's `draft_device` (what
     the loop drafts with: the tokens stay on the device until the verify; and `commit` of one row).
     No host read in the step, as in the peers' steps: on MLX CUDA a host read of more than 8 bytes
-    costs the next step 0.1-0.56 ms of unified-memory faults (docs/benchmarks-history.md)."""
+    costs the next step 0.1-0.56 ms of unified-memory faults (measured on an H200)."""
     from port import serve
 
     options = PATHS[path][prep.source]

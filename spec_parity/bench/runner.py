@@ -249,7 +249,8 @@ def machine() -> dict:
 
 def mlx_env() -> dict:
     """The MLX_* environment the run saw: backend settings that move the figures (on MLX CUDA,
-    MLX_USE_CUDA_GRAPHS=0 moved a DFlash block by a quarter, docs/benchmarks.md)."""
+    MLX_USE_CUDA_GRAPHS=0 or MLX_MAX_OPS_PER_BUFFER=10 move a DFlash block: docs/benchmarks.md,
+    "Where a block's time goes")."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}
 
 

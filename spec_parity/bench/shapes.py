@@ -3,15 +3,15 @@ harness's Case (spec_parity/case.py) with its `shapes`, built into checkpoint di
 side reads with its own loader (`build` -> Checkpoints).
 
 `tiny`: the factory's own tiny checkpoints (spec_parity/checkpoints/), read from disk.
-`real`: the shapes of REFERENCES.md with RANDOM weights built in memory: the same factory kinds
-(so the tensor names and the config are the checkpoint format the loaders expect), with every draw
-taken from mx.random instead of numpy. Nothing large is written: the directory holds the
-config.json and an empty model.safetensors, and while a side loads, `serve_weights` makes
-`mx.load` of that file return the in-memory tensors. Every side (our port, optiq, z-lab, the
-peer ports, the mlx-lm target) therefore loads through its own code path and gets the SAME arrays
-(shared, not copied). The target is a stand-in of the real one: its real width, vocabulary, head
-dims and donor K/V, at a depth given by `target_layers` (Qwen3-4B: its real 36; Gemma-4: 6, the
-real depths are not in REFERENCES.md).
+`real`: the shapes of docs/references.md ("Real shapes") with RANDOM weights built in memory: the
+same factory kinds (so the tensor names and the config are the checkpoint format the loaders
+expect), with every draw taken from mx.random instead of numpy. Nothing large is written: the
+directory holds the config.json and an empty model.safetensors, and while a side loads,
+`serve_weights` makes `mx.load` of that file return the in-memory tensors. Every side (our port,
+optiq, z-lab, the peer ports, the mlx-lm target) therefore loads through its own code path and gets
+the SAME arrays (shared, not copied). The target is a stand-in of the real one: its real width,
+vocabulary, head dims and donor K/V, at a depth given by `target_layers` (Qwen3-4B: its real 36;
+Gemma-4: 6, the real depths are not in docs/references.md).
 
 The bytes model of a step (what it must read, for the bandwidth floor) is `step_bytes`.
 """
@@ -133,13 +133,13 @@ def _assistant_text(target: dict, hidden: int, inter: int, heads: int, scale: in
 
 def real_cases(ctx: int | None = None, scale: int = 1, target_layers: int | None = None, gamma: int = 4,
                dtype: str = "bfloat16") -> list[Case]:
-    """REFERENCES.md's shapes ("Peer speed on the H200"), random weights. `scale` divides every
+    """docs/references.md's shapes ("Real shapes"), random weights. `scale` divides every
     width, the vocabulary, the windows and the context (the code path at a size a CPU runs);
     head counts, head dims and draft depths stay real."""
     n = ctx or _div(2048, scale)
     g_layers = target_layers or 6
     q_layers = target_layers or max(8, 36 // scale)
-    assumed = "assumed (not in REFERENCES.md)"
+    assumed = "assumed (not in docs/references.md)"
     # 12B: donor K/V sliding 8 x 256, full 1 x 512 (k_eq_v, 1 global KV head).
     t12 = _gemma_target(scale, g_layers, 3840, 15360, 16, 8, 1, True, 1024, 262144)
     a12 = {"model_type": "gemma4_unified_assistant", "backbone_hidden_size": t12["hidden_size"],

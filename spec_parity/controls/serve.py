@@ -115,7 +115,7 @@ def _pipelined_offset(case):
 
 
 @control("serve", "dynamic_slice_writes", "K/V rows written with mx.slice_update at an array start (on MLX "
-         "CUDA 0.32.4 launched over the whole buffer): port.compiled.written before session 20")
+         "CUDA 0.32.4 launched over the whole buffer): port.compiled.written before the scatter")
 def _dynamic_slice_writes(case):
     import mlx.core as mx
 
