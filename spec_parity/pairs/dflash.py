@@ -24,6 +24,11 @@ The same module and loop cases run at L2 against z-lab's torch model (`-torch` c
 torch's conventions: window "positional", embed "raw" (no Gemma sqrt(H) on the block embedding),
 and z-lab torch's one-forward prefill. Tokens must be equal (a knife-edge excused only as
 compare.stream_metrics allows); tensors within the measured budgets.
+
+Extension cases (L3, `ext-*`): the DSpark-on-DFlash serve loop, pruning on and off, held to gates
+(lossless, the pruning rule, the distribution shift); its Markov and confidence heads, DeepSpec's,
+held at L2 to DeepSpec's own head functions on the same seeded rows, anchors and chain
+(teacher-forced: the port is fed them), the case's oracle (HEADS) for those quantities only.
 """
 
 from __future__ import annotations
@@ -101,8 +106,7 @@ CONTROLS = [
     ("own_head", "mod-gemma4-torch"), ("ctx_input_layernorm", "mod-qwen3-torch"),
     ("block_position_shift", "mod-qwen3-swa-torch"), ("rejected_rows", "loop-qwen3-torch"),
     ("window_one_short", "mod-qwen3-swa"), ("window_one_short", "mod-qwen3-swa-torch"),
-    ("thresholds_ignored", "ext-qwen3"), ("markov_first_token", "ext-qwen3"), ("markov_first_token", "ext-gemma4"),
-    ("confidence_wrong_row", "ext-qwen3"),
+    ("thresholds_ignored", "ext-qwen3"), ("markov_first_token", "ext-qwen3"), ("confidence_wrong_row", "ext-qwen3"),
 ]
 # One drafter layer's output planted wrong (controls.one_layer_scaled): the first divergent layer must be 1.
 LAYER_CONTROLS = ("mod-qwen3", "mod-qwen3-torch")
