@@ -5,7 +5,9 @@ deepseek-ai/DeepSpec, extract it outside the repo, `export DEEPSPEC_SRC=/path/to
 (see README). Everything here imports and calls DeepSpec's own functions: the config path
 (`build_draft_config`), `extract_context_feature`, `forward_dspark_draft_block`,
 `compute_logits`, `sample_draft_tokens`, `predict_confidence_step`, `_confident_prefix_length`,
-`build_dspark_proposal`, and the evaluator's T=0 decoding loop `generate_decoding_sample`.
+`build_dspark_proposal`, and the evaluator's T=0 decoding loop `generate_decoding_sample`; for
+the DSpark-on-DFlash extension its Markov and confidence heads alone (`build_markov_head`,
+`AcceptRatePredictor`, `sample_block_tokens`, `predict_confidence_step`).
 """
 
 from __future__ import annotations
@@ -250,6 +252,57 @@ def loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_new_tokens
             "stream.acceptance_lengths": np.array(res.acceptance_lengths, np.int32),
             "stream.proposals": np.array(flat, np.int32),
             "stream.proposal_sizes": np.array([len(p) for p in proposals], np.int32)}
+
+
+def extension_heads(drafter_dir: Path, hidden: np.ndarray, base: np.ndarray, anchors: np.ndarray) -> dict:
+    """DeepSpec's Markov and confidence heads on given rows, with the weights of a DFlash drafter's
+    DSpark extras (`markov_head.*`, `confidence_head.proj.*`; config keys read from dflash_config
+    first, then the top level, as the port's extension reads them): `build_markov_head` and
+    `AcceptRatePredictor` built and loaded strictly; per block the chain from its anchor
+    (`sample_block_tokens` at temperature 0: the first slot's previous token is the anchor), the
+    corrected rows, and the confidence logits (`predict_confidence_step`, the same function in both
+    of DeepSpec's model families, on the chain's previous tokens). hidden [B, n, H], base [B, n, V]
+    (after any softcap), anchors [B]."""
+    import torch
+    from safetensors.torch import load_file
+
+    _import()
+    from deepspec.modeling.dspark.common import AcceptRatePredictor
+    from deepspec.modeling.dspark.markov_head import build_markov_head
+    from deepspec.modeling.dspark.qwen3.modeling import Qwen3DSparkModel
+
+    c = json.loads((Path(drafter_dir) / "config.json").read_text())
+    c = {**c, **c.get("dflash_config", {})}
+    tensors = {k: v for f in sorted(Path(drafter_dir).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+    def loaded(module, prefix):
+        module.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, strict=True)
+        return module.float().eval()
+
+    cfg = SimpleNamespace(markov_rank=int(c.get("markov_rank", 0)), markov_head_type=c.get("markov_head_type", "vanilla"),
+                          vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]))
+    markov = build_markov_head(cfg)
+    markov = loaded(markov, "markov_head.") if markov is not None else None
+    with_markov = bool(c.get("confidence_head_with_markov", False))
+    confidence = None
+    if c.get("enable_confidence_head", False):
+        confidence = loaded(AcceptRatePredictor(cfg.hidden_size + (cfg.markov_rank if with_markov else 0)),
+                            "confidence_head.")
+    owner = SimpleNamespace(markov_head=markov, confidence_head=confidence, confidence_head_with_markov=with_markov)
+    h, b = torch.from_numpy(np.ascontiguousarray(hidden)), torch.from_numpy(np.ascontiguousarray(base))
+    first = torch.from_numpy(anchors.astype(np.int64))
+    out = {}
+    with torch.no_grad():
+        if markov is None:
+            tokens, rows = b.argmax(-1), b
+        else:
+            tokens, rows = markov.sample_block_tokens(b, first_prev_token_ids=first, hidden_states=h, temperature=0.0)
+        out["heads.tokens"], out["heads.logits"] = tokens.to(torch.int32).numpy(), rows.float().numpy()
+        prev = torch.cat([first[:, None], tokens[:, :-1]], dim=1)
+        conf = Qwen3DSparkModel.predict_confidence_step(owner, h, prev_token_ids=prev)
+        if conf is not None:
+            out["heads.confidence"] = conf.reshape(conf.shape[0], -1).float().numpy()
+    return out
 
 
 def save_via_deepspec(target_dir: Path, drafter_dir: Path, args: dict, out_dir: Path) -> Path:

@@ -97,10 +97,14 @@ def extend(markov: MarkovHead | None, confidence: ConfidenceHead | None, with_ma
     rows, tokens = markov_chain(markov, hidden, base, anchor, pick)
     if confidence is None:
         return rows, tokens, None
-    feats = hidden
-    if with_markov:
-        feats = mx.concatenate([hidden, markov.markov_w1(previous_tokens(anchor, tokens))], axis=-1)
-    return rows, tokens, confidence.proj(feats)[:, 0]
+    return rows, tokens, confidence_logits(confidence, markov if with_markov else None, hidden,
+                                           previous_tokens(anchor, tokens))
+
+
+def confidence_logits(confidence: ConfidenceHead, markov: MarkovHead | None, hidden, prev: mx.array):
+    """Each slot's confidence logit [n]: proj([h_k ; W1[prev_k]]), or proj(h_k) without `markov`."""
+    feats = hidden if markov is None else mx.concatenate([hidden, markov.markov_w1(prev)], axis=-1)
+    return confidence.proj(feats)[:, 0]
 
 
 class Extension(nn.Module):

@@ -101,6 +101,16 @@ _measured("dspark", "layer_own", 2e-4, _LAYERS.format("dspark", "5.96e-05") + " 
 _measured("dflash", "layer", 8e-5, _LAYERS.format("dflash", "2.35e-05"))
 _measured("dflash", "layer_own", 5e-5, _LAYERS.format("dflash", "1.43e-05") + " (own error)")
 
+# The DSpark-on-DFlash extension's heads (port/heads.py) vs DeepSpec's own head functions (oracles/dspark.py
+# extension_heads; DeepSpec afdfa7c, torch 2.13.0 CPU vs MLX 0.32.4 CPU), fp32, fed the same seeded rows,
+# anchors and chain (teacher-forced): only the heads' own arithmetic differs (the Markov bias's rank-r
+# projection, the confidence projection over [h ; W1[prev]]), so these are far below dspark's logits and
+# confidence budgets, which carry the whole drafter's error.
+_EXT = ("DEEPSPEC_SRC=... spec-parity measure --module dflash --case ext-qwen3 (and ext-gemma4) --seeds 5: "
+        "max |Δ| {} over 2 cases x 5 seeds")
+_measured("dflash", "ext_markov_rows", 3e-6, _EXT.format("9.54e-07"))
+_measured("dflash", "ext_confidence", 9e-6, _EXT.format("2.86e-06"))
+
 # Same framework, two devices' arithmetic: a fused or bucketed path (port/fast/: the compiled verify,
 # the bucketed verify, the pipelined loop's compiled join) against the op-by-op path it replaces.
 # Bit for bit on the CPU (the tests assert it beside this budget); on MLX CUDA fusion and reduction

@@ -17,7 +17,8 @@ from .budgets import Budget, budget_for, knife_edge_bound, ulp
 TIERS = {
     "L1": "bit-exact: identical bytes (same framework, same ops)",
     "L2": "tensors within the dtype-derived / measured budget AND identical greedy streams and accept traces",
-    "L3": "no oracle: KL, top-1 agreement and acceptance gates",
+    "L3": "no oracle for the whole: KL, top-1 agreement and acceptance gates; a component that has one "
+          "within its L2 budget",
 }
 
 

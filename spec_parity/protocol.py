@@ -235,17 +235,26 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
                                     "tokens (the prefill's counts)", True))),
     _sampled("dspark", (Quantity("sampled.first", "[runs]", "int32", "each request's first-round accepted length", True),
                         Quantity("sampled.rounds", "[runs]", "int32", "each request's verify rounds", True))),
-    Protocol("dflash", "extension", "the DSpark-on-DFlash extension (no reference: L3), extras on, at T=0",
+    Protocol("dflash", "extension", "the DSpark-on-DFlash extension (no reference: L3; its heads: DeepSpec's), extras on, at T=0",
              {**DFLASH_SCALES, "extension": "true: the case is the extension's (its kind says so too)",
               **PROMPT_LEN, "max_tokens": "tokens to generate",
-              "thresholds": "confidence thresholds (one for every position, or one per position)"}, {},
+              "thresholds": "confidence thresholds (one for every position, or one per position)"},
+             {"heads.hidden": "[blocks, n, H] final hidden rows the heads are fed (teacher-forced, with the "
+                              "rest of heads.*)",
+              "heads.base_logits": "[blocks, n, V] the base rows (after any softcap) the Markov bias joins",
+              "heads.anchor": "[blocks] each block's anchor: the first slot's previous token",
+              "heads.tokens": "[blocks, n] the chain's tokens: slot k's previous token is token k-1"},
              LOOP_RETURNS + (
                  Quantity("ext.confidence", "[sum n_r]", "float32", "every block's confidence logits", True),
                  Quantity("ext.block_len", "[R]", "int32", "each block's length n_r", True),
                  Quantity("ext.proposed", "[R]", "int32", "tokens proposed from each block (after pruning)", True),
                  Quantity("ext.*", "[sum n_r, V]", "float32", "base (before the Markov head) and extended rows"),
                  Quantity("unpruned.base_logits", "[D, V]", "float32", "pruning off: the base draft rows", True),
-                 Quantity("unpruned.logits", "[D, V]", "float32", "pruning off: the extended draft rows", True))),
+                 Quantity("unpruned.logits", "[D, V]", "float32", "pruning off: the extended draft rows", True),
+                 Quantity("heads.logits", "[blocks, n, V]", "float32", "the Markov head's rows on the fed heads.* "
+                          "(compared with DeepSpec's)"),
+                 Quantity("heads.confidence", "[blocks, n]", "float32", "the confidence head's logits on the fed "
+                          "heads.* (compared with DeepSpec's)"))),
 )}
 
 

@@ -1,9 +1,11 @@
 """L3: the DSpark-on-DFlash extension (port/dflash.py, `DflashProvider(path, extras=True)`).
 
 Its harness cases (dflash/ext-qwen3, ext-gemma4: lossless at T=0, the pruning rule, the
-distribution shift KL(base || extended) per row against budgets.L3_GATES) run with every other
-case; this file holds what is not a case. No reference implements it (mlx-bun 0.0.11's `dflash-source.ts` is a seam, not an oracle), so
-nothing here is parity: extras off must be the L2 source exactly; extras on must stay lossless at
+distribution shift KL(base || extended) per row against budgets.L3_GATES, and its heads held to
+DeepSpec's teacher-forced) run with every other case; this file holds what is not a case, and what
+the heads' controls' verdicts say. No reference implements the extension as a whole (mlx-bun
+0.0.11's `dflash-source.ts` is a seam, not an oracle); its Markov and confidence heads are
+DeepSpec's, and only they are parity: extras off must be the L2 source exactly; extras on must stay lossless at
 T=0; the distribution shift KL(base draft || extended draft) is reported per position; the
 acceptance change is judged by the paired A/B verdict and reported, never claimed as parity.
 The extension's own definition (Markov bias after the softcap, per-position thresholds from the
@@ -14,6 +16,7 @@ Random pairs accept almost nothing, so the calibration is fitted at a low precis
 """
 
 import contextlib
+import dataclasses
 import functools
 import shutil
 
@@ -287,3 +290,84 @@ def test_markov_before_softcap_coincides_without_a_softcap():
     _, good, _ = _unpruned(t_dir, ext_dir)
     _, bad, _ = _unpruned(t_dir, ext_dir, "markov_before_softcap")
     assert good.proposals == bad.proposals
+
+
+# ------------------------------------------------------------------------------------------------
+# the heads held to DeepSpec's (the L2 component of the L3 cases)
+
+
+def _ext_case(name: str):
+    return next(c for c in pair.cases() if c.name == name)
+
+
+def test_ext_plan_holds_the_heads_only_where_deepspec_answered():
+    """With DeepSpec's arrays (live or golden) the plan holds the port's heads to them; without
+    (a real checkpoint where DeepSpec is not installed) it holds the gates alone, and the reference's
+    label says the heads were not run."""
+    case = _ext_case("ext-qwen3")
+    names = [c.name for c in pair.plan(case, {"heads.logits": 0, "heads.confidence": 0}).checks]
+    assert names[-2:] == ["markov_rows_vs_deepspec", "confidence_vs_deepspec"]
+    assert not {"markov_rows_vs_deepspec", "confidence_vs_deepspec"} & {c.name for c in pair.plan(case, {}).checks}
+
+
+def test_ext_reference_without_deepspec(monkeypatch):
+    """Not installed: the built-in case reads its golden; on a real checkpoint, or asked live, no
+    arrays and a label naming why (the gates still run)."""
+    monkeypatch.setattr(pair, "oracle_status", lambda oracle=pair.ORACLE: "DEEPSPEC_SRC is not set: fetch it")
+    case = _ext_case("ext-qwen3")
+    ref, label, _ = harness.reference(case, "auto")
+    assert label == f"{pair.HEADS} (golden)" and set(pair.HEAD_INPUTS) <= set(ref)
+    assert set(pair.feeds(case, ref)) == set(pair.HEAD_INPUTS)
+    ref, label, _ = harness.reference(case, "live")
+    assert ref == {} and label == f"{pair.HEADS}: not run (DEEPSPEC_SRC is not set)"
+    real = case.on_path(str(_dirs("qwen3")[0]))
+    assert harness.reference(real, "auto")[0] == {}
+
+
+@pytest.mark.parametrize("control", ["markov_first_token", "confidence_wrong_row"])
+def test_heads_controls_pass_the_gates_and_fail_the_heads(control):
+    """What each control's verdict says (against the golden): the L3 gates (lossless, pruning,
+    shift) all hold, so without DeepSpec's heads the case would read PASS; the heads check fails.
+    The first-token control moves exactly the first slot of every fed block."""
+    case = _ext_case(f"ext-qwen3-control-{control}")
+    result = harness.evaluate(case, "golden")
+    assert result.verdict == "FAIL", result.message()
+    assert all(result.metrics[k]["ok"] for k in ("lossless_vs_greedy", "pruning", "shift"))
+    markov, confidence = result.metrics["markov_rows_vs_deepspec"], result.metrics["confidence_vs_deepspec"]
+    if control == "markov_first_token":
+        blocks, n, V = markov["shape"]
+        assert not markov["ok"] and confidence["ok"] and markov["mismatch"] <= blocks * V
+        assert all(slot == 0 for _, slot, _ in markov["first_mismatch"])
+        assert result.reason.startswith("markov_rows_vs_deepspec:")
+    else:
+        assert markov["ok"] and not confidence["ok"]
+        assert result.reason.startswith("confidence_vs_deepspec:")
+
+
+@pytest.mark.oracle
+@pytest.mark.parametrize("markov", harness.slow_except(["vanilla", "gated", "rnn"], "rnn"))
+def test_heads_match_deepspec_teacher_forced(markov, live_oracle):
+    """Every Markov head type (the cases run vanilla): the extension's heads as the source calls
+    them, fed the same rows, anchors and chain as DeepSpec's own head functions, within the heads'
+    budgets; DeepSpec's chain is the port's own greedy one."""
+    from oracles import dspark as oracle
+    from spec_parity import compare
+    from spec_parity.adapters.dflash import fed_heads
+
+    live_oracle("dspark")
+    ov = pair.VARIANTS["qwen3"]
+    case = _ext_case("ext-qwen3")
+    drafter = ("dflash-drafter", 0, {**ov, "dspark_extras": {**EXTRAS, "markov_head_type": markov}})
+    case = dataclasses.replace(case, params=dataclasses.replace(case.params, drafter=drafter))
+    x = pair._head_inputs(case)
+    ref = oracle.extension_heads(case.drafter_dir(), x["heads.hidden"], x["heads.base_logits"], x["heads.anchor"])
+    ext = dflash.load_extension(case.drafter_dir())
+    port = fed_heads(ext, {**x, "heads.tokens": ref["heads.tokens"]})
+    result = compare.Result("dflash", case.name, pair.HEADS, "L3")
+    for name, key, quantity in pair.HEAD_CHECKS:
+        compare.check_tensor(result, name, port[key], ref[key], "dflash", quantity)
+    assert result.ok, result.message()
+    for b in range(len(x["heads.anchor"])):
+        _, tokens, _ = ext(mx.array(x["heads.hidden"][b]), mx.array(x["heads.base_logits"][b]),
+                           mx.array([int(x["heads.anchor"][b])], mx.uint32))
+        assert tokens.tolist() == ref["heads.tokens"][b].tolist()

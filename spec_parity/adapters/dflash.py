@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
@@ -35,7 +36,31 @@ def run_extension(req: Request) -> dict:
     full = source([])
     unpruned = loop.run(target, req.prompt, o["max_tokens"], full, full.trained_gamma, set())
     out.update({"unpruned." + k[4:]: v for k, v in unpruned.items() if k in ("ext.base_logits", "ext.logits")})
+    if "heads.hidden" in req.inputs:
+        out.update(fed_heads(pruned.extension, req.inputs))
     return out
+
+
+def fed_heads(extension, inputs: dict) -> dict:
+    """The extension's heads, as the source calls them, fed the harness's rows (teacher-forced):
+    per block the hidden and base rows and the anchor, each slot's token picked as the fed chain's
+    (so every slot's previous token is the fed one). Rows [blocks, n, V], confidence [blocks, n]."""
+    import mlx.core as mx
+
+    rows, conf = [], []
+    for h, base, anchor, tokens in zip(*(inputs[k] for k in ("heads.hidden", "heads.base_logits", "heads.anchor",
+                                                              "heads.tokens"))):
+        r, _, c = extension(mx.array(h), mx.array(base), mx.array([int(anchor)], mx.uint32),
+                            functools.partial(_fed, iter(tokens.tolist())))
+        rows.append(np.array(r))
+        if c is not None:
+            conf.append(np.array(c))
+    return {"heads.logits": np.stack(rows), **({"heads.confidence": np.stack(conf)} if conf else {})}
+
+
+def _fed(chain, row) -> int:
+    """A pick that ignores the row: the fed chain's next token."""
+    return next(chain)
 
 
 def run_modules(req: Request) -> dict:

@@ -102,6 +102,38 @@ def _thresholds(case):
     return {(dflash, "prune_length"): lambda confidence, thresholds: confidence.shape[0]}
 
 
+@control("dflash", "markov_first_token", "extension: the Markov head's first slot reads token 0, not the anchor, "
+         "as its previous token")
+def _markov_first_token(case):
+    """The bug the L3 gates let through (the stream stays lossless, pruning and the shift in their
+    gates): only the first slot's bias moves; the extension's heads held to DeepSpec's catch it."""
+    import mlx.core as mx
+
+    from port import heads
+
+    chain = heads.markov_chain
+
+    def zero_first(head, hidden, base, anchor, pick=None):
+        return chain(head, hidden, base, mx.zeros_like(anchor), pick)
+
+    return {(heads, "markov_chain"): zero_first}
+
+
+@control("dflash", "confidence_wrong_row", "extension: the confidence head reads the previous slot's hidden row "
+         "(slot 0 the last one's)")
+def _confidence_wrong_row(case):
+    import mlx.core as mx
+
+    from port import heads
+
+    logits = heads.confidence_logits
+
+    def shifted(confidence, markov, hidden, prev):
+        return logits(confidence, markov, mx.roll(hidden, 1, axis=0), prev)
+
+    return {(heads, "confidence_logits"): shifted}
+
+
 @control("dflash", "layer_scale", f"one drafter layer's output x{LAYER_SCALE} (the layer the case names)")
 def _layer_scale(case):
     from port import dflash

@@ -24,6 +24,11 @@ The same module and loop cases run at L2 against z-lab's torch model (`-torch` c
 torch's conventions: window "positional", embed "raw" (no Gemma sqrt(H) on the block embedding),
 and z-lab torch's one-forward prefill. Tokens must be equal (a knife-edge excused only as
 compare.stream_metrics allows); tensors within the measured budgets.
+
+Extension cases (L3, `ext-*`): the DSpark-on-DFlash serve loop, pruning on and off, held to gates
+(lossless, the pruning rule, the distribution shift); its Markov and confidence heads, DeepSpec's,
+held at L2 to DeepSpec's own head functions on the same seeded rows, anchors and chain
+(teacher-forced: the port is fed them), the case's oracle (HEADS) for those quantities only.
 """
 
 from __future__ import annotations
@@ -101,15 +106,22 @@ CONTROLS = [
     ("own_head", "mod-gemma4-torch"), ("ctx_input_layernorm", "mod-qwen3-torch"),
     ("block_position_shift", "mod-qwen3-swa-torch"), ("rejected_rows", "loop-qwen3-torch"),
     ("window_one_short", "mod-qwen3-swa"), ("window_one_short", "mod-qwen3-swa-torch"),
-    ("thresholds_ignored", "ext-qwen3"),
+    ("thresholds_ignored", "ext-qwen3"), ("markov_first_token", "ext-qwen3"), ("confidence_wrong_row", "ext-qwen3"),
 ]
 # One drafter layer's output planted wrong (controls.one_layer_scaled): the first divergent layer must be 1.
 LAYER_CONTROLS = ("mod-qwen3", "mod-qwen3-torch")
 # The DSpark-on-DFlash extension (L3: no reference implements it): a vanilla Markov head and a
-# confidence head on the DFlash drafter, pruning at one threshold for every position.
-L3 = "none (L3)"
+# confidence head on the DFlash drafter, pruning at one threshold for every position. Its heads are
+# DeepSpec's, so the case's reference for them is DeepSpec's own head functions (HEADS,
+# oracles/dspark.py extension_heads), fed the same rows as the port's heads, teacher-forced.
+HEADS = "DeepSpec (heads)"
 EXT_EXTRAS = {"markov_rank": 8, "markov_head_type": "vanilla", "confidence": True}
 EXT_THRESHOLDS = [0.6]
+HEAD_BLOCKS = 4
+HEAD_INPUTS = ("heads.hidden", "heads.base_logits", "heads.anchor", "heads.tokens")
+# (check, array, budget quantity): the heads' outputs held to DeepSpec's.
+HEAD_CHECKS = (("markov_rows_vs_deepspec", "heads.logits", "ext_markov_rows"),
+               ("confidence_vs_deepspec", "heads.confidence", "ext_confidence"))
 
 
 def window(variant: str) -> str:
@@ -148,7 +160,8 @@ def cases() -> list[Case]:
             for v in TORCH_LOOPS]
     out += [Case(NAME, f"ext-{v}", "L3", VARIANTS[v].get("target_kind", "qwen3-target"), 0, {},
                  DflashExtension(prompt_len=12, max_tokens=MAX_TOKENS, thresholds=EXT_THRESHOLDS,
-                                 drafter=("dflash-drafter", 0, {**VARIANTS[v], "dspark_extras": EXT_EXTRAS})), oracle=L3)
+                                 drafter=("dflash-drafter", 0, {**VARIANTS[v], "dspark_extras": EXT_EXTRAS})),
+                 oracle=HEADS)
             for v in ("qwen3", "gemma4")]
     by_name = {c.name: c for c in out}
     for bug, base in CONTROLS:
@@ -164,8 +177,10 @@ def cases() -> list[Case]:
 def oracle_status(oracle: str = ORACLE) -> str | None:
     from oracles import dflash as o
 
-    if oracle == L3:
-        return None
+    if oracle == HEADS:
+        from oracles import dspark
+
+        return dspark.status()
     return o.torch_status() if oracle == TORCH else o.status()
 
 
@@ -176,12 +191,40 @@ def run_oracle(case: Case):
     from oracles import dflash as oracle
 
     t, d, p, o = case.checkpoint_dir(), case.drafter_dir(), case.prompt(*PROMPT), case.params
+    if isinstance(o, DflashExtension):
+        return _heads_reference(case)
     loop = isinstance(o, DflashLoop)
     if case.oracle == TORCH:
         arrays = oracle.torch_loop(t, d, p, o.max_tokens) if loop else oracle.torch_modules(t, d, p, o.accepts)
         return arrays, {"reference": {"name": "z-lab dflash.model (torch)", "versions": oracle.torch_versions()}}
     arrays = oracle.loop(t, d, p, o.max_tokens, o.eos) if loop else oracle.modules(t, d, p, o.accepts)
     return arrays, {"reference": {"name": "z-lab dflash.model_mlx", "versions": oracle.versions()}}
+
+
+def _heads_reference(case: Case):
+    """DeepSpec's heads (the extension's L2 component) on the rows `_head_inputs` seeds: the
+    inputs, the chain's tokens (the port is fed them: teacher-forced), rows and confidence."""
+    from oracles import dspark
+
+    x = _head_inputs(case)
+    ref = dspark.extension_heads(case.drafter_dir(), x["heads.hidden"], x["heads.base_logits"], x["heads.anchor"])
+    return {**x, **ref}, {"reference": {"name": "DeepSpec's Markov and confidence heads", "versions": dspark.versions()}}
+
+
+def _head_inputs(case: Case) -> dict:
+    """The rows both sides' heads are fed: HEAD_BLOCKS blocks of block_size - 1 slots, seeded by
+    the case: final hidden rows ~ N(0, 1), base rows (after any softcap) ~ N(0, 4), and an anchor
+    per block that is neither a special id (0-2) nor the mask token, so that a first slot reading
+    anything but the anchor moves its row."""
+    cfg = json.loads((case.drafter_dir() / "config.json").read_text())
+    d = cfg["dflash_config"]
+    n, H, V = int(d.get("block_size", cfg.get("block_size", 16))) - 1, int(cfg["hidden_size"]), int(cfg["vocab_size"])
+    rng = np.random.default_rng([case.seed, PROMPT[0], HEAD_BLOCKS])
+    anchors = rng.integers(3, V, HEAD_BLOCKS)
+    anchors[anchors == int(d["mask_token_id"])] = 3 if int(d["mask_token_id"]) != 3 else 4
+    return {"heads.hidden": rng.standard_normal((HEAD_BLOCKS, n, H)).astype(np.float32),
+            "heads.base_logits": (2.0 * rng.standard_normal((HEAD_BLOCKS, n, V))).astype(np.float32),
+            "heads.anchor": anchors.astype(np.int32)}
 
 
 def kind(case: Case) -> str:
@@ -194,6 +237,10 @@ def conventions(case: Case) -> dict:
 
 
 def feeds(case: Case, ref: dict) -> dict:
+    """Module rounds: the reference's layer outputs; the extension: the rows and tokens its heads
+    are fed (teacher-forced)."""
+    if isinstance(case.params, DflashExtension):
+        return {k: ref[k] for k in HEAD_INPUTS if k in ref}
     return layer_feeds(ref)
 
 
@@ -204,7 +251,8 @@ def plan(case: Case, ref: dict) -> Plan:
                      Pruning("pruning", P("ext.confidence"), P("ext.block_len"), P("ext.proposed"),
                              case.params.thresholds),
                      Shift("shift", P("unpruned.base_logits"), P("unpruned.logits"), L3_GATES[(NAME, "extension")]),
-                     Scored("acceptance", "acceptance", (P("stream.drafted"), P("stream.accepted"), P("tau")))],
+                     Scored("acceptance", "acceptance", (P("stream.drafted"), P("stream.accepted"), P("tau")))]
+                    + [Tensor(name, P(key), R(key), q, "heads") for name, key, q in HEAD_CHECKS if key in ref],
                     greedy=(case.params.max_tokens, frozenset()))
     if isinstance(case.params, DflashLoop):
         eos = set(case.params.eos)
@@ -265,6 +313,8 @@ def quantities(port: dict, ref: dict) -> dict[str, float]:
         return float(np.abs(a[:m].astype(np.float64) - b[:m].astype(np.float64)).max()) if m else 0.0
 
     torch = bool(port.get("meta.torch", [False])[0])
+    if "ext.confidence" in port:
+        return {q: gap(port[k], ref[k]) for _, k, q in HEAD_CHECKS if k in port and k in ref}
     if "greedy.logits" in port:
         return {"path_logits": gap(port["stream.logits"], port["greedy.logits"]),
                 "loop_draft_logits" + ("_torch" if torch else ""): gap(port["stream.draft_logits"],
