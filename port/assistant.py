@@ -9,10 +9,11 @@ full attention layer, chronological), and returns (token, logits, next hidden):
     h = norm(h); logits = head(h)                  centroid head or tied embedding head
     next_hidden = post_projection(h)               D -> B
 
-Conventions where the two references differ (REFERENCES.md, "Reference deltas") are options:
-`position` is whatever the caller passes (optiq: P+k per draft step, HF: P for every step), and
-`window` picks how the sliding donor K/V is cut: "optiq" attends to the newest W-1 entries,
-"hf" to the newest W+1.
+Conventions where the two references differ (docs/references.md, "Reference deltas") are
+options: `position` is whatever the caller passes (optiq: P+k per draft step, HF: P for every
+step), `window` picks how the sliding donor K/V is cut ("optiq" attends to the newest W-1
+entries, "hf" to the newest W+1), and `head_rows` which matrix an untied centroid head scores
+its candidates on ("embed": optiq's embedding rows, "lm_head": transformers' lm_head rows).
 
 Fast paths (the compiled pieces, the bucketed step over the target's cache buffers, the
 kernel's own GQA mapping) are subclasses of Model in port/fast/assistant.py; the serve-loop source
@@ -33,6 +34,7 @@ from . import checkpoint, targets
 
 MODEL_TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 HEADS = ("centroid", "tied", "untied")
+HEAD_ROWS = ("embed", "lm_head")   # optiq's, transformers' candidate rows of an untied centroid head
 
 
 class DrafterError(ValueError):
@@ -214,9 +216,10 @@ class Model(nn.Module):
         self.model = Inner(args)
         self.pre_projection = nn.Linear(2 * args.backbone_hidden_size, args.hidden_size, bias=False)
         self.post_projection = nn.Linear(args.hidden_size, args.backbone_hidden_size, bias=False)
+        self.head_rows = "embed"
         if args.use_ordered_embeddings:
             self.masked_embedding = MaskedEmbedding(args)
-        elif not args.tie_word_embeddings:
+        if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
     def __call__(self, emb, hidden_in, views: dict, position):
@@ -251,9 +254,17 @@ class Model(nn.Module):
         top = mx.argpartition(-scores, kth=k - 1, axis=-1)[:k]
         per = a.vocab_size // a.num_centroids
         cand = self.masked_embedding.token_ordering.reshape(a.num_centroids, per)[top].reshape(-1)
-        cand_logits = (h.reshape(1, -1) * self.model.embed_tokens.weight[cand]).sum(axis=-1)
+        cand_logits = (h.reshape(1, -1) * self.candidate_rows()[cand]).sum(axis=-1)
         full = mx.full((a.vocab_size,), -1e30, dtype=h.dtype)
         return mx.put_along_axis(full, cand.astype(mx.int32), cand_logits.astype(full.dtype), axis=-1), cand
+
+    def candidate_rows(self) -> mx.array:
+        """The matrix whose rows score the centroid head's candidates: lm_head's where the head is
+        untied and `head_rows` is "lm_head" (transformers' masked embedder reads lm_head.weight),
+        else the embedding (optiq reads it whatever the tying; tied, the two are one matrix)."""
+        if self.head_rows == "lm_head" and not self.args.tie_word_embeddings:
+            return self.lm_head.weight
+        return self.model.embed_tokens.weight
 
     def donors(self, target, caches: list, window: str | int = "optiq") -> dict:
         """The donor K/V a chain reads from the target's caches (targets.donor_view)."""
@@ -299,14 +310,18 @@ def sliding_view(k, v, window: int, convention: str | int = "optiq"):
     return k[..., -keep:, :], v[..., -keep:, :]
 
 
-def load(path: str | Path, dtype: mx.Dtype | None = None, model=Model) -> Model:
+def load(path: str | Path, dtype: mx.Dtype | None = None, model=Model, head_rows: str = "embed") -> Model:
     """The drafter at `path` (weights cast to `dtype`); `model` (ModelArgs -> a Model) builds it
-    (a fast path's subclass)."""
+    (a fast path's subclass); `head_rows` (HEAD_ROWS) is the reference convention of an untied
+    centroid head (Model.candidate_rows)."""
+    if head_rows not in HEAD_ROWS:
+        raise DrafterError(f"head_rows {head_rows!r} is not one of {HEAD_ROWS}")
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     args = ModelArgs.from_config(cfg, path)
     model = model(args)
     model.config_file = path / "config.json"
+    model.head_rows = head_rows
     weights = checkpoint.read_tensors(path)
     if not args.tie_word_embeddings and "lm_head.weight" not in weights:
         raise DrafterError(f"{path}: tie_word_embeddings is false but there is no lm_head.weight; "

@@ -175,12 +175,63 @@ def check_dir(path: str | Path, role: str, families: tuple[str, ...] | None = No
         raise CheckpointError(f"{p / 'config.json'}: this {LABELS[fam]} config lacks {keys}{where}; add it as "
                               "the checkpoint was trained (loaders would default it, each differently)")
     check_required_when(cfg, p, fam)
+    check_layer_types(cfg, p, fam)
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{p}: no *.safetensors beside config.json; copy the checkpoint's weights there")
     for f in files:
         check_safetensors(f)
     return fam
+
+
+# The layer patterns the references and the port run alike, per family: (key, the layer types
+# allowed, whether the last layer must be full_attention, the fix). mlx-lm's Gemma-4 masks know only the
+# two types (any other is a KeyError); transformers' Gemma4TextConfig (the target's, and the
+# assistant's text_config) rewrites a last layer that is not full_attention to full_attention with
+# a warning, while mlx-lm and optiq run it as given; DeepSpec's Qwen3 DSpark attends a
+# sliding_attention layer through its window under flash attention and through none under sdpa,
+# the port through none (DeepSpec's build_draft_config writes full_attention for every draft
+# layer). z-lab DFlash's layer_types are checked by port/dflash.py as z-lab checks them.
+_TYPES = ("sliding_attention", "full_attention")
+_AS_TRAINED = "set each entry to the type the layer was trained as"
+LAYER_PATTERNS: dict[str, tuple[str, tuple[str, ...], bool, str]] = {
+    "gemma4_text": ("layer_types", _TYPES, True, _AS_TRAINED),
+    "assistant": ("text_config.layer_types", _TYPES, True, _AS_TRAINED),
+    "dspark-qwen3": ("layer_types", ("full_attention",), False,
+                     "set every entry to full_attention, as DeepSpec's build_draft_config writes it (DeepSpec "
+                     "windows a sliding_attention layer under flash attention only, the port never)"),
+}
+
+
+def check_layer_types(cfg: dict, path: Path, fam: str) -> None:
+    """Refuse a layer pattern the references would not run as written (LAYER_PATTERNS), naming
+    config.json, the key and the fix."""
+    if fam not in LAYER_PATTERNS:
+        return
+    key, allowed, last_full, fix = LAYER_PATTERNS[fam]
+    level = cfg["text_config"] if fam == "gemma4_text" and isinstance(cfg.get("text_config"), dict) else cfg
+    where = ("text_config." if level is not cfg else "") + key
+    *parents, leaf = key.split(".")
+    for part in parents:
+        level = level.get(part) if isinstance(level, dict) else None
+    node = level.get(leaf) if isinstance(level, dict) else None
+    if node is None:
+        return
+    size = level.get("num_hidden_layers")
+    f = Path(path) / "config.json"
+    if not isinstance(node, list) or any(t not in allowed for t in node):
+        bad = sorted({t for t in node if t not in allowed}) if isinstance(node, list) else node
+        raise CheckpointError(f"{f}: {where} holds {bad!r}; this {LABELS[fam]} runs only {' and '.join(allowed)} "
+                              f"layers in the references and the port; {fix}")
+    if isinstance(size, int) and len(node) != size:
+        raise CheckpointError(f"{f}: {where} has {len(node)} entries for num_hidden_layers {size}; give one "
+                              "entry per layer, as transformers' config classes require")
+    if last_full and node and node[-1] != "full_attention":
+        raise CheckpointError(f"{f}: {where}[-1] is {node[-1]!r}; transformers' Gemma4TextConfig forces the last "
+                              "layer to full_attention while mlx-lm and optiq run it as written: the references would "
+                              "compute two different models; a Gemma-4 model's last layer is full_attention: "
+                              f"set {where}[-1] to \"full_attention\" if that is how it was trained, else no "
+                              "reference runs this checkpoint")
 
 
 def check_required_when(cfg: dict, path: Path, fam: str) -> None:

@@ -40,6 +40,8 @@ DELTAS = (
           "draft step k at position P+k vs every step at P"),
     Delta("donor-window", "assistant", "convention", ("optiq", "hfwin"), ("optiq", "transformers"),
           "the donor sliding view: newest W-1 entries vs transformers' own mask (W+1)"),
+    Delta("centroid-rows", "assistant", "head_rows", ("embed", "lm_head"), ("optiq", "transformers"),
+          "an untied centroid head's candidates scored on the embedding's rows vs lm_head's"),
 )
 
 

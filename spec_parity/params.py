@@ -71,11 +71,12 @@ class TargetForward(Params, kind="forward"):
 @dataclass(frozen=True, kw_only=True)
 class AssistantStep(Params, kind="step"):
     """assistant: `gamma` chained draft steps after prefill, in a reference's `convention`
-    (adapters/assistant.py CONVENTIONS)."""
+    (adapters/assistant.py CONVENTIONS); `head_rows` None: the reference's (pairs/assistant.py)."""
 
     prompt_len: int = 20
     gamma: int = 4
     convention: str = "optiq"
+    head_rows: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

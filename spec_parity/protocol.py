@@ -189,7 +189,10 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
                      "optiq": "step k at position P+k, the donor sliding view the newest W-1 entries (optiq)",
                      "hfpos": "every step at position P (transformers), the donor view as optiq's",
                      "hfwin": "positions as optiq's, the donor sliding view transformers' own mask: the newest "
-                              "W+1 entries"})},
+                              "W+1 entries"}),
+              "head_rows": choice("an untied centroid head's candidate rows (absent: tied or no centroid head)", {
+                  "embed": "the candidates scored on the embedding's rows (optiq)",
+                  "lm_head": "the candidates scored on lm_head.weight's rows (transformers)"})},
              {"in.*": "transformers cases: the anchor, position, donor K/V and embedding table to draft from",
               **LAYER_INPUTS},
              (Quantity("step*.token", "[1]", "int32", "the draft token of step i", True),

@@ -19,6 +19,43 @@ def test_head_is_chosen_by_tensor_presence():
     assert assistant.load(_load("gemma4-assistant", {"use_ordered_embeddings": False})).head == "tied"
 
 
+def test_untied_centroid_head_scores_its_candidates_on_the_convention_rows():
+    """An untied centroid assistant loads (its lm_head.weight has a place); which rows score the
+    candidates is the reference's convention: optiq's embedding, transformers' lm_head."""
+    path = _load("gemma4-assistant", {"tie_word_embeddings": False})
+    optiq, hf = (assistant.load(path, head_rows=rows) for rows in assistant.HEAD_ROWS)
+    assert optiq.head == hf.head == "centroid"
+    assert mx.array_equal(optiq.candidate_rows(), optiq.model.embed_tokens.weight)
+    assert mx.array_equal(hf.candidate_rows(), hf.lm_head.weight)
+    assert not mx.array_equal(hf.lm_head.weight, hf.model.embed_tokens.weight)
+    with pytest.raises(assistant.DrafterError, match="head_rows 'rows'"):
+        assistant.load(path, head_rows="rows")
+
+
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_untied_centroid_pair_runs_through_the_cli(tmp_path, live_oracle):
+    """`spec-parity run --target G --drafter A` on the factory's untied centroid pair: every case
+    as expected; with the candidates scored on the embedding (planted), the transformers step
+    case fails and the run exits 1."""
+    import json
+
+    from spec_parity import cli, controls
+
+    live_oracle("assistant")
+    live_oracle("assistant", "transformers")
+    argv = ["run", "--target", str(_load("gemma4-target")),
+            "--drafter", str(_load("gemma4-assistant", {"tie_word_embeddings": False}))]
+    assert cli.main([*argv, "--out", str(tmp_path / "ok")]) == 0
+    results = json.loads((tmp_path / "ok" / "report.json").read_text())["results"]
+    assert [r["verdict"] for r in results] == ["PASS"] * 3, results
+    with controls.planted("assistant", "head_rows"):
+        assert cli.main([*argv, "--out", str(tmp_path / "bug")]) == 1
+    results = json.loads((tmp_path / "bug" / "report.json").read_text())["results"]
+    assert [(r["oracle"].split()[0], r["verdict"]) for r in results] == [
+        ("optiq", "PASS"), ("transformers", "FAIL"), ("optiq", "PASS")], results
+
+
 def test_non_gemma4_target_is_refused_by_name():
     drafter = assistant.load(_load("gemma4-assistant"))
     with pytest.raises(assistant.DrafterError, match="needs a Gemma-4 target"):

@@ -37,6 +37,8 @@ def _evaluate(monkeypatch, case_id, port):
     ("dflash/mod-gemma4", {"embed": "raw"}, ["block-embed-scale"]),
     ("dflash/mod-gemma4", {"window": "positional", "embed": "raw"}, ["window-ring", "block-embed-scale"]),
     ("assistant/step-gemma4-centroid-optiq", {"convention": "hfpos"}, ["draft-position"]),
+    ("assistant/step-gemma4-centroid-untied-transformers", {"head_rows": "embed"}, ["centroid-rows"]),
+    ("assistant/step-gemma4-centroid-untied-optiq", {"head_rows": "lm_head"}, ["centroid-rows"]),
 ], "dflash/mod-gemma4"))
 def test_a_port_on_the_other_convention_is_named_by_its_delta(monkeypatch, case_id, options, named):
     r = _evaluate(monkeypatch, case_id, _following(case_id.split("/")[0], **options))

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from spec_parity import checkpoints, cli, harness
+from spec_parity.checkpoints.targets import GEMMA4_TARGET
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "robustness.md"
@@ -163,7 +164,31 @@ BAD_INPUTS = [
      ["b/serve.json", "one tree"]),
     ("combine a file that is not a run's JSON", lambda t: ["combine", str(_run(t, "a")), str(_target_file(t))],
      ["a-file", "not a bench run's JSON"]),
+    ("gemma4 target whose last layer is sliding", lambda t: ["run", "--target", str(_pair("gemma4-target", t, "g", {
+        "layer_types": ["sliding_attention", "full_attention"] * 2 + ["full_attention", "sliding_attention"]}))],
+     ["g/config.json", "layer_types[-1] is 'sliding_attention'", "transformers' Gemma4TextConfig forces", "set layer_types[-1]"]),
+    ("assistant whose last layer is sliding", lambda t: ["run", "--target", str(_copy("gemma4-target", t, "g")), "--drafter", str(
+        _pair("gemma4-assistant", t, "a", {"text_config": {"layer_types": ["full_attention"] + ["sliding_attention"] * 3}}))],
+     ["a/config.json", "text_config.layer_types[-1] is 'sliding_attention'", "set text_config.layer_types[-1]"]),
+    ("gemma4 target with a layer type mlx-lm lacks", lambda t: ["run", "--target", str(_set_config(
+        _copy("gemma4-target", t, "g"), "layer_types", ["chunked_attention"] + GEMMA4_TARGET["layer_types"][1:]))],
+     ["g/config.json", "layer_types holds ['chunked_attention']", "sliding_attention and full_attention"]),
+    ("gemma4 target layer_types of another length", lambda t: ["run", "--target", str(_set_config(
+        _copy("gemma4-target", t, "g"), "layer_types", GEMMA4_TARGET["layer_types"][1:]))],
+     ["g/config.json", "layer_types has 5 entries for num_hidden_layers 6", "one entry per layer"]),
+    ("Qwen3 DSpark drafter with a sliding layer", lambda t: ["run", "--target", str(_copy("qwen3-target", t, "q")), "--drafter", str(
+        _set_config(_pair("dspark-drafter", t, "ds", {"target_kind": "qwen3-target"}), "layer_types",
+                    ["full_attention", "sliding_attention"]))],
+     ["ds/config.json", "layer_types holds ['sliding_attention']", "set every entry to full_attention"]),
 ]
+
+
+def _set_config(d: Path, key: str, value) -> Path:
+    """d/config.json with `key` set to `value`."""
+    cfg = json.loads((d / "config.json").read_text())
+    cfg[key] = value
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
 
 
 def _run(t: Path, name: str, **project) -> Path:

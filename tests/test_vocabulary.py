@@ -37,12 +37,10 @@ NOT_YET_CLEAN = {
     ".ci/run": "../shared",
     "docs/harness.md": "session 23",
     "docs/serve.md": "Session 22",
-    "port/assistant.py": "REFERENCES.md",
     "spec_parity/cli.py": "REFERENCES.md",
 }
 CITES_MISSING = {
     "port/targets.py": "docs/benchmarks-history.md",
-    "port/assistant.py": "REFERENCES.md",
     "docs/serve.md": "Session 22",
 }
 # `docs/x.md "Title"` or `[x.md](x.md), "Title"`: a section cited by its title.

@@ -55,7 +55,7 @@ def run_steps(req: Request) -> dict:
 
     dt = getattr(mx, req.dtype)
     target = targets.load(req.target, dt)
-    drafter = assistant.load(req.drafter, dt)
+    drafter = assistant.load(req.drafter, dt, head_rows=req.options["head_rows"])
     assistant.check_pairing(drafter, target)
     inputs = {k: v for k, v in req.inputs.items() if k.startswith("in.")} or step_inputs(req.target, req.prompt,
                                                                                         req.dtype, target)

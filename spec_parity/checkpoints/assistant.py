@@ -58,11 +58,14 @@ def gemma4_assistant(seed: int, overrides: dict):
     """Gemma-4 "-assistant" drafter (E2B/E4B: centroid head; 26B/31B: tied head; 12B: the
     `gemma4_unified_assistant` type), Q-only layers that read the target's donor K/V. Scaled down
     to the tiny Gemma-4 target: same head dims, KV heads and window. Override `text_config` keys
-    through `text_config`, e.g. {"text_config": {"attention_k_eq_v": True}}."""
+    through `text_config`, e.g. {"text_config": {"attention_k_eq_v": True}}; {"tie_word_embeddings":
+    False} gives an untied head (its own lm_head.weight), with the centroid head too (whose
+    candidates transformers scores on lm_head and optiq on the embedding)."""
     ov = dict(overrides)
     text_ov = ov.pop("text_config", {})
     c = _merge(ASSISTANT, ov)
     c["text_config"] = _merge(ASSISTANT_TEXT, text_ov)
+    c["text_config"]["tie_word_embeddings"] = c["tie_word_embeddings"]
     unified = c["model_type"] == "gemma4_unified_assistant"
     if unified:
         c["text_config"]["model_type"] = "gemma4_unified_text"
@@ -98,6 +101,8 @@ def draw_assistant(c: dict, d, seed: int) -> None:
         d.linear("masked_embedding.centroids.weight", c["num_centroids"], D)
         order = np.random.default_rng([seed, zlib.crc32(b"token_ordering")]).permutation(V)
         d.tensors["masked_embedding.token_ordering"] = order.astype(np.int64)
+    if not c["tie_word_embeddings"]:
+        d.normal("lm_head.weight", (V, D), 1.0)
 
 
 @kind("gemma4-assistant-agreeing")

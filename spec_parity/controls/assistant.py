@@ -88,6 +88,13 @@ def _ordering(case):
     return {(assistant, "load"): unordered}
 
 
+@control("assistant", "head_rows", "the untied centroid head's candidates scored on the embedding, not lm_head")
+def _head_rows(case):
+    from port import assistant
+
+    return {(assistant.Model, "candidate_rows"): lambda self: self.model.embed_tokens.weight}
+
+
 def _donor_where(layer: str, shift):
     """The bucketed path's donor window (port.fast.assistant.donor_buffers' `where`) moved by
     `shift`, a function of the old `where`."""

@@ -29,16 +29,20 @@ ORACLE = "optiq"
 TARGETS = GEMMA4_VARIANTS
 HEADS = {
     "centroid": {},
+    "centroid-untied": {"tie_word_embeddings": False},
     "tied": {"use_ordered_embeddings": False},
     "unified": {"model_type": "gemma4_unified_assistant", "use_ordered_embeddings": False},
 }
 STEP_PAIRS = [("gemma4", "centroid"), ("gemma4", "tied"), ("gemma4", "unified"),
-              ("gemma4-keqv", "centroid"), ("gemma4-ple-kvshared", "tied")]
+              ("gemma4-keqv", "centroid"), ("gemma4-ple-kvshared", "tied"), ("gemma4", "centroid-untied")]
 TIER = {"optiq": "L1", "transformers": "L2"}
 
 # Planted bugs the step comparisons must catch (each against both oracles' goldens), from
 # spec_parity/controls/assistant.py.
 STEP_CONTROLS = ("scale", "position", "window", "donor", "ordering")
+# The untied centroid head's candidates scored on the embedding (optiq's rows), caught against
+# transformers, which scores them on lm_head.
+ROWS_CONTROL = ("centroid-untied", "transformers", "head_rows")
 
 
 def drafter_overrides(target: str, head: str) -> dict:
@@ -120,6 +124,8 @@ def cases() -> list[Case]:
         base = step_case("gemma4", "centroid", o)    # one drafter layer wrong: named at layer 2
         out.append(replace(base, name=f"{base.name}-control-layer2",
                            control=controls.case_control(NAME, "layer_scale", base.name, layer=2)))
+    head, oracle, bug = ROWS_CONTROL
+    out.append(step_case("gemma4", head, oracle, bug))
     out += [loop_case(h, g) for h in ("centroid", "tied") for g in (1, 2, 3, 4)]
     out += [loop_case(h, g, "agreeing") for h in ("centroid", "tied", "unified") for g in (1, 2, 3, 4)]
     out.append(loop_case("centroid", 2, eos=EOS))
@@ -175,7 +181,11 @@ def kind(case: Case) -> str:
 
 
 def conventions(case: Case) -> dict:
-    return {}
+    """Which rows an untied centroid head scores its candidates on (port/assistant.py HEAD_ROWS):
+    optiq's embedding, or transformers' lm_head (deltas.py centroid-rows)."""
+    if not isinstance(case.params, AssistantStep):
+        return {}
+    return {"head_rows": "embed" if case.oracle == "optiq" else "lm_head"}
 
 
 def feeds(case: Case, ref: dict) -> dict:
