@@ -125,8 +125,11 @@ def check(assignments: Iterable[str] | None, cmd: bool, modules: Iterable[str], 
     for module, spec in chosen.items():
         if module not in modules:
             by = f" ({selected_by})" if selected_by else ""
+            fix = (f"give a --drafter whose cases are {module}'s" if "--target" in selected_by
+                   else f"name a {module} case in --case" if "--case" in selected_by
+                   else f"select its cases with --module {module}")
             raise PortError(f"--port {module}={spec}: the run selects no {module} case{by}, so that port "
-                            f"would never run; add --module {module} (or one of its --case), or drop the --port")
+                            f"would never run; {fix}, or drop the --port")
         if cmd:
             raise PortError(f"--port {module}={spec} and --port-cmd both answer {module} (--port-cmd answers "
                             f"every module the run selects); run them apart: --module {module} --port "
