@@ -441,6 +441,19 @@ def test_port_errors_table_is_current(port_ran):
         assert port_doc_row(what, rc, row, root) in text, f"docs/robustness.md is stale: {port_doc_row(what, rc, row, root)}"
 
 
+def test_an_error_keeps_its_traceback(tmp_path):
+    """report.json holds the traceback down to the port's frame; --debug prints it, and without
+    --debug the terminal shows the one-line reason only."""
+    for debug in (False, True):
+        t = tmp_path / str(debug)
+        t.mkdir()
+        with _isolated(t):
+            rc, _, err = run_cli(["--debug"] * debug + _in_process(t, "failing_port", FAILING_PORT))
+        trace = json.loads((t / "r" / "report.json").read_text())["results"][0]["trace"]
+        assert rc == 1 and 'failing_port.py", line 5, in _forward' in trace and trace.startswith("Traceback")
+        assert ("Traceback" in err and 'failing_port.py", line 5, in _forward' in err) == debug, err
+
+
 def test_misuse_is_refused_before_any_case(tmp_path, monkeypatch):
     """Negative control for the refusals above: with ports.check passing everything, the same
     --port misuse runs cases (our port where the user named theirs)."""
