@@ -70,6 +70,9 @@ def _select(args) -> list:
         raise BadInput("--drafter DIR needs --target DIR (the target it drafts for)")
     if getattr(args, "case", None):
         cases = [c for c in cases if args.case in (c.name, c.golden_name)]
+        if not cases and any(c.control and c.name == args.case for m in modules for c in harness.pair(m).cases()):
+            raise BadInput(f"--case {args.case!r}: a negative control, which plants its bug in our own port, so it "
+                           "runs only where our port answers; drop --port/--port-cmd, or name the case it controls")
         if not cases:
             raise _no_case(args.case)
     return cases

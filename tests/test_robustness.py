@@ -185,6 +185,8 @@ BAD_INPUTS = [
      ["my-port' is neither a file nor a command on PATH"]),
     ("--timeout without --port-cmd", lambda t: ["run", "--timeout", "5"], ["--timeout 5: applies to --port-cmd only"]),
     ("--timeout 0", lambda t: ["run", "--port-cmd", CMD_OK, "--timeout", "0"], ["--timeout 0", "(> 0)"]),
+    ("--case naming a control with --port-cmd", lambda t: ["run", "--case", "qwen3-control-rope-L1", "--port-cmd", CMD_OK],
+     ["'qwen3-control-rope-L1': a negative control", "runs only where our port answers"]),
     ("--port-id without --port-cmd", lambda t: ["run", "--port-id", "mine"], ["--port-id mine: applies to --port-cmd only"]),
     ("bisect --port for a module the case is not", lambda t: [*_bisect(t), "--case", "mod-qwen3", "--port", _myport("targets")],
      ["spec-parity bisect:", "selects no targets case (--case mod-qwen3)"]),
