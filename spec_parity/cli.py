@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import platform
+import signal
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -341,6 +344,20 @@ def cmd_bisect(args) -> int:
                          port_cmd=args.port_cmd, timeout=args.timeout)
 
 
+@contextlib.contextmanager
+def _sigterm_exits():
+    """SIGTERM (a cancelled job) leaves through Python's cleanup as Ctrl-C does: a --port-cmd's
+    process group is killed and its case folder removed. Main thread only (where signals land)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def main(argv=None) -> int:
     debug = dict(action="store_true", help="on bad input, the traceback instead of the one-line message "
                  "(default: off, the one line and exit 2); `run`: also each ERROR case's traceback (report.json "
@@ -477,7 +494,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.argv = argv
     try:
-        return args.fn(args)
+        with _sigterm_exits():
+            return args.fn(args)
     except Exception as e:
         if args.debug or not isinstance(e, _bad_input_errors()):
             raise

@@ -147,6 +147,29 @@ def test_ctrl_c_kills_the_port_and_removes_the_case_folder(tmp_path, monkeypatch
     assert _gone(int((tmp_path / "child.pid").read_text()))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stopped_run_leaves_no_case_folder_and_no_port_running(tmp_path, sig):
+    """`spec-parity run` stopped while its --port-cmd runs (Ctrl-C, or SIGTERM from a cancelled
+    job): the command's group is killed and the case folder removed before it exits."""
+    (tmp_path / "tmp").mkdir()
+    (tmp_path / "my_port.py").write_text(SPAWNS)
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp"), "PYTHONPATH": ":".join(sys.path)}
+    argv = [sys.executable, "-m", "spec_parity.cli", "run", "--module", "targets", "--case", "qwen3", "--source",
+            "golden", "--out", str(tmp_path / "r"), "--port-cmd", f"{sys.executable} {tmp_path / 'my_port.py'} {{case}} {{out}}"]
+    proc = subprocess.Popen(argv, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    pid, deadline = tmp_path / "child.pid", time.monotonic() + 180
+    while not (pid.exists() and pid.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert pid.exists() and list((tmp_path / "tmp").glob("spec-parity-case-*")), proc.communicate()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0, err
+    assert list((tmp_path / "tmp").glob("spec-parity-case-*")) == [], err
+    assert _gone(int(pid.read_text())), "the command's child outlived the run"
+
+
 @pytest.mark.parametrize("script,needs", [
     ("print('done')\n", "the port wrote nothing for targets/qwen3: write outputs.safetensors and/or outputs.json"),
     (f"{WRITES}('outputs.json').write_text('{{logits')\n", "outputs.json for targets/qwen3: not valid JSON"),
