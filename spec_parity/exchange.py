@@ -11,12 +11,12 @@ trace); names as the protocol has them.
 one per case into a temporary folder, runs CMD and reads what it wrote back. CMD runs in a process
 group of its own, with a per-case timeout (`--timeout S`, default 600 s) after which the whole
 group is killed and the case reads ERROR naming the timeout; the temporary folder is removed on
-every exit path (done, failed, timed out, Ctrl-C). A command that exits non-zero reads ERROR with
-the last lines of its stderr; exit 3 declines the case (its last stderr line is the reason). The
-port's identity in the report is the command with the sha256 of every argument that is an existing
-file (the executable given as a path, an interpreter's script); `--port-id NAME` names it. `python
--m spec_parity.exchange CASE OUT` answers a case folder with our own port, through the same files
-(the seam's own test).
+every exit path (done, failed, timed out, Ctrl-C, SIGTERM). A command that exits non-zero reads
+ERROR with the last lines of its stderr; exit 3 declines the case (its last stderr line is the
+reason). The port's identity in the report is the command with the sha256 of every argument that is
+an existing file (the executable given as a path, an interpreter's script); `--port-id NAME` names
+it. `python -m spec_parity.exchange CASE OUT` answers a case folder with our own port, through the
+same files (the seam's own test).
 """
 
 from __future__ import annotations
