@@ -4,9 +4,9 @@ Each revision is checked out into a temporary `git worktree` of the port's repos
 work tree and index are never touched) and judged in a subprocess, `spec-parity run --case CASE
 --source golden`, with that checkout first on PYTHONPATH; `git bisect run` drives the search
 through this module's `step` entry. With `--port-cmd`, that run answers the case with the command,
-run in the revision's checkout (its relative paths are the repository's). Exit codes for git bisect: as expected -> 0 (good), an
-unexpected verdict -> 1 (bad), no verdict (the run crashed before its report, or the port could not
-be imported) -> 125 (skip).
+run in the revision's checkout (its relative paths are the repository's). Exit codes for git
+bisect: as expected -> 0 (good), an unexpected verdict -> 1 (bad), no verdict (the run crashed
+before its report, or the port could not be imported) -> 125 (skip).
 """
 
 from __future__ import annotations

@@ -385,8 +385,8 @@ def main(argv=None) -> int:
                      "DSpark-on-DFlash) is read off its config.json (default: none, the target's own cases)")
     run.add_argument("--port", action="append", metavar="MODULE=SPEC",
                      help="run MODULE's cases on another port: SPEC is pkg.module:make_port or a name registered "
-                          "in the spec_parity.ports entry points (repeatable: one per module, each a module the run selects; "
-                          "default: our own ports)")
+                          "in the spec_parity.ports entry points (repeatable: one per module, each a "
+                          "module the run selects; default: our own ports)")
     run.add_argument("--port-cmd", metavar="CMD", help='a port in any language: run CMD per case, e.g. '
                      '"./my-port {case} {out}" (the file protocol, docs/protocol.md); it answers every module the '
                      'run selects, so it does not combine with --port (default: none)')

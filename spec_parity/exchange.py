@@ -134,7 +134,8 @@ def parse_cmd(cmd: str) -> list[str]:
         raise ports.PortError(f"{bad}: cannot be parsed ({type(e).__name__}: {e}); name only {{case}} and "
                               "{out}, write a literal brace as {{ or }}, and close every quote") from e
     if "{case}" not in cmd or "{out}" not in cmd:
-        raise ports.PortError(f"{bad}: the command must name {{case}} and {{out}} (e.g. \"./my-port {{case}} {{out}}\")")
+        raise ports.PortError(f"{bad}: the command must name {{case}} and {{out}} "
+                              "(e.g. \"./my-port {case} {out}\")")
     return argv
 
 

@@ -105,7 +105,8 @@ def load(spec: str) -> Port:
 _SELECTED: dict[str, Port] = {}
 
 
-def check(assignments: Iterable[str] | None, cmd: bool, modules: Iterable[str], selected_by: str = "") -> dict[str, str]:
+def check(assignments: Iterable[str] | None, cmd: bool, modules: Iterable[str],
+          selected_by: str = "") -> dict[str, str]:
     """--port MODULE=SPEC assignments as {module: spec}, refused (PortError) where the run would
     ignore a port the user named or answer its module with ours: a module given twice, a module
     none of the run's cases belong to (`modules`, chosen by `selected_by`, e.g. "--module dflash"),
