@@ -51,6 +51,7 @@ def pytest_configure(config):
         ports.configure(config.getoption("--port"), exchange.command_port(cmd) if cmd else None)
     except ports.PortError as e:
         raise pytest.UsageError(str(e)) from None
+    config.stash[PORTED] = _ported()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -81,6 +82,11 @@ def _oracle_selected(config) -> bool:
     return compiled.evaluate(lambda name, **kw: name == "oracle") and not compiled.evaluate(lambda name, **kw: False)
 
 
+PORTED = pytest.StashKey[tuple]()
+"""The modules --port / --port-cmd named, read once at configure time: tests that select ports of
+their own later in the session must not change what the summary says was checked."""
+
+
 def _ported() -> tuple[str, ...]:
     """The modules --port / --port-cmd hand to a port other than ours."""
     from spec_parity import ports, protocol
@@ -98,7 +104,7 @@ def pytest_collection_modifyitems(config, items):
     `-m oracle`: every live parity case runs. The dev loop, for the rest: `slow` tests out, and
     each parametrized test function once (its first parameter set not marked slow); a test named
     by its id runs. --slow: the whole matrix."""
-    ported, oracle, slow = _ported(), _oracle_selected(config), _slow_selected(config)
+    ported, oracle, slow = config.stash[PORTED], _oracle_selected(config), _slow_selected(config)
     named = [a for a in config.args if "::" in a]
     keep, out, seen = [], [], set()
     for item in items:
@@ -124,7 +130,7 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     from spec_parity import protocol
 
-    ported = _ported()
+    ported = config.stash[PORTED]
     ours = [m for m in protocol.MODULES if m not in ported]
     if ported:
         terminalreporter.write_line(f"checking a port: every parity case of {', '.join(ported)} run (golden and live)"

@@ -3,9 +3,10 @@
 Each revision is checked out into a temporary `git worktree` of the port's repository (the user's
 work tree and index are never touched) and judged in a subprocess, `spec-parity run --case CASE
 --source golden`, with that checkout first on PYTHONPATH; `git bisect run` drives the search
-through this module's `step` entry. Exit codes for git bisect: as expected -> 0 (good), an
-unexpected verdict -> 1 (bad), no verdict (the run crashed before its report, or the port could not
-be imported) -> 125 (skip).
+through this module's `step` entry. With `--port-cmd`, that run answers the case with the command,
+run in the revision's checkout (its relative paths are the repository's). Exit codes for git
+bisect: as expected -> 0 (good), an unexpected verdict -> 1 (bad), no verdict (the run crashed
+before its report, or the port could not be imported) -> 125 (skip).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ GOOD, BAD, SKIP = 0, 1, 125
 PYTHON = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else [])]
 # str() of ImportError / ModuleNotFoundError / SyntaxError: a revision whose port does not import
 # has no verdict to give, so git bisect skips it rather than blaming it.
-IMPORT_FAILURE = re.compile(r"No module named|cannot import name|\(\S+\.py, line \d+\)$")
+IMPORT_FAILURE = re.compile(r"No module named|cannot import name|\(\S+\.py, line \d+\)( \[at .*\])?$")
 
 
 class BadInput(Exception):
@@ -46,13 +47,21 @@ def classify(returncode: int, report: Path, case: str, stderr: str = "") -> tupl
     return (SKIP if r["verdict"] == "ERROR" and IMPORT_FAILURE.search(r["reason"]) else BAD), reason
 
 
-def verdict(checkout: Path, case: str, ports: list[str], pythonpath: str | None) -> tuple[int, str]:
-    """Judge `case` on `checkout` in a fresh interpreter (-P and an empty cwd: no stray `port`)."""
+def run_args(ports: list[str], port_cmd: str | None = None, timeout: float | None = None) -> list[str]:
+    """The port options as `spec-parity run` (and `step`) take them."""
+    return ([a for p in ports for a in ("--port", p)] + (["--port-cmd", port_cmd] if port_cmd else [])
+            + (["--timeout", f"{timeout:g}"] if timeout is not None else []))
+
+
+def verdict(checkout: Path, case: str, ports: list[str], pythonpath: str | None, port_cmd: str | None = None,
+            timeout: float | None = None) -> tuple[int, str]:
+    """Judge `case` on `checkout` in a fresh interpreter (-P and an empty cwd: no stray `port`;
+    with `port_cmd`, the checkout is the cwd: the command's relative paths are its files)."""
     env = _env([str(checkout / (pythonpath or ""))])
     with tempfile.TemporaryDirectory(prefix="spec-parity-bisect-") as tmp:
         cmd = [*PYTHON, "-m", "spec_parity.cli", "run", "--case", case, "--source", "golden",
-               "--out", str(Path(tmp) / "report")] + [a for p in ports for a in ("--port", p)]
-        proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
+               "--out", str(Path(tmp) / "report"), *run_args(ports, port_cmd, timeout)]
+        proc = subprocess.run(cmd, cwd=checkout if port_cmd else tmp, env=env, capture_output=True, text=True)
         return classify(proc.returncode, Path(tmp) / "report" / "report.json", case, proc.stderr)
 
 
@@ -79,8 +88,10 @@ def _commit(repo: Path, rev: str, flag: str) -> str:
     return proc.stdout.strip()
 
 
-def check_inputs(repo: Path, good: str, bad: str, case: str, pythonpath: str | None = None) -> tuple[str, str]:
-    """The two shas, or BadInput naming the problem."""
+def check_inputs(repo: Path, good: str, bad: str, case: str, pythonpath: str | None = None,
+                 ports: list[str] | None = None, port_cmd: str | None = None,
+                 timeout: float | None = None) -> tuple[str, str]:
+    """The two shas, or BadInput naming the problem (the port options as `run` checks them)."""
     if pythonpath and (Path(pythonpath).is_absolute() or ".." in Path(pythonpath).parts):
         raise BadInput(f"--pythonpath {pythonpath}: give a folder inside the repository, relative to its root")
     if not repo.is_dir() or _git(repo, "rev-parse", "--git-dir", check=False).returncode:
@@ -90,10 +101,20 @@ def check_inputs(repo: Path, good: str, bad: str, case: str, pythonpath: str | N
         raise BadInput(f"--good {good} and --bad {bad} are the same commit ({g[:12]}); give an older --good")
     if _git(repo, "merge-base", "--is-ancestor", g, b, check=False).returncode:
         raise BadInput(f"--good {good} is not an ancestor of --bad {bad}; give a --good from before the breakage")
-    from . import harness
+    from . import exchange, harness
+    from . import ports as port_specs
 
-    if not any(case in (c.name, c.golden_name) for c in harness.all_cases()):
+    modules = {c.module for c in harness.all_cases() if case in (c.name, c.golden_name)}
+    if not modules:
         raise BadInput(f"--case {case!r}: no such case; see `spec-parity list`")
+    if timeout is not None and (not port_cmd or not timeout > 0):
+        raise BadInput(f"--timeout {timeout:g}: give the seconds (> 0) a case of --port-cmd may take")
+    try:
+        if port_cmd:
+            exchange.parse_cmd(port_cmd)
+        port_specs.check(ports, bool(port_cmd), modules, f"--case {case}")
+    except port_specs.PortError as e:
+        raise BadInput(str(e)) from e
     return g, b
 
 
@@ -102,12 +123,12 @@ def _note(notes: Path, sha: str, code: int, reason: str) -> None:
 
 
 def bisect(repo: str, good: str, bad: str, case: str, ports: list[str] | None = None,
-           pythonpath: str | None = None, out=None) -> int:
+           pythonpath: str | None = None, out=None, port_cmd: str | None = None, timeout: float | None = None) -> int:
     """Print the first bad commit, its reason and the bisect log; 0 if found, 2 on bad input, 1 if
     git bisect could not name one (skipped commits around it)."""
     repo_dir, ports, out = Path(repo).resolve(), list(ports or []), out or sys.stdout
     try:
-        g, b = check_inputs(repo_dir, good, bad, case, pythonpath)
+        g, b = check_inputs(repo_dir, good, bad, case, pythonpath, ports, port_cmd, timeout)
     except BadInput as e:
         print(f"spec-parity bisect: {e}", file=sys.stderr)
         return 2
@@ -122,7 +143,7 @@ def bisect(repo: str, good: str, bad: str, case: str, ports: list[str] | None = 
                     print(f"spec-parity bisect: --pythonpath {pythonpath}: no such folder at {flag} {rev} "
                           f"({sha[:12]}); give the folder that holds the port's package", file=sys.stderr)
                     return 2
-                code, reason = verdict(wt, case, ports, pythonpath)
+                code, reason = verdict(wt, case, ports, pythonpath, port_cmd, timeout)
                 if code != want:
                     what = {GOOD: "passes", BAD: "already fails", SKIP: "cannot be judged"}[code]
                     print(f"spec-parity bisect: {case} {what} at {flag} {rev} ({sha[:12]}): {reason}; "
@@ -132,7 +153,7 @@ def bisect(repo: str, good: str, bad: str, case: str, ports: list[str] | None = 
                 _note(notes, sha, code, reason)
             _git(wt, "bisect", "start", b, g)
             step = [*PYTHON, "-m", "spec_parity.bisect", "--checkout", str(wt), "--notes",
-                    str(notes), "--case", case, *[a for p in ports for a in ("--port", p)],
+                    str(notes), "--case", case, *run_args(ports, port_cmd, timeout),
                     *(["--pythonpath", pythonpath] if pythonpath else [])]
             run = _git(wt, "bisect", "run", *step, check=False, env=_env([]))
             log = _git(wt, "bisect", "log").stdout.strip()
@@ -161,11 +182,13 @@ def step(argv: list[str] | None = None) -> int:
     ap.add_argument("--notes", required=True, type=Path)
     ap.add_argument("--case", required=True)
     ap.add_argument("--port", action="append", default=[])
+    ap.add_argument("--port-cmd")
+    ap.add_argument("--timeout", type=float)
     ap.add_argument("--pythonpath")
     args = ap.parse_args(argv)
     try:
         sha = _git(args.checkout, "rev-parse", "HEAD").stdout.strip()
-        code, reason = verdict(args.checkout, args.case, args.port, args.pythonpath)
+        code, reason = verdict(args.checkout, args.case, args.port, args.pythonpath, args.port_cmd, args.timeout)
         _note(args.notes, sha, code, reason)
     except Exception as e:  # our own failure, not the port's: abort the bisect (exit > 127)
         print(f"spec-parity bisect step failed: {e}", file=sys.stderr)

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import platform
+import signal
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -69,9 +73,28 @@ def _select(args) -> list:
         raise BadInput("--drafter DIR needs --target DIR (the target it drafts for)")
     if getattr(args, "case", None):
         cases = [c for c in cases if args.case in (c.name, c.golden_name)]
+        if not cases and any(c.control and c.name == args.case for m in modules for c in harness.pair(m).cases()):
+            raise BadInput(f"--case {args.case!r}: a negative control, which plants its bug in our own port, so it "
+                           "runs only where our port answers; drop --port/--port-cmd, or name the case it controls")
         if not cases:
-            raise BadInput(f"--case {args.case!r}: no case of that name; `spec-parity list` shows them")
+            raise _no_case(args.case)
     return cases
+
+
+def _no_case(name: str) -> BadInput:
+    return BadInput(f"--case {name!r}: no case of that name; `spec-parity list` shows them")
+
+
+def _modules(args) -> tuple[list[str], str]:
+    """The modules whose cases --module and --case select, whoever answers them, and the options
+    that chose them (for a refusal's message)."""
+    modules = [args.module] if args.module else list(harness.PAIRS)
+    if args.case:
+        modules = [m for m in modules if any(args.case in (c.name, c.golden_name) for c in harness.pair(m).cases())]
+        if not modules:
+            raise _no_case(args.case)
+    by = " ".join(f"--{k} {v}" for k, v in (("module", args.module), ("case", args.case)) if v)
+    return modules, by
 
 
 def _header() -> str:
@@ -81,19 +104,48 @@ def _header() -> str:
             f"python {platform.python_version()}, mlx {mx.__version__}")
 
 
-def _ports(args) -> None:
-    """--port MODULE=SPEC and --port-cmd CMD: who answers the cases (spec_parity.ports)."""
+def _ports(args, modules: list[str], selected_by: str) -> None:
+    """--port MODULE=SPEC and --port-cmd CMD: who answers the cases of `modules` (spec_parity.ports),
+    refused before any case runs where a port the user named would not answer."""
+    for opt, val in (("--timeout", f"{args.timeout:g}" if args.timeout is not None else None),
+                     ("--port-id", args.port_id)):
+        if val is not None and not args.port_cmd:
+            raise BadInput(f"{opt} {val}: applies to --port-cmd only (an in-process --port runs in this process); "
+                           f"give --port-cmd CMD or drop {opt}")
     try:
-        ports.configure(args.port, exchange.command_port(args.port_cmd) if args.port_cmd else None,
-                        [args.module] if args.module else None)
+        ports.check(args.port, bool(args.port_cmd), modules, selected_by)
+        cmd = exchange.command_port(args.port_cmd, exchange.TIMEOUT_S if args.timeout is None else args.timeout,
+                                    args.port_id) if args.port_cmd else None
+        ports.configure(args.port, cmd, modules, selected_by)
     except ports.PortError as e:
         raise BadInput(str(e)) from e
 
 
+def _answered(args, cases: list) -> None:
+    """Every --port module still has a case once --target has narrowed the selection."""
+    try:
+        ports.check(args.port, False, {c.module for c in cases}, f"--target {args.target}")
+    except ports.PortError as e:
+        raise BadInput(str(e)) from e
+
+
+def _error(case, e: Exception, debug: bool):
+    """A case that could not run: ERROR with its reason, where in the port's code it was raised,
+    and the traceback (report.json; printed under --debug)."""
+    trace = "".join(traceback.format_exception(e))
+    if debug:
+        print(f"{case.id}: ERROR\n{trace}", file=sys.stderr)
+    at = "" if isinstance(e, exchange.ExchangeError) else ports.where(ports.for_module(case.module), e)
+    reason = f"{type(e).__name__}: {e}" + (f" [at {at}]" if at else "")
+    return harness.Result(case.module, case.name, "-", case.tier, verdict="ERROR", reason=reason, trace=trace)
+
+
 def cmd_run(args) -> int:
     _preflight(args, ("drafter",))
-    _ports(args)
+    _ports(args, *_modules(args))
     cases = _select(args)
+    if args.target:
+        _answered(args, cases)
     rows, t0 = [], time.time()
     with report.Progress(len(cases)) as bar:
         for case in cases:
@@ -101,8 +153,7 @@ def cmd_run(args) -> int:
             try:
                 result = harness.evaluate(case, args.source)
             except Exception as e:  # a case that cannot run is a failure with its reason, not a crash
-                result = harness.Result(case.module, case.name, "-", case.tier, verdict="ERROR",
-                                        reason=f"{type(e).__name__}: {e}")
+                result = _error(case, e, args.debug)
             rows.append((result, case.expect))
             bar.done(case.id, result.shown_verdict)
     header = f"{_header()}; ports: {ports.describe()}; {len(cases)} cases in {time.time() - t0:.1f} s"
@@ -289,12 +340,28 @@ def cmd_bisect(args) -> int:
     one is named, 2 on bad input."""
     from . import bisect
 
-    return bisect.bisect(args.repo, args.good, args.bad, args.case, args.port, args.pythonpath)
+    return bisect.bisect(args.repo, args.good, args.bad, args.case, args.port, args.pythonpath,
+                         port_cmd=args.port_cmd, timeout=args.timeout)
+
+
+@contextlib.contextmanager
+def _sigterm_exits():
+    """SIGTERM (a cancelled job) leaves through Python's cleanup as Ctrl-C does: a --port-cmd's
+    process group is killed and its case folder removed. Main thread only (where signals land)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def main(argv=None) -> int:
     debug = dict(action="store_true", help="on bad input, the traceback instead of the one-line message "
-                 "(default: off, the one line and exit 2)")
+                 "(default: off, the one line and exit 2); `run`: also each ERROR case's traceback (report.json "
+                 "holds it either way)")
     ap = argparse.ArgumentParser(prog="spec-parity", description=__doc__)
     ap.add_argument("--debug", **debug)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -318,14 +385,19 @@ def main(argv=None) -> int:
                      "DSpark-on-DFlash) is read off its config.json (default: none, the target's own cases)")
     run.add_argument("--port", action="append", metavar="MODULE=SPEC",
                      help="run MODULE's cases on another port: SPEC is pkg.module:make_port or a name registered "
-                          "in the spec_parity.ports entry points (repeatable; default: our own ports)")
+                          "in the spec_parity.ports entry points (repeatable: one per module, each a "
+                          "module the run selects; default: our own ports)")
     run.add_argument("--port-cmd", metavar="CMD", help='a port in any language: run CMD per case, e.g. '
-                     '"./my-port {case} {out}" (the file protocol, docs/protocol.md); with --module, that module '
-                     'only (default: none)')
+                     '"./my-port {case} {out}" (the file protocol, docs/protocol.md); it answers every module the '
+                     'run selects, so it does not combine with --port (default: none)')
+    run.add_argument("--timeout", type=float, metavar="S", help="--port-cmd: seconds a case may take before its "
+                     f"process group is killed and the case reads ERROR (default: {exchange.TIMEOUT_S:g})")
+    run.add_argument("--port-id", metavar="NAME", help="--port-cmd: the port's name in the report (default: "
+                     "port-cmd; its identity also hashes every argument of CMD that is a file)")
     run.add_argument("--debug", default=argparse.SUPPRESS, **debug)
     run.set_defaults(fn=cmd_run)
     ex = sub.add_parser("export", help="write each case as a folder for an out-of-process port (--port-cmd)")
-    ex.add_argument("--module")
+    ex.add_argument("--module", choices=harness.PAIRS)
     ex.add_argument("--case")
     ex.add_argument("--source", choices=("auto", "live", "golden"), default="golden")
     ex.add_argument("--out", required=True, help="directory: OUT/<module>/<case>/")
@@ -412,13 +484,18 @@ def main(argv=None) -> int:
     bs.add_argument("--bad", required=True, help="a later revision where it is not")
     bs.add_argument("--case", required=True, help="the case (see `spec-parity list`), judged against its golden")
     bs.add_argument("--port", action="append", help="passed verbatim to `spec-parity run --port` (repeatable)")
+    bs.add_argument("--port-cmd", metavar="CMD", help="passed to `spec-parity run --port-cmd`, run in each "
+                    "revision's checkout (relative paths are the repository's)")
+    bs.add_argument("--timeout", type=float, metavar="S", help="passed to `spec-parity run --timeout` "
+                    f"(default: {exchange.TIMEOUT_S:g})")
     bs.add_argument("--pythonpath", help="the repository's folder that goes first on PYTHONPATH (default: its root)")
     bs.set_defaults(fn=cmd_bisect)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     args.argv = argv
     try:
-        return args.fn(args)
+        with _sigterm_exits():
+            return args.fn(args)
     except Exception as e:
         if args.debug or not isinstance(e, _bad_input_errors()):
             raise

@@ -34,6 +34,7 @@ class Result:
     verdict: str = "PASS"
     reason: str = ""
     findings: dict = field(default_factory=dict)   # finding -> the reasons it failed (spec_parity.checks)
+    trace: str = ""                                # an ERROR's formatted traceback
 
     @property
     def ok(self) -> bool:

@@ -12,7 +12,8 @@ import functools
 import hashlib
 import importlib
 import importlib.metadata
-from collections.abc import Callable, Mapping
+import traceback
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,15 +48,20 @@ class Port:
     sources: tuple[str, ...] = ()
 
     @functools.cached_property
+    def files(self) -> tuple[Path, ...]:
+        return tuple(sorted({p for s in self.sources for p in _files(Path(s))}))
+
+    @functools.cached_property
     def digest(self) -> str:
         h = hashlib.sha256()
-        for f in sorted({p for s in self.sources for p in _files(Path(s))}):
+        for f in self.files:
             h.update(str(f.name).encode() + f.read_bytes())
         return h.hexdigest()
 
     @property
     def identity(self) -> str:
-        return f"{self.name} {self.version} ({self.digest[:12]})"
+        """A port with no files to hash says so rather than show the digest of nothing."""
+        return f"{self.name} {self.version} ({self.digest[:12] if self.files else 'no files hashed'})"
 
     @property
     def ours(self) -> bool:
@@ -99,25 +105,59 @@ def load(spec: str) -> Port:
 _SELECTED: dict[str, Port] = {}
 
 
-def select(assignments: list[str]) -> None:
-    """`MODULE=SPEC` assignments (from --port): that port answers that module's cases."""
-    for a in assignments:
+def check(assignments: Iterable[str] | None, cmd: bool, modules: Iterable[str],
+          selected_by: str = "") -> dict[str, str]:
+    """--port MODULE=SPEC assignments as {module: spec}, refused (PortError) where the run would
+    ignore a port the user named or answer its module with ours: a module given twice, a module
+    none of the run's cases belong to (`modules`, chosen by `selected_by`, e.g. "--module dflash"),
+    or one --port-cmd (`cmd`, which answers every module of the run) answers too. Nothing is loaded."""
+    modules = list(dict.fromkeys(modules))
+    chosen: dict[str, str] = {}
+    for a in assignments or []:
         module, sep, spec = a.partition("=")
         if not sep or not module or not spec:
             raise PortError(f"--port {a!r}: expected MODULE=pkg.module:make_port (e.g. dflash=mypkg.adapter:make_port)")
+        if module not in MODULES:
+            raise PortError(f"--port {a!r}: no module {module!r}; give one of {', '.join(MODULES)}")
+        if module in chosen:
+            raise PortError(f"--port {module}={chosen[module]} and --port {a}: one port per module; "
+                            f"drop one of them")
+        chosen[module] = spec
+    for module, spec in chosen.items():
+        if module not in modules:
+            by = f" ({selected_by})" if selected_by else ""
+            fix = (f"give a --drafter whose cases are {module}'s" if "--target" in selected_by
+                   else f"name a {module} case in --case" if "--case" in selected_by
+                   else f"select its cases with --module {module}")
+            raise PortError(f"--port {module}={spec}: the run selects no {module} case{by}, so that port "
+                            f"would never run; {fix}, or drop the --port")
+        if cmd:
+            raise PortError(f"--port {module}={spec} and --port-cmd both answer {module} (--port-cmd answers "
+                            f"every module the run selects); run them apart: --module {module} --port "
+                            f"{module}={spec}, and --module OTHER --port-cmd CMD")
+    return chosen
+
+
+def select(assignments: list[str]) -> None:
+    """`MODULE=SPEC` assignments (from --port): that port answers that module's cases."""
+    for module, spec in check(assignments, False, MODULES).items():
         port = load(spec)
         if module not in port.runs:
-            raise PortError(f"--port {a!r}: port {port.name} implements {sorted(port.runs)}, not {module}")
+            raise PortError(f"--port {module}={spec}: port {port.name} implements {sorted(port.runs)}, not {module}")
         _SELECTED[module] = port
 
 
-def configure(assignments: list[str] | None, cmd_port: Port | None = None, modules=None) -> None:
+def configure(assignments: list[str] | None, cmd_port: Port | None = None, modules=None,
+              selected_by: str = "") -> None:
     """What --port and --port-cmd say (the CLI's and pytest's): `cmd_port` (exchange.command_port)
-    answers `modules` (default every module) that no --port names."""
+    answers every one of `modules` (default every module); check() refuses a combination that
+    would leave a named port unused."""
+    modules = list(modules or MODULES)
+    check(assignments, cmd_port is not None, modules, selected_by)
     select(assignments or [])
     if cmd_port is not None:
-        for module in modules or MODULES:
-            _SELECTED.setdefault(module, cmd_port)
+        for module in modules:
+            _SELECTED[module] = cmd_port
 
 
 def reset() -> None:
@@ -131,6 +171,18 @@ def ours() -> Port:
 
 def for_module(module: str) -> Port:
     return _SELECTED.get(module) or ours()
+
+
+def where(port: Port, error: BaseException) -> str:
+    """The frame nearest `error` in the port's own files (its sources), as `file:line in function`
+    with the file relative to its source folder's parent; "" when no frame is the port's."""
+    roots = [Path(s).resolve() for s in port.sources]
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        f = Path(frame.filename).resolve()
+        for root in roots:
+            if f == root or root in f.parents:
+                return f"{f.relative_to(root.parent)}:{frame.lineno} in {frame.name}"
+    return ""
 
 
 def describe() -> str:

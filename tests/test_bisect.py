@@ -10,6 +10,7 @@ harness against the targets goldens.
 
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -127,10 +128,37 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         ((str(repo), shas[0], shas[2], CASE, [], "../elsewhere"), "--pythonpath ../elsewhere: give a folder inside"),
         ((str(repo), shas[0], shas[2], CASE, [], "src"), "--pythonpath src: no such folder at --good"),
     ]
+    port_cases = [({"port_cmd": "./my-port {out}"}, "must name {case} and {out}"),
+                  ({"ports": ["dflash=mine:make_port"]}, "selects no dflash case (--case qwen3)"),
+                  ({"ports": ["targets=mine:make_port"], "port_cmd": "./p {case} {out}"}, "both answer targets"),
+                  ({"ports": ["targets=a:make_port", "targets=b:make_port"]}, "one port per module"),
+                  ({"timeout": 5.0}, "--timeout 5: give the seconds (> 0) a case of --port-cmd may take"),
+                  ({"port_cmd": "./p {case} {out}", "timeout": 0.0}, "--timeout 0")]
+    for kw, message in port_cases:
+        assert bisect.bisect(str(repo), shas[0], shas[2], CASE, **kw) == 2, message
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and message in err, err
     for args, message in cases:
         assert bisect.bisect(*args) == 2, message
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_port_cmd_is_run_in_the_checkout(tmp_path, monkeypatch):
+    """`run` gets --port-cmd and --timeout, and runs in the revision's checkout (the command's
+    relative paths are the repository's); an in-process port's run stays in an empty folder."""
+    seen = []
+
+    def fake_run(cmd, cwd, **kw):
+        seen.append((cmd, Path(cwd)))
+        return subprocess.CompletedProcess(cmd, 2, "", "stub")
+
+    monkeypatch.setattr(bisect.subprocess, "run", fake_run)
+    bisect.verdict(tmp_path, CASE, [], None, "./my-port {case} {out}", 30.0)
+    bisect.verdict(tmp_path, CASE, ["targets=mine:make_port"], None)
+    (cmd, cwd), (plain, plain_cwd) = seen
+    assert cmd[-4:] == ["--port-cmd", "./my-port {case} {out}", "--timeout", "30"] and cwd == tmp_path
+    assert plain[-2:] == ["--port", "targets=mine:make_port"] and plain_cwd != tmp_path
 
 
 @pytest.mark.slow
@@ -173,6 +201,40 @@ def test_cli_bisect_bad_input(tmp_path):
                          capture_output=True, text=True)
     assert (run.returncode, run.stdout) == (2, "")
     assert run.stderr == f"spec-parity bisect: --good {shas[0]} and --bad HEAD are the same commit ({shas[0][:12]}); give an older --good\n"
+
+
+CMD_PORT = """import sys
+from pathlib import Path
+
+from spec_parity import exchange, ports
+
+SCALE = 1.0
+req = exchange.read_case(Path(sys.argv[1]))
+out = ports.ours().runs[req.module](req)
+out["logits"] = out["logits"] * SCALE
+exchange.write_outputs(Path(sys.argv[2]), out)
+"""
+
+
+@pytest.mark.slow
+def test_bisect_port_cmd_names_the_planted_commit(tmp_path, capsys):
+    """A port in the file protocol (a script in the repository, named relative to it) whose
+    logits one commit scales by 1.001: bisect --port-cmd names that commit."""
+    repo = tmp_path / "cmdport"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    (repo / "my_port.py").write_text(CMD_PORT)
+    shas = [commit(repo, "port: answer through files")]
+    (repo / "NOTES").write_text("note\n")
+    shas.append(commit(repo, "notes: harmless change"))
+    (repo / "my_port.py").write_text(CMD_PORT.replace("SCALE = 1.0", "SCALE = 1.001"))
+    shas.append(commit(repo, "port: scale the logits"))
+    (repo / "NOTES").write_text("last\n")
+    shas.append(commit(repo, "notes: harmless change after"))
+    cmd = f"{sys.executable} my_port.py {{case}} {{out}}"
+    assert bisect.bisect(str(repo), shas[0], shas[-1], CASE, port_cmd=cmd, timeout=300) == 0
+    line = first_line(capsys.readouterr().out)
+    assert line.startswith(f"first bad commit {shas[2]} 'port: scale the logits': targets/{CASE} FAIL"), line
 
 
 @pytest.mark.slow

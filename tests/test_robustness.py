@@ -180,6 +180,37 @@ BAD_INPUTS = [
         _set_config(_pair("dspark-drafter", t, "ds", {"target_kind": "qwen3-target"}), "layer_types",
                     ["full_attention", "sliding_attention"]))],
      ["ds/config.json", "layer_types holds ['sliding_attention']", "set every entry to full_attention"]),
+    # port misuse: a named port that would not run, or ours running where the user named theirs
+    ("--port for a module --module does not select", lambda t: ["run", "--module", "dflash", "--port", _myport("targets")],
+     ["--port targets=myport:make_port", "selects no targets case (--module dflash)", "with --module targets"]),
+    ("--port for a module --case does not select", lambda t: ["run", "--case", "mod-qwen3", "--port", _myport("targets")],
+     ["selects no targets case (--case mod-qwen3)", "drop the --port"]),
+    ("--port with --port-cmd (every module)", lambda t: ["run", "--port", _myport("dflash"), "--port-cmd", CMD],
+     ["--port dflash=myport:make_port and --port-cmd both answer dflash", "run them apart"]),
+    ("--port with --port-cmd on the same --module", lambda t: ["run", "--module", "dflash", "--port", _myport("dflash"),
+                                                               "--port-cmd", CMD], ["both answer dflash"]),
+    ("the same module twice in --port", lambda t: ["run", "--port", _myport("dflash"), "--port", "dflash=other:make_port"],
+     ["--port dflash=myport:make_port and --port dflash=other:make_port", "one port per module"]),
+    ("--port for an unknown module", lambda t: ["run", "--port", _myport("dflsh")],
+     ["no module 'dflsh'", "targets, assistant, dspark, dflash"]),
+    ("--port-cmd without {out}", lambda t: ["run", "--port-cmd", "./my-port {case}"], ["must name {case} and {out}"]),
+    ("--port-cmd with an unclosed quote", lambda t: ["run", "--port-cmd", "sh -c './my-port {case} {out}"],
+     ["No closing quotation", "close every quote"]),
+    ("--port-cmd with another {placeholder}", lambda t: ["run", "--port-cmd", "./my-port {model} {case} {out}"],
+     ["KeyError: 'model'", "name only {case} and {out}"]),
+    ("--port-cmd whose program does not exist", lambda t: ["run", "--port-cmd", str(t / "my-port") + " {case} {out}"],
+     ["my-port' is neither a file nor a command on PATH"]),
+    ("--timeout without --port-cmd", lambda t: ["run", "--timeout", "5"], ["--timeout 5: applies to --port-cmd only"]),
+    ("--timeout 0", lambda t: ["run", "--port-cmd", CMD_OK, "--timeout", "0"], ["--timeout 0", "(> 0)"]),
+    ("--case naming a control with --port-cmd", lambda t: ["run", "--case", "qwen3-control-rope-L1", "--port-cmd", CMD_OK],
+     ["'qwen3-control-rope-L1': a negative control", "runs only where our port answers"]),
+    ("--port-id without --port-cmd", lambda t: ["run", "--port-id", "mine"], ["--port-id mine: applies to --port-cmd only"]),
+    ("bisect --port for a module the case is not", lambda t: [*_bisect(t), "--case", "mod-qwen3", "--port", _myport("targets")],
+     ["spec-parity bisect:", "selects no targets case (--case mod-qwen3)"]),
+    ("bisect --port with --port-cmd", lambda t: [*_bisect(t), "--case", "mod-qwen3", "--port", _myport("dflash"),
+                                                 "--port-cmd", CMD], ["both answer dflash"]),
+    ("bisect --port-cmd without {case}", lambda t: [*_bisect(t), "--case", "qwen3", "--port-cmd", "./my-port {out}"],
+     ["must name {case} and {out}"]),
 ]
 
 
@@ -191,6 +222,25 @@ def _set_config(d: Path, key: str, value) -> Path:
     return d
 
 
+def _myport(module: str) -> str:
+    return f"{module}=myport:make_port"
+
+
+CMD = "./my-port {case} {out}"
+CMD_OK = f"{sys.executable} -c pass {{case}} {{out}}"
+
+
+def _bisect(t: Path) -> list[str]:
+    """bisect's argv up to --case, on a throwaway repository of two commits."""
+    repo = t / "repo"
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    repo.mkdir()
+    subprocess.run([*git, "init", "-q"], check=True)
+    for i in range(2):
+        subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", f"c{i}"], check=True)
+    return ["bisect", "--repo", str(repo), "--good", "HEAD~1", "--bad", "HEAD"]
+
+
 def _run(t: Path, name: str, **project) -> Path:
     """A committed serve run (benchmarks/), copied to t/name/serve.json with `project` keys replaced."""
     doc = json.loads((ROOT / "benchmarks" / "serve-dflash-h200-peers-1.json").read_text())
@@ -198,6 +248,106 @@ def _run(t: Path, name: str, **project) -> Path:
     (t / name).mkdir()
     (t / name / "serve.json").write_text(json.dumps(doc))
     return t / name / "serve.json"
+
+
+QWEN3 = ["run", "--module", "targets", "--case", "qwen3", "--source", "golden"]
+HANG = "import sys, time\nprint('loading the model', file=sys.stderr, flush=True)\ntime.sleep(60)\n"
+FAIL = "import sys\nfor i in range(8):\n    print(f'step {i}', file=sys.stderr)\nraise SystemExit('no such model')\n"
+SILENT = "print('done')\n"
+KILLED = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n"
+
+
+def _writes(name: str, data: str) -> str:
+    return f"import sys, pathlib\npathlib.Path(sys.argv[2], {name!r}).write_text({data!r})\n"
+
+
+FAILING_PORT = """from spec_parity import ports
+
+
+def _forward(req):
+    raise ValueError("shapes (1, 4) and (2, 4) do not match")
+
+
+def run(req):
+    return _forward(req)
+
+
+def make_port():
+    return ports.Port("failing", "0.1", {"targets": run})
+"""
+
+
+def _port_cmd(t: Path, script: str, *extra: str) -> list[str]:
+    """QWEN3 answered by `script` through --port-cmd."""
+    (t / "my_port.py").write_text(script)
+    return [*QWEN3, "--out", str(t / "r"), "--port-cmd", f"{sys.executable} {t / 'my_port.py'} {{case}} {{out}}", *extra]
+
+
+def _in_process(t: Path, module: str, source: str) -> list[str]:
+    (t / f"{module}.py").write_text(source)
+    return [*QWEN3, "--out", str(t / "r"), "--port", f"targets={module}:make_port"]
+
+
+# A port that fails at run time: the case reads ERROR (exit 1) with what the one line must name.
+PORT_ERRORS = [
+    ("--port-cmd that hangs (--timeout 2)", lambda t: _port_cmd(t, HANG, "--timeout", "2"),
+     ["timed out after 2 s on targets/qwen3", "process group was killed", "--timeout S", "loading the model"]),
+    ("--port-cmd that exits 1", lambda t: _port_cmd(t, FAIL),
+     ["exited 1 on targets/qwen3", "step 4 / step 5 / step 6 / step 7 / no such model"]),
+    ("--port-cmd killed by a signal", lambda t: _port_cmd(t, KILLED), ["was killed by SIGKILL", "printed nothing"]),
+    ("--port-cmd that writes nothing", lambda t: _port_cmd(t, SILENT),
+     ["wrote nothing for targets/qwen3", "outputs.safetensors and/or outputs.json", "{out}", "stdout ends: done"]),
+    ("--port-cmd outputs.json not JSON", lambda t: _port_cmd(t, _writes("outputs.json", "{logits: [1]")),
+     ["outputs.json for targets/qwen3: not valid JSON (Expecting property name"]),
+    ("--port-cmd outputs.json not an object", lambda t: _port_cmd(t, _writes("outputs.json", "[1, 2]")),
+     ["outputs.json for targets/qwen3: a JSON list, not an object"]),
+    ("--port-cmd outputs.json with a ragged array", lambda t: _port_cmd(t, _writes("outputs.json", '{"logits": [[1], [1, 2]]}')),
+     ["outputs.json for targets/qwen3: 'logits' is not an array"]),
+    ("--port-cmd outputs.safetensors corrupt", lambda t: _port_cmd(t, _writes("outputs.safetensors", "not tensors")),
+     ["outputs.safetensors for targets/qwen3 cannot be read"]),
+    ("in-process --port that raises", lambda t: _in_process(t, "failing_port", FAILING_PORT),
+     ["ValueError: shapes (1, 4) and (2, 4) do not match", "[at failing_port.py:5 in _forward]"]),
+]
+
+
+@contextlib.contextmanager
+def _isolated(t: Path):
+    """One runtime row: temp folders under t/tmp, t on sys.path, and the ports it selected
+    forgotten afterwards (cli.main selects them process-wide)."""
+    import tempfile
+
+    from spec_parity import ports
+
+    (t / "tmp").mkdir()
+    saved, tempdir = dict(ports._SELECTED), tempfile.tempdir
+    tempfile.tempdir = str(t / "tmp")
+    sys.path.insert(0, str(t))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(t))
+        sys.modules.pop("failing_port", None)
+        tempfile.tempdir = tempdir
+        ports._SELECTED.clear()
+        ports._SELECTED.update(saved)
+
+
+def port_outcomes(tmp_root: Path) -> dict[str, tuple[int, dict, list[str]]]:
+    """Every PORT_ERRORS entry run once: exit code, its report.json row, what it left in t/tmp."""
+    done = {}
+    for i, (what, build, _) in enumerate(PORT_ERRORS):
+        t = tmp_root / f"pe{i:02d}"
+        t.mkdir(parents=True)
+        with _isolated(t):
+            rc, _, _ = run_cli(build(t))
+        row = json.loads((t / "r" / "report.json").read_text())["results"][0]
+        done[what] = rc, row, sorted(p.name for p in (t / "tmp").iterdir())
+    return done
+
+
+def port_doc_row(what: str, rc: int, row: dict, tmp_root: Path) -> str:
+    msg = re.sub(r"\$TMP/pe\d\d", "$TMP", row["reason"].replace(str(tmp_root), "$TMP"))
+    return f"| {what} | `{msg.replace('|', '/')}` | {row['verdict']} | {rc} |"
 
 
 def _tensors(d: Path, add: str = "", drop: str = "", grow: str = "") -> Path:
@@ -292,6 +442,60 @@ def test_docs_table_is_current(ran):
         assert doc_row(what, rc, err, root) in text, f"docs/robustness.md is stale: {doc_row(what, rc, err, root)}"
 
 
+@pytest.fixture(scope="module")
+def port_ran(tmp_path_factory):
+    root = tmp_path_factory.mktemp("port-errors")
+    return root, port_outcomes(root)
+
+
+@pytest.mark.parametrize("what,needs", [(w, n) for w, _, n in PORT_ERRORS], ids=[w for w, _, _ in PORT_ERRORS])
+def test_port_error_is_an_error_row_exit_1(port_ran, what, needs):
+    """The case reads ERROR naming the failure, the run exits 1, no case folder is left behind,
+    and the message points at no deleted temp folder."""
+    _, results = port_ran
+    rc, row, left = results[what]
+    assert (rc, row["verdict"]) == (1, "ERROR"), (rc, row)
+    assert left == [], left
+    assert "spec-parity-case-" not in row["reason"] and "Traceback" in row["trace"], row
+    for s in needs:
+        assert s.replace(" / ", " | ") in row["reason"], (s, row["reason"])
+
+
+def test_port_errors_table_is_current(port_ran):
+    root, results = port_ran
+    text = DOC.read_text()
+    for what, (rc, row, _) in results.items():
+        assert port_doc_row(what, rc, row, root) in text, f"docs/robustness.md is stale: {port_doc_row(what, rc, row, root)}"
+
+
+def test_an_error_keeps_its_traceback(tmp_path):
+    """report.json holds the traceback down to the port's frame; --debug prints it, and without
+    --debug the terminal shows the one-line reason only."""
+    for debug in (False, True):
+        t = tmp_path / str(debug)
+        t.mkdir()
+        with _isolated(t):
+            rc, _, err = run_cli(["--debug"] * debug + _in_process(t, "failing_port", FAILING_PORT))
+        trace = json.loads((t / "r" / "report.json").read_text())["results"][0]["trace"]
+        assert rc == 1 and 'failing_port.py", line 5, in _forward' in trace and trace.startswith("Traceback")
+        assert ("Traceback" in err and 'failing_port.py", line 5, in _forward' in err) == debug, err
+
+
+def test_misuse_is_refused_before_any_case(tmp_path, monkeypatch):
+    """Negative control for the refusals above: with ports.check passing everything, the same
+    --port misuse runs cases (our port where the user named theirs)."""
+    from spec_parity import ports
+
+    ran_cases = []
+    monkeypatch.setattr(harness, "evaluate", lambda case, source: ran_cases.append(case) or harness.Result(
+        case.module, case.name, "-", case.tier, verdict=case.expect))
+    argv = ["run", "--module", "dflash", "--case", "mod-qwen3", "--port", "targets=spec-parity", "--out", str(tmp_path)]
+    rc, _, err = run_cli(argv)
+    assert rc == 2 and "selects no targets case" in err and ran_cases == []
+    monkeypatch.setattr(ports, "check", lambda *a, **k: {})
+    assert run_cli(argv)[0] == 0 and "dflash/mod-qwen3" in [c.id for c in ran_cases]
+
+
 def test_out_is_checked_before_the_first_case(tmp_path, monkeypatch):
     ran_cases = []
     monkeypatch.setattr(harness, "evaluate", lambda case, source: ran_cases.append(case))
@@ -363,3 +567,6 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         for what, (rc, _, err) in outcomes(Path(tmp)).items():
             print(doc_row(what, rc, err, Path(tmp)))
+        print()
+        for what, (rc, row, _) in port_outcomes(Path(tmp)).items():
+            print(port_doc_row(what, rc, row, Path(tmp)))
