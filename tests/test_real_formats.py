@@ -189,3 +189,20 @@ def test_ab_on_bf16_and_sharded_drafters(tmp_path, capsys):
     assert rc in (0, 1), capsys.readouterr()       # the verdict (speed, acceptance), not an error
     doc = json.loads((tmp_path / "ab.json").read_text())
     assert [p["generated_tokens"] for arm in "ab" for p in doc["prompts"][arm]] == [12] * 4
+
+
+@pytest.mark.oracle
+def test_measure_on_a_real_target(tmp_path, live_oracle, capsys):
+    """`spec-parity measure --target T` gives the max |Δ| behind budgets.py on weights as shipped
+    (fp16 here, run at float32), each within the float32 budget it is held to."""
+    from spec_parity import budgets
+
+    live_oracle("targets")
+    target = reshipped(checkpoints.build("qwen3-target"), tmp_path / "target", "float16", 2)
+    assert cli.main(["measure", "--target", str(target), "--seeds", "1"]) == 0
+    worst = dict(line.split() for line in capsys.readouterr().out.strip().splitlines())
+    assert {"logits", "hidden", "stream_logits"} <= set(worst)
+    for q, v in worst.items():
+        assert float(v) <= budgets.budget_for("targets", q).atol, (q, v)
+    assert cli.main(["measure", "--drafter", str(checkpoints.build("dflash-drafter"))]) == 2
+    assert capsys.readouterr().err.strip() == "spec-parity measure: error: --drafter DIR needs --target DIR (the target it drafts for)"
