@@ -98,8 +98,10 @@ def _dtype_note(target, drafter, run: str) -> str:
     or fp16 checkpoint computes at float32 (exactly its weights) and the float32 budgets hold."""
     from port.checkpoint import stored_dtype
 
-    stored = list(dict.fromkeys(stored_dtype(p) for p in (target, drafter) if p))
-    return "" if stored == [run] else f" (weights {' + '.join(stored)}, run at {run})"
+    t, d = stored_dtype(target), stored_dtype(drafter) if drafter else None
+    if {t, d} - {None} == {run}:
+        return ""
+    return f" (weights {t}, run at {run})" if d in (None, t) else f" (target {t}, drafter {d}, run at {run})"
 
 
 def _dflash_window(drafter, base: Case) -> str:

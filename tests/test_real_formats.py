@@ -98,9 +98,9 @@ def test_a_case_names_the_dtype_it_runs_at(tmp_path):
     bf16 = reshipped(d, tmp_path / "bf16", "bfloat16")
     fp16 = reshipped(t, tmp_path / "fp16", "float16")
     for c in real.cases(t, bf16, harness.all_cases(["dflash"])):
-        assert c.name.endswith("(weights float32 + bfloat16, run at float32)") and c.dtype == "float32"
-    for c in real.cases(fp16, bf16, harness.all_cases(["dflash"])):
-        assert c.name.endswith("(weights float16 + bfloat16, run at float32)")
+        assert c.name.endswith("(target float32, drafter bfloat16, run at float32)") and c.dtype == "float32"
+    for c in real.cases(fp16, None, harness.all_cases(["targets"])):
+        assert c.name.endswith("(weights float16, run at float32)")
 
 
 def test_prompt_ids_stay_in_the_pairs_vocabularies(tmp_path):
