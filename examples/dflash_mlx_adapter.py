@@ -71,13 +71,17 @@ def run(req) -> dict:
 
 def _load(req):
     """Target (mlx-lm model + dflash-mlx TargetOps, hooks installed as load_target_bundle does)
-    and the drafter bound to it."""
+    and the drafter bound to it, both at the request's dtype (a checkpoint stored in bf16 or fp16
+    runs at the case's float32, as the reference does)."""
+    import mlx.core as mx
     from mlx_lm.utils import load_model
 
     target, _ = load_model(req.target, lazy=False)
+    target.set_dtype(getattr(mx, req.dtype))
     ops = third_party.dflash_mlx_target_ops(target)
     ops.install_speculative_hooks(target)
     draft = third_party.dflash_mlx_draft(req.drafter)
+    draft.set_dtype(getattr(mx, req.dtype))
     third_party.dflash_mlx_bind(draft, target, ops)
     return target, ops, draft
 

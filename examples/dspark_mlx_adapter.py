@@ -60,10 +60,10 @@ class _Host:
     """dspark-mlx's BaseModelAdapter over spec-parity's mlx-lm target (Gemma-4): one forward per
     call with the mlx-lm caches, taps = the outputs of `target_layer_ids`, rollback = trim."""
 
-    def __init__(self, path, target_layer_ids):
+    def __init__(self, path, target_layer_ids, dtype):
         from port import targets
 
-        self.target = targets.load(path)
+        self.target = targets.load(path, dtype)
         self.target_layer_ids = tuple(target_layer_ids)
         self.caches = targets.make_caches(self.target)
 
@@ -97,16 +97,24 @@ class _Host:
 
 
 def _load(req):
+    """The drafter and its host target at the request's dtype (a checkpoint stored in bf16 or fp16
+    runs at the case's float32, as the reference does)."""
     import json
 
+    import mlx.core as mx
     from dspark_mlx.hosts import MlxLmHostAdapter
     from mlx_lm.utils import load_model
 
+    dtype = getattr(mx, req.dtype)
     drafter, config = third_party.dspark_mlx_draft(req.drafter)
+    drafter.set_dtype(dtype)
     ids = config["target_layer_ids"]
     family = json.loads((req.target / "config.json").read_text()).get("model_type", "")
-    host = _Host(req.target, ids) if family.startswith("gemma") else MlxLmHostAdapter(load_model(req.target)[0], ids)
-    return drafter, host
+    if family.startswith("gemma"):
+        return drafter, _Host(req.target, ids, dtype)
+    target = load_model(req.target)[0]
+    target.set_dtype(dtype)
+    return drafter, MlxLmHostAdapter(target, ids)
 
 
 @contextlib.contextmanager

@@ -43,10 +43,22 @@ def _np(a) -> np.ndarray:
 
 
 def optiq_drafter(drafter_dir: Path):
-    """optiq's drafter from a checkpoint directory (`GemmaAssistantDrafter.from_pretrained`)."""
+    """optiq's drafter from a checkpoint directory (`GemmaAssistantDrafter.from_pretrained`). It
+    reads the first *.safetensors only: a sharded checkpoint is handed to it as one file holding
+    every shard's tensors (the same bytes), in a folder removed once it has loaded."""
+    import tempfile
+
+    import mlx.core as mx
     from optiq.runtime.spec.drafters.gemma_assistant import GemmaAssistantDrafter
 
-    return GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
+    shards = sorted(Path(drafter_dir).glob("*.safetensors"))
+    if len(shards) <= 1:
+        return GemmaAssistantDrafter.from_pretrained(str(drafter_dir))
+    with tempfile.TemporaryDirectory(prefix="spec-parity-optiq-") as tmp:
+        (Path(tmp) / "config.json").write_bytes((Path(drafter_dir) / "config.json").read_bytes())
+        mx.save_safetensors(str(Path(tmp) / "model.safetensors"),
+                            {k: v for f in shards for k, v in mx.load(str(f)).items()}, metadata={"format": "pt"})
+        return GemmaAssistantDrafter.from_pretrained(tmp)
 
 
 def optiq_donors(target, caches: list) -> dict:
@@ -68,21 +80,30 @@ def optiq_step(drafter, target, token: int, hidden, shared: dict, position: int)
     return emb, logits, h, int(mx.argmax(logits))
 
 
-def optiq_draft_steps(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int,
-                      dtype: str = "float32") -> dict:
-    """Prefill the mlx-lm target with optiq's helpers, then gamma drafter steps as optiq's
-    spec_generate drafts them (donor view from `extract_typed_kv`, position P+k, chained).
-    dtype "bfloat16" casts both models' floating weights, as a bf16 deployment would."""
+def loaded(target_dir: Path, drafter_dir: Path, dtype: str = "float32"):
+    """The mlx-lm target and optiq's drafter, their floating weights cast to `dtype` (the case's):
+    a checkpoint stored in bf16 or fp16 computes at float32 as the float32 cases do (the cast is
+    exact); "bfloat16" casts both, as a bf16 deployment would."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load_model
-    from optiq.runtime.spec import runtime
 
     target, _ = load_model(Path(target_dir))
     drafter = optiq_drafter(drafter_dir)
-    if dtype != "float32":
-        target.set_dtype(getattr(mx, dtype))
-        drafter.set_dtype(getattr(mx, dtype))
+    target.set_dtype(getattr(mx, dtype))
+    drafter.set_dtype(getattr(mx, dtype))
+    return target, drafter
+
+
+def optiq_draft_steps(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int,
+                      dtype: str = "float32") -> dict:
+    """Prefill the mlx-lm target with optiq's helpers, then gamma drafter steps as optiq's
+    spec_generate drafts them (donor view from `extract_typed_kv`, position P+k, chained), at
+    `dtype` (loaded)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+    from optiq.runtime.spec import runtime
+
+    target, drafter = loaded(target_dir, drafter_dir, dtype)
     caches = make_prompt_cache(target)
     hidden, logits = runtime._target_step(target, mx.array(prompt), caches)
     token = runtime._greedy(logits)
@@ -133,10 +154,8 @@ def optiq_spec_generate(target_dir: Path, drafter_dir: Path, prompt: np.ndarray,
     every draft step are observed on its `forward` (optiq drafts gamma per round, each the
     argmax of its step), never changed."""
     import mlx.core as mx
-    from mlx_lm.utils import load_model
 
-    target, _ = load_model(Path(target_dir))
-    drafter = optiq_drafter(drafter_dir)
+    target, drafter = loaded(target_dir, drafter_dir)
     rows, forward = [], drafter.forward
 
     def observed(*args, **kw):
@@ -176,11 +195,9 @@ def optiq_generate_step_sampled(target_dir: Path, drafter_dir: Path, prompt: np.
     yields the pending token before updating the counts) or at the end."""
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
-    from mlx_lm.utils import load_model
     from optiq.runtime.spec.runtime import SpecStats, assistant_generate_step
 
-    target, _ = load_model(Path(target_dir))
-    drafter = optiq_drafter(drafter_dir)
+    target, drafter = loaded(target_dir, drafter_dir)
     tokens = np.full((len(seeds), max_tokens), -1, np.int32)
     first, accepted, drafted, calls, rounds = [], [], [], [], []
     for i, seed in enumerate(seeds):

@@ -73,10 +73,16 @@ def draft_block(draft, block, hidden, cache) -> tuple:
 
 
 def _load(target_dir: Path, drafter_dir: Path):
+    """The mlx-lm target and z-lab's drafter at float32, the dtype the DFlash cases run at (a
+    checkpoint stored in bf16 or fp16 is cast exactly, as transformers' dtype=float32 loads it)."""
+    import mlx.core as mx
     from mlx_lm.utils import load_model
 
     target, _ = load_model(Path(target_dir))
-    return target, load_draft(drafter_dir)
+    draft = load_draft(drafter_dir)
+    target.set_dtype(mx.float32)
+    draft.set_dtype(mx.float32)
+    return target, draft
 
 
 class _Detokenizer:

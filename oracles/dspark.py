@@ -320,7 +320,8 @@ def save_via_deepspec(target_dir: Path, drafter_dir: Path, args: dict, out_dir: 
     cls = Gemma4DSparkModel if gemma else Qwen3DSparkModel
     config = cls.config_class.from_dict(cfg_dict)
     model = cls(config).to(torch.float32)
-    missing, unexpected = model.load_state_dict(load_file(str(Path(drafter_dir) / "model.safetensors")), strict=False)
+    tensors = {k: v for f in sorted(Path(drafter_dir).glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if "rotary" not in k]
     if missing or unexpected:
         raise RuntimeError(f"DeepSpec's model and the checkpoint disagree: missing {missing}, unexpected {unexpected}")

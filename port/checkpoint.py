@@ -122,9 +122,9 @@ def read_config(path: Path) -> dict:
     return cfg
 
 
-def check_safetensors(f: Path) -> None:
+def check_safetensors(f: Path) -> dict:
     """The file's header parses and its tensors end where the file ends (a truncated download or
-    a file of another format is named before a loader reads it)."""
+    a file of another format is named before a loader reads it). Returns the header."""
     fix = "re-download or re-save the checkpoint"
     size = f.stat().st_size
     with open(f, "rb") as fh:
@@ -146,6 +146,7 @@ def check_safetensors(f: Path) -> None:
     if want != size:
         what = "truncated" if want > size else "has trailing bytes"
         raise CheckpointError(f"{f}: {what}: its header needs {want} bytes, the file has {size}; {fix}")
+    return header
 
 
 def check_dir(path: str | Path, role: str, families: tuple[str, ...] | None = None) -> str:
@@ -181,6 +182,7 @@ def check_dir(path: str | Path, role: str, families: tuple[str, ...] | None = No
         raise CheckpointError(f"{p}: no *.safetensors beside config.json; copy the checkpoint's weights there")
     for f in files:
         check_safetensors(f)
+    check_index(p)
     return fam
 
 
@@ -234,6 +236,49 @@ def check_layer_types(cfg: dict, path: Path, fam: str) -> None:
                               "reference runs this checkpoint")
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def check_index(path: Path) -> None:
+    """A sharded checkpoint's index names only shards that are there (a shard missing from a
+    download is named before a loader reads the others)."""
+    f = Path(path) / INDEX
+    if not f.is_file():
+        return
+    try:
+        shards = set(json.loads(f.read_text())["weight_map"].values())
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        raise CheckpointError(f"{f}: not a safetensors index (a JSON object with a weight_map); "
+                              "re-download or re-save the checkpoint") from None
+    missing = sorted(s for s in shards if not (Path(path) / s).is_file())
+    if missing:
+        raise CheckpointError(f"{f}: names shard(s) {missing[:3]} that are not in {path}; download every shard "
+                              "the index lists")
+
+
+def files(path: Path) -> list[Path]:
+    """The files that make the checkpoint: config.json, the shard index if any, and every
+    *.safetensors (one model.safetensors or its shards), in a fixed order."""
+    path = Path(path)
+    index = [path / INDEX] if (path / INDEX).is_file() else []
+    return [path / "config.json", *index, *sorted(path.glob("*.safetensors"))]
+
+
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def stored_dtype(path: Path) -> str:
+    """The dtype the checkpoint's floating tensors are stored in, read off the safetensors
+    headers ("bfloat16"; several: "bfloat16+float32", the most bytes first)."""
+    size: dict[str, int] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        for k, t in check_safetensors(f).items():
+            if k != "__metadata__" and isinstance(t, dict) and str(t.get("dtype")).startswith(("F", "BF")):
+                name = _DTYPES.get(t["dtype"], t["dtype"].lower())
+                size[name] = size.get(name, 0) + t["data_offsets"][1] - t["data_offsets"][0]
+    return "+".join(sorted(size, key=lambda k: -size[k])) or "float32"
+
+
 def check_required_when(cfg: dict, path: Path, fam: str) -> None:
     """Refuse a config whose part is turned on (markov_rank > 0) without the key that shapes it
     (markov_head_type), naming config.json, both keys and the fix (REQUIRED_WHEN)."""
@@ -244,7 +289,9 @@ def check_required_when(cfg: dict, path: Path, fam: str) -> None:
                                   "was trained (the port would default it)")
 
 
-def read_tensors(path: Path) -> dict[str, mx.array]:
+def read_tensors(path: Path, dtype: mx.Dtype | None = None) -> dict[str, mx.array]:
+    """Every tensor of the checkpoint (model.safetensors or its shards); `dtype`: floating ones
+    cast to it (the dtype the run computes at; None: as stored)."""
     weights = {}
     for f in sorted(Path(path).glob("*.safetensors")):
         try:
@@ -252,6 +299,8 @@ def read_tensors(path: Path) -> dict[str, mx.array]:
         except (RuntimeError, ValueError) as e:
             check_safetensors(f)  # names what is wrong with the file, if it can
             raise CheckpointError(f"{f}: cannot be read as safetensors ({e}); re-download or re-save the checkpoint") from e
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     return weights
 
 
@@ -271,7 +320,7 @@ def tensor_file(path: Path, name: str, pattern: str = "*.safetensors") -> Path:
         held = [f for f, keys in files.items() if any(match(k) for k in keys)]
         if len(held) == 1:
             return path / held[0]
-    index = path / "model.safetensors.index.json"
+    index = path / INDEX
     if index.is_file():
         shard = json.loads(index.read_text()).get("weight_map", {}).get(name)
         if shard:

@@ -385,16 +385,17 @@ class Model(nn.Module):
 
 
 def load(path: str | Path, window: str = "positional", embed: str = "scaled", scales: str = "either",
-         model=Model) -> Model:
+         model=Model, dtype: mx.Dtype | None = None) -> Model:
     """The drafter at `path` as z-lab reads it (DSpark extras left unread: load_extension);
-    `model` (ModelArgs, window, embed -> a Model) builds it (a fast path's subclass)."""
+    `model` (ModelArgs, window, embed -> a Model) builds it (a fast path's subclass); `dtype`:
+    its floating weights cast to it (None: as stored)."""
     path = Path(path)
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: no config.json")
     a = ModelArgs.from_config(json.loads((path / "config.json").read_text()), path, scales)
     m = model(a, window, embed)
     m.config_file = path / "config.json"
-    checkpoint.load_into(m, path, checkpoint.read_tensors(path), DFlashError,
+    checkpoint.load_into(m, path, checkpoint.read_tensors(path, dtype), DFlashError,
                          "is this a complete z-lab DFlash checkpoint?", unused=EXTRAS)
     mx.eval(m.parameters())
     return m
@@ -403,9 +404,9 @@ def load(path: str | Path, window: str = "positional", embed: str = "scaled", sc
 EXTRAS = ("markov_head.", "confidence_head.")
 
 
-def load_extension(path: str | Path) -> heads.Extension:
+def load_extension(path: str | Path, dtype: mx.Dtype | None = None) -> heads.Extension:
     """The DSpark extras of the checkpoint at `path` (the Markov and confidence heads its config
-    declares), for the DSpark-on-DFlash extension."""
+    declares), for the DSpark-on-DFlash extension; `dtype` as in load."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     a = ModelArgs.from_config(cfg, path)
@@ -417,7 +418,7 @@ def load_extension(path: str | Path) -> heads.Extension:
         raise DFlashError("confidence_head_with_markov needs markov_rank > 0")
     ext = heads.Extension(a.markov_rank, a.markov_head_type, a.enable_confidence_head, a.confidence_head_with_markov,
                           a.hidden_size, a.vocab_size)
-    weights = {k: v for k, v in checkpoint.read_tensors(path).items() if k.startswith(EXTRAS)}
+    weights = {k: v for k, v in checkpoint.read_tensors(path, dtype).items() if k.startswith(EXTRAS)}
     checkpoint.load_into(ext, path, weights, DFlashError, "does it carry the DSpark extras its config declares?")
     mx.eval(ext.parameters())
     return ext

@@ -311,14 +311,15 @@ class Model(nn.Module):
         return targets.first_true(mx.sigmoid(confidence) < threshold, self.args.block_size)
 
 
-def load(path: str | Path, model=Model) -> Model:
-    """The drafter at `path`; `model` (ModelArgs -> a Model) builds it (a fast path's subclass)."""
+def load(path: str | Path, model=Model, dtype: mx.Dtype | None = None) -> Model:
+    """The drafter at `path`; `model` (ModelArgs -> a Model) builds it (a fast path's subclass);
+    `dtype`: its floating weights cast to it (None: as stored)."""
     path = Path(path)
     cfg = json.loads((path / "config.json").read_text())
     a = ModelArgs.from_config(cfg, path)
     model = model(a)
     model.config_file = path / "config.json"
-    checkpoint.load_into(model, path, checkpoint.read_tensors(path), DSparkError,
+    checkpoint.load_into(model, path, checkpoint.read_tensors(path, dtype), DSparkError,
                          "is this a complete DeepSpec DSpark checkpoint?")
     mx.eval(model.parameters())
     return model

@@ -12,6 +12,12 @@ from . import checkpoints
 from .params import Params
 
 
+def vocab_size(path: Path) -> int:
+    """A checkpoint's vocabulary, from its config.json (top level or text_config)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
+
+
 @dataclass(frozen=True)
 class Shapes:
     """What a bench case (spec_parity/bench) measures beyond its checkpoints: the size it stands
@@ -73,12 +79,14 @@ class Case:
 
     def prompt(self, salt: int, high: int | None = 128) -> np.ndarray:
         """Deterministic prompt ids [1, prompt_len] in 3..high-1 (never the special ids 0-2);
-        high None: the vocabulary of a real target, 128 on a factory one. `salt` is the pair's."""
-        if high is None:
+        high None: no bound but the vocabulary's (128 on a factory checkpoint). On a real one the
+        bound is also within the target's and the drafter's vocabularies: an id past either is no
+        token of the pair. `salt` is the pair's."""
+        if self.path:
+            dirs = [self.checkpoint_dir()] + ([self.drafter_dir()] if self.params.has_drafter else [])
+            high = min([high or np.inf, *(vocab_size(d) for d in dirs)])
+        elif high is None:
             high = 128
-            if self.path:
-                cfg = json.loads((self.checkpoint_dir() / "config.json").read_text())
-                high = cfg.get("vocab_size") or cfg["text_config"]["vocab_size"]
         rng = np.random.default_rng([self.seed, salt])
         return rng.integers(3, high, (1, self.params.prompt_len)).astype(np.int32)
 

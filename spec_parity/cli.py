@@ -221,6 +221,7 @@ def cmd_regen(args) -> int:
 
 def cmd_measure(args) -> int:
     """Max |Δ| per quantity over seeds 0..N-1 of every non-control case: the numbers behind budgets.py."""
+    _preflight(args, ("drafter",))
     worst: dict[str, float] = {}
     for case in _select(args):
         if case.control:
@@ -414,6 +415,9 @@ def main(argv=None) -> int:
     ms.add_argument("--module")
     ms.add_argument("--case")
     ms.add_argument("--seeds", type=int, default=5)
+    ms.add_argument("--target", help="a real target checkpoint directory: measure the cases that apply to it, "
+                    "as `run --target` (the seed then moves the prompt only)")
+    ms.add_argument("--drafter", help="a real drafter checkpoint directory, as `run --drafter`")
     ms.set_defaults(fn=cmd_measure)
     abp = sub.add_parser("ab", help="paired drafter A/B through the serve loop at T=0 (exit 1 on FAIL); each "
                          "arm any drafter family: assistant, DSpark, DFlash, DSpark-on-DFlash")

@@ -135,7 +135,7 @@ def sides(case: Case, port: dict, ref: dict, plan: checks.Plan) -> dict:
     greedy = {}
     if plan.greedy is not None:
         n, eos = plan.greedy
-        tokens, logits = shared.greedy(case.checkpoint_dir(), prompt(case), n, eos)
+        tokens, logits = shared.greedy(case.checkpoint_dir(), prompt(case), n, eos, case.dtype)
         greedy = {"greedy.tokens": np.array(tokens, np.int32), "greedy.logits": np.array(logits)}
     return {"port": port, "ref": ref, "greedy": greedy}
 

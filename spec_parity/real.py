@@ -5,6 +5,9 @@ The drafter's family comes from its config.json: a Gemma-4 assistant (model_type
 DSpark-on-DFlash (a DFlash drafter whose config declares the extras). The cases are the built-in
 ones of that family, one per thing checked (the factory's variants of a family are one case on a
 real checkpoint: its config is what it is), on the two paths, against the live references.
+
+A case runs at its built-in twin's dtype (float32) whatever dtype the weights are stored in (one
+file or shards): every loader casts them, exactly, and the case's name says so.
 """
 
 from __future__ import annotations
@@ -85,8 +88,20 @@ def cases(target: str | Path, drafter: str | Path | None, builtin: list[Case]) -
         if isinstance(params, DflashConventions):
             params = replace(params, window=_dflash_window(drafter, base))
         what = f"{label} on {Path(target).name}" + (f" + {Path(drafter).name}" if drafter else "")
-        out.append(replace(base, path=str(target), params=params, name=what))
+        out.append(replace(base, path=str(target), params=params, name=what + _dtype_note(target, drafter, base.dtype)))
     return out
+
+
+def _dtype_note(target, drafter, run: str) -> str:
+    """What a case on weights stored in another dtype runs at, for its name (every report shows
+    it): every loader, the references' and the port's, casts them to the case's dtype, so a bf16
+    or fp16 checkpoint computes at float32 (exactly its weights) and the float32 budgets hold."""
+    from port.checkpoint import stored_dtype
+
+    t, d = stored_dtype(target), stored_dtype(drafter) if drafter else None
+    if {t, d} - {None} == {run}:
+        return ""
+    return f" (weights {t}, run at {run})" if d in (None, t) else f" (target {t}, drafter {d}, run at {run})"
 
 
 def _dflash_window(drafter, base: Case) -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoints import FILES, cache_root
+from .checkpoints import cache_root
 from .goldens import atomic_write
 
 _STORE: dict = {}
@@ -88,13 +88,16 @@ def manifest_key(case) -> str:
 
 def stamp(path: str | Path) -> tuple:
     """A checkpoint directory's identity: resolved path, and size and mtime of each file."""
+    from port import checkpoint
+
     path = Path(path).resolve()
-    stats = [(path / f).stat() for f in FILES]
+    stats = [f.stat() for f in checkpoint.files(path)]
     return (str(path),) + tuple((s.st_size, s.st_mtime_ns) for s in stats)
 
 
-def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = None):
-    """`port.targets.greedy` of the target in `checkpoint` on `prompt` ([1, T] or a token list):
+def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = None, dtype: str = "float32"):
+    """`port.targets.greedy` of the target in `checkpoint` on `prompt` ([1, T] or a token list),
+    its weights cast to `dtype` (the case's: a bf16 checkpoint in a float32 case runs at float32):
     the new tokens (a fresh list) and the logits each was chosen from [len, V]. Also kept on disk
     (`_memo`): every serve-loop test reads one, and each run of the suite would decode them anew."""
     key = stamp(checkpoint)
@@ -106,11 +109,11 @@ def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = N
 
         from port import targets
 
-        memo = _memo(Path(key[0]), ids, n, eos)
+        memo = _memo(Path(key[0]), ids, n, eos, dtype)
         kept = _read_memo(memo)
         if kept is not None:
             return kept
-        tokens, logits = targets.greedy(targets.load(key[0]), mx.array([ids], dtype=mx.int32), n,
+        tokens, logits = targets.greedy(targets.load(key[0], getattr(mx, dtype)), mx.array([ids], dtype=mx.int32), n,
                                         None if eos is None else set(eos))
         mx.eval(logits)
         if memo is not None:
@@ -121,26 +124,28 @@ def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = N
             atomic_write(memo, buf.getvalue())
         return tokens, logits
 
-    return once(("greedy", key, tuple(ids), int(n), eos), compute)
+    return once(("greedy", key, tuple(ids), int(n), eos, dtype), compute)
 
 
 MEMO_MAX_BYTES = 64 << 20
 
 
-def _memo(checkpoint: Path, ids: list[int], n: int, eos) -> Path | None:
+def _memo(checkpoint: Path, ids: list[int], n: int, eos, dtype: str = "float32") -> Path | None:
     """Where a greedy stream is kept across processes: keyed by the checkpoint's bytes, the
     arguments, the code that decodes and keeps it (port/targets.py, mlx-lm's models, this file, the
     mlx and mlx-lm versions) and what else moves its logits (the device, MLX_ENABLE_TF32). None for a
     checkpoint over MEMO_MAX_BYTES (a real one: hashing it would cost more than decoding)."""
     import mlx.core as mx
 
-    files = [checkpoint / f for f in FILES]
+    from port import checkpoint as ckpt
+
+    files = ckpt.files(checkpoint)
     if sum(f.stat().st_size for f in files) > MEMO_MAX_BYTES:
         return None
     h = hashlib.sha256(_code_digest().encode())
     for f in files:
         h.update(hashlib.sha256(f.read_bytes()).digest())
-    h.update(json.dumps([ids, int(n), None if eos is None else sorted(eos), str(mx.default_device()),
+    h.update(json.dumps([ids, int(n), None if eos is None else sorted(eos), dtype, str(mx.default_device()),
                          os.environ.get("MLX_ENABLE_TF32")]).encode())
     return cache_root() / "greedy" / f"{h.hexdigest()[:24]}.npz"
 

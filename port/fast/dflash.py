@@ -295,10 +295,11 @@ EXACT = "exact"   # bucket_attention: the Exact block (DFlash only)
 
 
 def load(path: str | Path, window: str = "positional", embed: str = "scaled", compiled: bool = True,
-         kv_bucket: int | str | None = None, bucket_attention: str = pieces.AUTO, scales: str = "either") -> Compiled:
+         kv_bucket: int | str | None = None, bucket_attention: str = pieces.AUTO, scales: str = "either",
+         dtype: mx.Dtype | None = None) -> Compiled:
     """The drafter on a fast path: Compiled, or with a `kv_bucket` Bucketed (Exact with
     bucket_attention="exact"); pieces.AUTO: pieces.BUCKET rows unless window="zlab-mlx" meets
-    sliding layers, which only Compiled holds."""
+    sliding layers, which only Compiled holds. `dtype` as in dflash.load."""
 
     def build(a: dflash.ModelArgs, w: str, e: str) -> Compiled:
         rows = kv_bucket
@@ -313,4 +314,4 @@ def load(path: str | Path, window: str = "positional", embed: str = "scaled", co
             return Compiled(a, w, e, compiled)
         return Bucketed(a, w, e, rows, bucket_attention, compiled)
 
-    return dflash.load(path, window, embed, scales, build)
+    return dflash.load(path, window, embed, scales, build, dtype)

@@ -251,14 +251,14 @@ def fused_mlp(mlp: dspark.MLP, gate_up, x):
 
 
 def load(path: str | Path, compiled: bool = True, kv_bucket: int | str | None = None,
-         bucket_attention: str = pieces.AUTO, fused: bool = True) -> Compiled:
+         bucket_attention: str = pieces.AUTO, fused: bool = True, dtype: mx.Dtype | None = None) -> Compiled:
     """The drafter on a fast path: Compiled, or with a `kv_bucket` Fused (Bucketed with `fused`
-    off); pieces.AUTO: pieces.BUCKET rows (every DSpark variant holds it)."""
+    off); pieces.AUTO: pieces.BUCKET rows (every DSpark variant holds it). `dtype` as in dspark.load."""
     kv_bucket = pieces.BUCKET if kv_bucket == pieces.AUTO else kv_bucket
     pieces.check_bucket(kv_bucket, dspark.DSparkError)
     pieces.check_attention(bucket_attention, dspark.DSparkError)
     if kv_bucket is None:
-        return dspark.load(path, lambda a: Compiled(a, compiled))
-    m = dspark.load(path, lambda a: (Fused if fused else Bucketed)(a, kv_bucket, bucket_attention, compiled))
+        return dspark.load(path, lambda a: Compiled(a, compiled), dtype)
+    m = dspark.load(path, lambda a: (Fused if fused else Bucketed)(a, kv_bucket, bucket_attention, compiled), dtype)
     m.weights()   # Fused: the stacks, built here rather than on the first round
     return m

@@ -76,14 +76,14 @@ class AssistantProvider:
     bucketed step, which reads the serve loop's bucketed verify caches, at compiled.BUCKET rows);
     `open` binds it to one request's target view. The default stays plain: a one-row step plans
     no attention kernel per key length on MLX CUDA, and the bucketed step is fp32-close, not
-    bit-exact (tests/test_bucketed.py)."""
+    bit-exact (tests/test_bucketed.py). `dtype`: the drafter's weights cast to it (None: as stored)."""
 
     trained_gamma = None
 
-    def __init__(self, path: str | Path, bucketed: bool = False, **options):
+    def __init__(self, path: str | Path, bucketed: bool = False, dtype=None, **options):
         self.path = Path(path)
         self.id = self.path.name
-        self.drafter = fast.load(self.path, bucketed=bucketed)
+        self.drafter = fast.load(self.path, dtype, bucketed=bucketed)
         self.kv_bucket = getattr(self.drafter, "kv_bucket", None)
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.options = options

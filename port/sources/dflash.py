@@ -160,16 +160,17 @@ class DflashProvider:
     `kv_bucket` (default "auto"): the bucketed block, and the serve loop's bucketed verify, at
     compiled.BUCKET rows, so that a round at a new context length plans no new attention kernel on
     MLX CUDA; "auto" is the plain compiled path only where the bucketed one cannot hold the window
-    (window="zlab-mlx" with sliding layers). None: the plain compiled path and mlx-lm's caches."""
+    (window="zlab-mlx" with sliding layers). None: the plain compiled path and mlx-lm's caches.
+    `dtype`: the drafter's floating weights cast to it (None: as stored)."""
 
     def __init__(self, path: str | Path, window: str = "positional", max_tokens: int | None = None,
                  embed: str = "scaled", extras: bool = False, thresholds=None, collect_samples: bool = False,
-                 kv_bucket: int | str | None = AUTO, scales: str = "either"):
+                 kv_bucket: int | str | None = AUTO, scales: str = "either", dtype=None):
         self.path = Path(path)
         self.id = self.path.name
-        self.drafter = fast.load(self.path, window, embed, kv_bucket=kv_bucket, scales=scales)
+        self.drafter = fast.load(self.path, window, embed, kv_bucket=kv_bucket, scales=scales, dtype=dtype)
         self.kv_bucket = getattr(self.drafter, "kv_bucket", None)
-        self.extension = load_extension(self.path) if extras else None
+        self.extension = load_extension(self.path, dtype) if extras else None
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.trained_gamma = self.drafter.args.block_size - 1
         self.max_tokens = max_tokens

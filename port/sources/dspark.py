@@ -93,12 +93,13 @@ class DeepspecProvider:
     """The drafter on a fast path (port/fast/dspark.py). `kv_bucket` (default "auto", i.e.
     compiled.BUCKET rows): the bucketed block, and the serve loop's bucketed verify, so that a
     round at a new context length plans no new attention kernel on MLX CUDA; None: the plain
-    compiled path and mlx-lm's caches."""
+    compiled path and mlx-lm's caches. `dtype`: the drafter's floating weights cast to it (None: as
+    stored)."""
 
-    def __init__(self, path: str | Path, threshold: float = 0.0, kv_bucket: int | str | None = AUTO):
+    def __init__(self, path: str | Path, threshold: float = 0.0, kv_bucket: int | str | None = AUTO, dtype=None):
         self.path = Path(path)
         self.id = self.path.name
-        self.drafter = fast.load(self.path, kv_bucket=kv_bucket)
+        self.drafter = fast.load(self.path, kv_bucket=kv_bucket, dtype=dtype)
         self.kv_bucket = getattr(self.drafter, "kv_bucket", None)
         self.weights_bytes = checkpoint.weights_bytes(self.path)
         self.trained_gamma = self.drafter.args.block_size

@@ -87,19 +87,24 @@ def run_steps(req: Request) -> dict:
 
 
 def run_loop(req: Request) -> dict:
+    import mlx.core as mx
+
     from port import targets
     from port.sources.assistant import AssistantProvider
 
-    return loop.run(targets.load(req.target), req.prompt, req.options["max_tokens"],
-                    AssistantProvider(req.drafter), req.options["gamma"], {req.options["eos"]})
+    dt = getattr(mx, req.dtype)
+    return loop.run(targets.load(req.target, dt), req.prompt, req.options["max_tokens"],
+                    AssistantProvider(req.drafter, dtype=dt), req.options["gamma"], {req.options["eos"]})
 
 
 def run_sampled(req: Request) -> dict:
     """Our loop (token match) at the temperature, once per seed: spec_parity.sampled's statistics."""
+    import mlx.core as mx
+
     from port import targets
     from port.sources.assistant import AssistantProvider
 
-    o = req.options
-    traces = loop.seeded_traces(targets.load(req.target), req.prompt, o["max_tokens"], AssistantProvider(req.drafter),
-                                o["gamma"], o)
+    o, dt = req.options, getattr(mx, req.dtype)
+    traces = loop.seeded_traces(targets.load(req.target, dt), req.prompt, o["max_tokens"],
+                                AssistantProvider(req.drafter, dtype=dt), o["gamma"], o)
     return match_statistics([[(d, a) for d, a, _ in t] for t in traces], o["gamma"], o["max_tokens"])

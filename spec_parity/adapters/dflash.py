@@ -23,13 +23,16 @@ def run_extension(req: Request) -> dict:
     """The DSpark-on-DFlash extension (extras on): the serve loop with pruning at the case's
     thresholds, and one with pruning off for the distribution shift (every block's base and
     extended rows)."""
+    import mlx.core as mx
+
     from port import targets
     from port.sources.dflash import DflashProvider
 
-    o, target = req.options, targets.load(req.target)
+    dt = getattr(mx, req.dtype)
+    o, target = req.options, targets.load(req.target, dt)
 
     def source(thresholds):
-        return DflashProvider(req.drafter, max_tokens=o["max_tokens"], extras=True, thresholds=thresholds)
+        return DflashProvider(req.drafter, max_tokens=o["max_tokens"], extras=True, thresholds=thresholds, dtype=dt)
 
     pruned = source(o["thresholds"])
     out = loop.run(target, req.prompt, o["max_tokens"], pruned, pruned.trained_gamma, set())
@@ -76,9 +79,9 @@ def run_modules(req: Request) -> dict:
 
     from port import dflash, serve, targets
 
-    o = req.options
-    target = targets.load(req.target)
-    m = dflash.load(req.drafter, o["window"], o["embed"], scales=o["scales"])
+    o, dt = req.options, getattr(mx, req.dtype)
+    target = targets.load(req.target, dt)
+    m = dflash.load(req.drafter, o["window"], o["embed"], scales=o["scales"], dtype=dt)
     src, caches, out, anchor = _prefilled(req, target, m)
     anchors, bs, recorded = [anchor], m.args.block_size, {}
     for r, a in enumerate(o["accepts"]):
@@ -155,12 +158,14 @@ def run_loop(req: Request) -> dict:
     the prompt, the length, EOS, window, the controls planted now and block embedding. On a target with no
     embed scale (Qwen3) embed "raw" and "scaled" are the same multiply (port/dflash.py `embed`), so
     the z-lab MLX and torch twins of a Qwen3 loop share one run."""
+    import mlx.core as mx
+
     from port import targets
 
     o = req.options
-    target = targets.load(req.target)
+    target = targets.load(req.target, getattr(mx, req.dtype))
     embed = o["embed"] if hasattr(target.model.model, "embed_scale") else "scaled"
-    key = ("dflash-loop", shared.stamp(req.target), shared.stamp(req.drafter), req.prompt.tobytes(), o["max_tokens"],
+    key = ("dflash-loop", shared.stamp(req.target), shared.stamp(req.drafter), req.dtype, req.prompt.tobytes(), o["max_tokens"],
            tuple(sorted(o["eos"])), o["window"], controls.active(), embed, _scales(req))
     return shared.once(key, lambda: loop_uncached(req, target))
 
@@ -178,11 +183,13 @@ def _scales(req: Request) -> tuple[float, float]:
 
 
 def loop_uncached(req: Request, target=None) -> dict:
+    import mlx.core as mx
+
     from port import targets
     from port.sources.dflash import DflashProvider
 
-    o = req.options
+    o, dt = req.options, getattr(mx, req.dtype)
     provider = DflashProvider(req.drafter, o["window"], max_tokens=o["max_tokens"],
-                                     embed=o["embed"], scales=o["scales"])
-    return loop.run(target or targets.load(req.target), req.prompt, o["max_tokens"], provider, provider.trained_gamma,
+                              embed=o["embed"], scales=o["scales"], dtype=dt)
+    return loop.run(target or targets.load(req.target, dt), req.prompt, o["max_tokens"], provider, provider.trained_gamma,
                     set(o["eos"]))

@@ -18,16 +18,17 @@ def run(req: Request) -> dict:
     from port import dspark, targets
     from port.sources.dspark import DeepspecProvider
 
-    target = targets.load(req.target)
+    dt = getattr(mx, req.dtype)
+    target = targets.load(req.target, dt)
     p = req.prompt
     if req.kind == "sampled":
         return sampled(target, req)
     if req.kind == "loop":
-        provider = DeepspecProvider(req.drafter, req.options["threshold"])
+        provider = DeepspecProvider(req.drafter, req.options["threshold"], dtype=dt)
         n = req.options["max_new_tokens"]
         # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
         return loop.run(target, p, n + 1, provider, provider.trained_gamma, set(), keep=n)
-    m = dspark.load(req.drafter)
+    m = dspark.load(req.drafter, dtype=dt)
     dspark.check_pairing(m, target)
     trace = targets.forward(target, mx.array(p))
     taps = m.taps(trace.hidden)
@@ -57,10 +58,12 @@ def run(req: Request) -> dict:
 def sampled(target, req: Request) -> dict:
     """Our loop in rejection mode at the temperature, once per seed: per request the first round's
     accepted length and its rounds (spec_parity.sampled)."""
+    import mlx.core as mx
+
     from port.sources.dspark import DeepspecProvider
 
     o = req.options
-    provider = DeepspecProvider(req.drafter, o["threshold"])
+    provider = DeepspecProvider(req.drafter, o["threshold"], dtype=getattr(mx, req.dtype))
     # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
     traces = loop.seeded_traces(target, req.prompt, o["max_new_tokens"] + 1, provider, provider.trained_gamma, o,
                                 mode="rejection")

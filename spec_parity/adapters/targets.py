@@ -12,7 +12,7 @@ def run(req: Request) -> dict:
 
     from port import targets as port
 
-    target = port.load(req.target)
+    target = port.load(req.target, getattr(mx, req.dtype))
     ids = req.prompt
     trace = port.forward(target, mx.array(ids))
     L = target.num_layers
