@@ -76,7 +76,7 @@ LOOP_RETURNS = (
     Quantity("stream.proposals", "[D]", "int32", "every round's draft tokens, in order"),
     Quantity("stream.draft_logits", "[D, V]", "float32", "the drafter's logits of each proposed token"),
     Quantity("stream.logits", "[N, V]", "float32", "the target's logits each committed token was chosen from"),
-    Quantity("tau", "[1]", "float32", "mean tokens committed per round"),
+    Quantity("tau", "[1]", "float64", "mean tokens committed per round"),
 )
 
 
