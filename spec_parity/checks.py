@@ -225,19 +225,22 @@ class Plan:
 
 def judge(plan: Plan, sides: dict, module: str, dtype: str, result: Result, protocol=None) -> None:
     """Hold the port's arrays to the output contract (`contract`), then apply every check in
-    order. A check on arrays the port does not return is skipped, and named in the result's
+    order; a check that reads an array breaking the contract is not run (no tolerance is applied
+    to it). A check on arrays the port does not return is skipped, and named in the result's
     coverage, when the protocol (spec_parity.protocol) says they are optional; a required one
     missing fails. A pass with checks skipped is PASS-PARTIAL: what ran passed, not all could run."""
+    broken = contract(plan, sides, protocol) if protocol is not None else []
     if protocol is not None:
-        broken = contract(plan, sides, protocol)
-        result.metrics["contract"] = {"ok": not broken, "violations": broken}
-        if broken:
-            for reason in broken:
-                result.fail(reason, "contract")
-            return result.note("the output contract is broken: no tolerance applied")
-    port, checked, hidden = sides["port"], [], []
+        result.metrics["contract"] = {"ok": not broken, "violations": [line for _, line in broken]}
+    for _, line in broken:
+        result.fail(line, "contract")
+    port, checked, hidden, blocked = sides["port"], [], [], []
     for check in plan.checks:
-        absent = [k for src in _port_srcs(check) for k in src.keys if k not in port]
+        keys = {k for src in _port_srcs(check) for k in src.keys}
+        if keys & {k for k, _ in broken} or getattr(check, "upto", None) in blocked:   # or cut by one not run
+            blocked.append(check.name)
+            continue
+        absent = [k for k in keys if k not in port]
         if absent and protocol is not None and all(protocol.optional(k) for k in absent):
             result.metrics[check.name] = {"ok": True, "exposed": False}
             hidden.append(check.name)
@@ -247,7 +250,9 @@ def judge(plan: Plan, sides: dict, module: str, dtype: str, result: Result, prot
         logits = check.port.logits if isinstance(check, Drafts) else None
         if logits is not None and logits.get(sides) is None:
             hidden.append(f"{check.name}.logits")
-    result.coverage = _coverage(checked, hidden, port, protocol)
+    result.coverage = {**_coverage(checked, hidden, port, protocol), **({"blocked": blocked} if blocked else {})}
+    if blocked:
+        result.note(f"the output contract is broken: not run, no tolerance applied: {', '.join(blocked)}")
     if hidden and result.verdict == "PASS":
         result.verdict = compare.PARTIAL
         what = "partial coverage" if result.coverage["quantities"]["optional"] else "public outputs only"
@@ -265,11 +270,11 @@ def _coverage(checked: list, hidden: list[str], port: dict, protocol) -> dict:
             "quantities": {"required": required, "optional": [k for k in read if k not in required]}}
 
 
-def contract(plan: Plan, sides: dict, protocol) -> list[str]:
+def contract(plan: Plan, sides: dict, protocol) -> list[tuple[str, str]]:
     """The output contract, before any tolerance: every array the port returns is one the
     protocol declares for the case, in its dtype (where the protocol leaves the dtype open: the
     reference's), every required one is there, and an array compared element for element has the
-    reference's shape (one compared otherwise, its rank). Returns the violations, one line each."""
+    reference's shape (one compared otherwise, its rank). Returns (array, violation in words)."""
     port, ref = sides["port"], sides["ref"]
     where = f"{protocol.module}/{protocol.kind}"
     unknown = [k for k in port if protocol.quantity(k) is None]
@@ -280,11 +285,11 @@ def contract(plan: Plan, sides: dict, protocol) -> list[str]:
         stray = difflib.get_close_matches(k, unknown, n=1, cutoff=0.6)
         if stray:
             unknown.remove(stray[0])
-            out.append(f"{k}: missing; the port returned {stray[0]!r} — name it as the protocol does")
+            out.append((k, f"{k}: missing; the port returned {stray[0]!r} — name it as the protocol does"))
         else:
-            out.append(f"{k}: missing (required by the protocol {where})")
-    out += [f"{k}: not an array of the protocol {where} (declared: "
-            f"{', '.join(q.name for q in protocol.returns)}); leave it out or name it as the protocol does"
+            out.append((k, f"{k}: missing (required by the protocol {where})"))
+    out += [(k, f"{k}: not an array of the protocol {where} (declared: "
+             f"{', '.join(q.name for q in protocol.returns)}); leave it out or name it as the protocol does")
             for k in unknown]
     whole = _whole(plan)
     for k, v in port.items():
@@ -294,12 +299,12 @@ def contract(plan: Plan, sides: dict, protocol) -> list[str]:
         got, want = np.asarray(v).dtype, q.dtype or (str(np.asarray(ref[k]).dtype) if k in ref else "")
         if want and str(got) != want:
             said = "protocol says" if q.dtype else "the protocol leaves it open, the reference's is"
-            out.append(f"{k}: dtype {got}, {said} {want}")
+            out.append((k, f"{k}: dtype {got}, {said} {want}"))
         if k not in ref:
             continue
         ps, rs = np.shape(v), np.shape(ref[k])
         if (ps != rs) if k in whole else (len(ps) != len(rs)):
-            out.append(f"{k}: shape {list(ps)}, the reference's {list(rs)} (protocol: {q.shape})")
+            out.append((k, f"{k}: shape {list(ps)}, the reference's {list(rs)} (protocol: {q.shape})"))
     return out
 
 

@@ -93,9 +93,9 @@ class Result:
 
     @property
     def checks_run(self) -> str:
-        """Checks run of those planned ("12/20"); "-" where none was judged (declined, error, contract)."""
+        """Checks run of those planned ("12/20"); "-" where none was judged (declined, error)."""
         c = self.coverage
-        return f"{len(c['checked'])}/{len(c['checked']) + len(c['not_exposed'])}" if c else "-"
+        return f"{len(c['checked'])}/{sum(len(c.get(k, ())) for k in ('checked', 'not_exposed', 'blocked'))}" if c else "-"
 
 
 def coverage_text(c: dict) -> str:
@@ -103,7 +103,9 @@ def coverage_text(c: dict) -> str:
     q = c.get("quantities", {})
     text = (f"{len(c['checked'])} checks run on {len(q.get('required', []))} required and "
             f"{len(q.get('optional', []))} optional quantities")
-    return text + (f"; not exposed, so not run: {', '.join(c['not_exposed'])}" if c.get("not_exposed") else "")
+    text += f"; not exposed, so not run: {', '.join(c['not_exposed'])}" if c.get("not_exposed") else ""
+    return text + (f"; not run, their arrays break the output contract: {', '.join(c['blocked'])}"
+                   if c.get("blocked") else "")
 
 
 def as_expected(verdict: str, expect: str, require: tuple[str, ...] = ()) -> bool:

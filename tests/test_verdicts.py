@@ -129,20 +129,24 @@ def _batched(req, out):
     return out
 
 
-@pytest.mark.parametrize("change, words", [
-    (_renamed("logits", "logit"), "logits: missing; the port returned 'logit' — name it as the protocol does"),
-    (_extra, "debug.scores: not an array of the protocol targets/forward"),
-    (_as("logits", np.float64), "logits: dtype float64, protocol says float32"),
-    (_as("stream.tokens", np.int64), "stream.tokens: dtype int64, protocol says int32"),
-    (_batched, "logits: shape [1, "),
+@pytest.mark.parametrize("change, words, blocked", [
+    (_renamed("logits", "logit"), "logits: missing; the port returned 'logit' — name it as the protocol does",
+     ["logits"]),
+    (_extra, "debug.scores: not an array of the protocol targets/forward", []),
+    (_as("logits", np.float64), "logits: dtype float64, protocol says float32", ["logits"]),
+    (_as("stream.tokens", np.int64), "stream.tokens: dtype int64, protocol says int32",
+     ["stream", "stream.logits[shared]"]),
+    (_batched, "logits: shape [1, ", ["logits"]),
 ], ids=["misspelt", "extra", "float64-logits", "int64-tokens", "shape"])
-def test_each_contract_violation_fails_before_any_tolerance(monkeypatch, change, words):
-    """float64 logits and int64 tokens are within every L2 budget; the contract fails them. The
-    control (the unchanged wrapper) passes in the first test."""
+def test_each_contract_violation_fails_before_any_tolerance(monkeypatch, change, words, blocked):
+    """float64 logits and int64 tokens are within every L2 budget; the contract fails them, and
+    the checks that read them do not run. The control (the unchanged wrapper) passes in the first
+    test."""
     r = _evaluate(monkeypatch, QWEN3, _port("targets", f"contract-{words[:24]}", change))
     assert r.verdict == "FAIL" and list(r.findings) == ["contract"], r.message()
     assert words in r.reason, r.reason
-    assert r.first_failure == "contract" and "logits" not in r.metrics    # no tolerance applied
+    assert r.first_failure == "contract" and r.coverage.get("blocked", []) == blocked, r.coverage
+    assert not set(blocked) & set(r.metrics) and "final" in r.coverage["checked"]
 
 
 def _float64(req, out):
