@@ -325,11 +325,12 @@ def _whole(plan: Plan) -> set[str]:
 def reads(plan: Plan, name: str) -> set[str]:
     """The port arrays the check behind metric `name` reads (a check's own metric, or one it adds
     under its name: `drafts_vs_ref.logits`, `logits.candidates`)."""
-    for c in plan.checks:
-        if name == c.name or name.startswith(c.name + "."):
-            return {k for s in _port_srcs(c) for k in s.keys} | (
-                set(c.port.logits.keys) if isinstance(c, Drafts) and c.port.logits is not None else set())
-    return set()
+    owner = [c for c in plan.checks if c.name == name] or [c for c in plan.checks if name.startswith(c.name + ".")]
+    if not owner:
+        return set()
+    c = owner[0]
+    return {k for s in _port_srcs(c) for k in s.keys} | (
+        set(c.port.logits.keys) if isinstance(c, Drafts) and c.port.logits is not None else set())
 
 
 def _port_srcs(check) -> list[Src]:
