@@ -125,7 +125,8 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
              (Quantity("step*.token", "[1]", "int32", "the draft token of step i", True),
               Quantity("step*.logits", "[V]", "float32", "the drafter's logits of step i", True),
               Quantity("step*.next_hidden", "[1, 1, H]", "float32", "the hidden the next step is fed"),
-              Quantity("anchor.*", "[1] / [1, 1, H]", "", "the anchor token and hidden (from the target)"),
+              Quantity("anchor.token", "[1]", "int32", "the anchor token (from the target)"),
+              Quantity("anchor.hidden", "[1, 1, H]", "float32", "the anchor hidden (from the target)"),
               Quantity("donor.*", "[1, heads, S, d]", "float32", "the donor K/V views the drafter attends"))
              + LAYER_RETURNS),
     Protocol("dspark", "modules", "the first DSpark draft round after prefill, module by module",
