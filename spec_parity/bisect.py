@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .compare import as_expected
+
 GOOD, BAD, SKIP = 0, 1, 125
 # -P (3.11+): the interpreter does not put its cwd first on sys.path, so only PYTHONPATH decides.
 PYTHON = [sys.executable, *(["-P"] if sys.version_info >= (3, 11) else [])]
@@ -39,7 +41,7 @@ def classify(returncode: int, report: Path, case: str, stderr: str = "") -> tupl
         lines = [x for x in re.split(r"[\r\n]", stderr) if x.strip()]
         return SKIP, f"no verdict (exit {returncode}): {lines[-1].strip() if lines else 'no output'}"
     rows = json.loads(report.read_text())["results"]
-    bad = [r for r in rows if r["verdict"] != r["expected"]]
+    bad = [r for r in rows if not as_expected(r["verdict"], r["expected"])]
     if not bad:
         return (GOOD, "as expected") if returncode == 0 and rows else (SKIP, f"exit {returncode}, no unexpected verdict")
     r = next((r for r in bad if r["case"] == case), bad[0])

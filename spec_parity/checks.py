@@ -14,11 +14,12 @@ the port under test: `greedy.tokens`, `greedy.logits`).
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import attended, sampled
+from . import attended, compare, sampled
 from .attended import Rows, Window
 from .compare import Result, check_tensor, kl, stream_metrics, teacher_forced, trace_metrics
 from .layers import localize
@@ -223,19 +224,112 @@ class Plan:
 
 
 def judge(plan: Plan, sides: dict, module: str, dtype: str, result: Result, protocol=None) -> None:
-    """Apply every check in order. A check on arrays the port does not return is skipped, and
-    named in the report, when the protocol (spec_parity.protocol) says they are optional; a
-    required one missing fails."""
-    hidden = []
+    """Hold the port's arrays to the output contract (`contract`), then apply every check in
+    order; a check that reads an array breaking the contract is not run (no tolerance is applied
+    to it). A check on arrays the port does not return is skipped, and named in the result's
+    coverage, when the protocol (spec_parity.protocol) says they are optional; a required one
+    missing fails. A pass with checks skipped is PASS-PARTIAL: what ran passed, not all could run."""
+    broken = contract(plan, sides, protocol) if protocol is not None else []
+    if protocol is not None:
+        result.metrics["contract"] = {"ok": not broken, "violations": [line for _, line in broken]}
+    for _, line in broken:
+        result.fail(line, "contract")
+    port, checked, hidden, blocked = sides["port"], [], [], []
     for check in plan.checks:
-        absent = [k for src in _port_srcs(check) for k in src.keys if k not in sides["port"]]
+        keys = {k for src in _port_srcs(check) for k in src.keys}
+        if keys & {k for k, _ in broken} or getattr(check, "upto", None) in blocked:   # or cut by one not run
+            blocked.append(check.name)
+            continue
+        absent = [k for k in keys if k not in port]
         if absent and protocol is not None and all(protocol.optional(k) for k in absent):
             result.metrics[check.name] = {"ok": True, "exposed": False}
             hidden.append(check.name)
             continue
         _JUDGES[type(check)](check, sides, module, dtype, result)
-    if hidden:
+        checked.append(check)
+        logits = check.port.logits if isinstance(check, Drafts) else None
+        if logits is not None and logits.get(sides) is None:
+            hidden.append(f"{check.name}.logits")
+    result.coverage = {**_coverage(checked, hidden, port, protocol), **({"blocked": blocked} if blocked else {})}
+    if blocked:
+        result.note(f"the output contract is broken: not run, no tolerance applied: {', '.join(blocked)}")
+    if hidden and result.verdict == "PASS":
+        result.verdict = compare.PARTIAL
+        what = "partial coverage" if result.coverage["quantities"]["optional"] else "public outputs only"
+        result.note(f"{what}: {len(hidden)} checks not run: {', '.join(hidden)}")
+    elif hidden:
         result.note(f"not exposed by the port, so not checked: {', '.join(hidden)}")
+
+
+def _coverage(checked: list, hidden: list[str], port: dict, protocol) -> dict:
+    """The checks run and the port quantities they read (required / optional), and the checks not
+    run because the port left their optional arrays out."""
+    read = sorted({k for c in checked for s in _port_srcs(c) for k in s.keys if k in port})
+    required = [k for k in read if protocol is None or (protocol.quantity(k) and protocol.quantity(k).required)]
+    return {"checked": [c.name for c in checked], "not_exposed": hidden,
+            "quantities": {"required": required, "optional": [k for k in read if k not in required]}}
+
+
+def contract(plan: Plan, sides: dict, protocol) -> list[tuple[str, str]]:
+    """The output contract, before any tolerance: every array the port returns is one the
+    protocol declares for the case, in its dtype, every required one is there, and an array
+    compared element for element has the reference's shape (one compared otherwise, its rank).
+    Returns (array, violation in words)."""
+    port, ref = sides["port"], sides["ref"]
+    where = f"{protocol.module}/{protocol.kind}"
+    unknown = [k for k in port if protocol.quantity(k) is None]
+    out = []
+    for k in _required(protocol, ref):
+        if k in port:
+            continue
+        stray = difflib.get_close_matches(k, unknown, n=1, cutoff=0.6)
+        if stray:
+            unknown.remove(stray[0])
+            out.append((k, f"{k}: missing; the port returned {stray[0]!r} — name it as the protocol does"))
+        else:
+            out.append((k, f"{k}: missing (required by the protocol {where})"))
+    out += [(k, f"{k}: not an array of the protocol {where} (declared: "
+             f"{', '.join(q.name for q in protocol.returns)}); leave it out or name it as the protocol does")
+            for k in unknown]
+    whole = _whole(plan)
+    for k, v in port.items():
+        q = protocol.quantity(k)
+        if q is None:
+            continue
+        got = np.asarray(v).dtype
+        if str(got) != q.dtype:
+            out.append((k, f"{k}: dtype {got}, protocol says {q.dtype}"))
+        if k not in ref:
+            continue
+        ps, rs = np.shape(v), np.shape(ref[k])
+        if (ps != rs) if k in whole else (len(ps) != len(rs)):
+            out.append((k, f"{k}: shape {list(ps)}, the reference's {list(rs)} (protocol: {q.shape})"))
+    return out
+
+
+def _required(protocol, ref: dict) -> list[str]:
+    """The required arrays of a case: the reference's arrays the protocol requires, or where the
+    case has no reference (L3) the protocol's required names that are not patterns."""
+    if ref:
+        return [k for k in ref if (q := protocol.quantity(k)) is not None and q.required]
+    return [q.name for q in protocol.returns if q.required and "*" not in q.name]
+
+
+def _whole(plan: Plan) -> set[str]:
+    """Port arrays the plan compares element for element with the reference's array of that name."""
+    return {c.port.keys[0] for c in plan.checks if isinstance(c, Tensor) and c.upto is None
+            and c.port.keys == c.ref.keys and len(c.port.keys) == 1 and c.port.col is None and c.port.first is None}
+
+
+def reads(plan: Plan, name: str) -> set[str]:
+    """The port arrays the check behind metric `name` reads (a check's own metric, or one it adds
+    under its name: `drafts_vs_ref.logits`, `logits.candidates`)."""
+    owner = [c for c in plan.checks if c.name == name] or [c for c in plan.checks if name.startswith(c.name + ".")]
+    if not owner:
+        return set()
+    c = owner[0]
+    return {k for s in _port_srcs(c) for k in s.keys} | (
+        set(c.port.logits.keys) if isinstance(c, Drafts) and c.port.logits is not None else set())
 
 
 def _port_srcs(check) -> list[Src]:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import exchange, goldens, harness, ports, report
+from . import compare, exchange, goldens, harness, ports, report
 from .goldens import atomic_write
 
 
@@ -141,6 +141,11 @@ def _error(case, e: Exception, debug: bool):
 
 
 def cmd_run(args) -> int:
+    with ports.restored():
+        return _run(args)
+
+
+def _run(args) -> int:
     _preflight(args, ("drafter",))
     _ports(args, *_modules(args))
     cases = _select(args)
@@ -160,16 +165,44 @@ def cmd_run(args) -> int:
     print(report.table(rows))
     out = Path(args.out)
     report.write(out, rows, header)
-    bad = [r for r, e in rows if r.verdict not in (e, "DELTA", "DECLINED")]
-    delta = [r for r, e in rows if r.verdict == "DELTA"]
-    declined = [r for r, e in rows if r.verdict == "DECLINED"]
-    print(f"\n{len(rows) - len(bad) - len(delta) - len(declined)}/{len(rows)} as expected (controls must FAIL)"
-          + (f", {len(delta)} explained by a known reference delta (docs/references.md)" if delta else "")
-          + (f", {len(declined)} declined by the port" if declined else "")
-          + f"; reports in {out}/")
-    for r in bad + delta + declined:
-        print(r.message())
-    return 1 if bad else 0
+    print(_summary(rows, tuple(args.require or ()), out))
+    return _exit_status(rows, tuple(args.require or ()))
+
+
+def _unexpected(rows: list, require: tuple[str, ...]) -> list:
+    """Results whose verdict is not the case's expected one (a DELTA or a decline is counted apart)."""
+    return [r for r, e in rows if r.verdict not in ("DELTA", "DECLINED") and not compare.as_expected(r.verdict, e, require)]
+
+
+def _silent_ports(rows: list) -> list[str]:
+    """The plug-in ports selected for the run that answered none of its cases (each declined, or
+    none of their modules' cases selected): a run that checked nothing of the user's port."""
+    theirs = sorted({ports.for_module(m).identity for m in harness.PAIRS if not ports.for_module(m).ours})
+    answered = {r.metrics.get("port", {}).get("identity") for r, _ in rows if r.verdict != "DECLINED"}
+    return [p for p in theirs if p not in answered]
+
+
+def _summary(rows: list, require: tuple[str, ...], out: Path) -> str:
+    """The run's closing lines: verdicts as expected, the ones counted apart, every unexpected
+    one's message, and a line per plug-in port that checked nothing."""
+    bad = _unexpected(rows, require)
+    seen = {id(r) for r in bad}
+    apart = {v: [r for r, _ in rows if r.verdict == v and id(r) not in seen] for v in (compare.PARTIAL, "DELTA", "DECLINED")}
+    words = {compare.PARTIAL: "passed only what the port exposes (PASS-PARTIAL: checks not run, each named in "
+             "the report; `--require internals` fails them)",
+             "DELTA": "explained by a known reference delta (docs/references.md)", "DECLINED": "declined by the port"}
+    lines = [f"\n{len(rows) - len(bad) - sum(map(len, apart.values()))}/{len(rows)} as expected (controls must FAIL)"
+             + "".join(f", {len(rs)} {words[v]}" for v, rs in apart.items() if rs) + f"; reports in {out}/"]
+    lines += [r.message() for r in bad + apart["DELTA"] + apart["DECLINED"]]
+    lines += [f"[{r.verdict}] {r.module}/{r.case}: {r.reason}" for r in apart[compare.PARTIAL]]
+    lines += [f"port {p} checked nothing: it answered none of the {len(rows)} cases run (each declined, or none "
+              f"of its module's cases selected); not a pass" for p in _silent_ports(rows)]
+    return "\n".join(lines)
+
+
+def _exit_status(rows: list, require: tuple[str, ...]) -> int:
+    """1 on any unexpected verdict, or when a plug-in port checked nothing; else 0."""
+    return 1 if _unexpected(rows, require) or _silent_ports(rows) else 0
 
 
 def cmd_export(args) -> int:
@@ -395,6 +428,10 @@ def main(argv=None) -> int:
                      f"process group is killed and the case reads ERROR (default: {exchange.TIMEOUT_S:g})")
     run.add_argument("--port-id", metavar="NAME", help="--port-cmd: the port's name in the report (default: "
                      "port-cmd; its identity also hashes every argument of CMD that is a file)")
+    run.add_argument("--require", action="append", choices=("internals",),
+                     help="internals: a PASS-PARTIAL (a port that passed every check it exposed arrays for, "
+                     "but left optional quantities out, so some checks did not run) is an unexpected verdict, "
+                     "exit 1 (default: PASS-PARTIAL is counted apart, exit 0)")
     run.add_argument("--debug", default=argparse.SUPPRESS, **debug)
     run.set_defaults(fn=cmd_run)
     ex = sub.add_parser("export", help="write each case as a folder for an out-of-process port (--port-cmd)")

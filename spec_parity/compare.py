@@ -14,6 +14,10 @@ import numpy as np
 
 from .budgets import Budget, budget_for, knife_edge_bound, ulp
 
+PARTIAL = "PASS-PARTIAL"
+"""Every check the port exposed arrays for passed, and some could not run: the port left optional
+quantities (internals) out. Counted apart from PASS; `spec-parity run --require internals` fails it."""
+
 TIERS = {
     "L1": "bit-exact: identical bytes (same framework, same ops)",
     "L2": "tensors within the dtype-derived / measured budget AND identical greedy streams and accept traces",
@@ -35,10 +39,17 @@ class Result:
     reason: str = ""
     findings: dict = field(default_factory=dict)   # finding -> the reasons it failed (spec_parity.checks)
     trace: str = ""                                # an ERROR's formatted traceback
+    coverage: dict = field(default_factory=dict)   # what was checked and what was not (spec_parity.checks)
 
     @property
     def ok(self) -> bool:
-        return self.verdict == "PASS"
+        """Every check that ran passed (PASS, or PASS-PARTIAL where some could not run)."""
+        return self.verdict in ("PASS", PARTIAL)
+
+    @property
+    def first_failure(self) -> str | None:
+        """The first check, in the plan's order, that failed (a metric with ok False)."""
+        return next((k for k, m in self.metrics.items() if isinstance(m, dict) and m.get("ok") is False), None)
 
     def fail(self, reason: str, finding: str = "module") -> None:
         self.verdict = "FAIL"
@@ -68,6 +79,8 @@ class Result:
                  f"({TIERS.get(self.tier, '?')})"]
         if self.reason:
             lines.append(f"  reason: {self.reason}")
+        if self.coverage:
+            lines.append(f"  coverage: {coverage_text(self.coverage)}")
         for finding, reasons in self.findings.items():
             lines.append(f"  FAIL {finding}: {reasons[0]}" + (f" (+{len(reasons) - 1} more)" if len(reasons) > 1 else ""))
         for name, m in self.metrics.items():
@@ -78,7 +91,31 @@ class Result:
         worst = max((m.get("max_abs", 0.0) for m in self.metrics.values()
                      if isinstance(m, dict) and isinstance(m.get("max_abs"), float)), default=0.0)
         return (f"| {self.module} | {self.case} | {self.oracle} | {self.tier} | {self.shown_verdict} | "
-                f"{worst:.2e} | {self.reason.replace('|', '/')} |")
+                f"{self.checks_run} | {worst:.2e} | {self.reason.replace('|', '/')} |")
+
+    @property
+    def checks_run(self) -> str:
+        """Checks run of those planned ("12/20"); "-" where none was judged (declined, error)."""
+        c = self.coverage
+        return f"{len(c['checked'])}/{sum(len(c.get(k, ())) for k in ('checked', 'not_exposed', 'blocked'))}" if c else "-"
+
+
+def coverage_text(c: dict) -> str:
+    """A result's coverage in one line: the checks run, on which quantities, and the ones not run."""
+    q = c.get("quantities", {})
+    text = (f"{len(c['checked'])} checks run on {len(q.get('required', []))} required and "
+            f"{len(q.get('optional', []))} optional quantities")
+    text += f"; not exposed, so not run: {', '.join(c['not_exposed'])}" if c.get("not_exposed") else ""
+    return text + (f"; not run, their arrays break the output contract: {', '.join(c['blocked'])}"
+                   if c.get("blocked") else "")
+
+
+def as_expected(verdict: str, expect: str, require: tuple[str, ...] = ()) -> bool:
+    """Whether a verdict is the one a case expects. PASS-PARTIAL stands for PASS unless the run
+    requires the internals (`--require internals`)."""
+    if verdict == PARTIAL:
+        return expect == "PASS" and "internals" not in require
+    return verdict == expect
 
 
 def _jsonable(x):

@@ -2,9 +2,11 @@
 
 Each delta is a port option of ours with two values, one per reference (docs/references.md says
 what each reference does and where). Our port implements both values, and the twin cases hold
-each value to its own reference. So when a plug-in port fails a case, the harness runs our port
-with the delta's other value and judges the plug-in port against that, at L2: a match means the
-port follows the other reference's convention. The verdict is then DELTA, naming the delta; the
+each value to its own reference. So when a plug-in port fails a case (its output contract kept),
+the harness runs our port with the delta's other value and judges the plug-in port against that,
+at the case's tier (L1: bit-exact): a match means the port follows the other reference's
+convention. Only a delta that changes, in our port, an array the first failing check read can be
+named: one that changes nothing there is no cause. The verdict is then DELTA, naming the delta; the
 report counts such cases apart from failures. A port that matches neither convention keeps its
 FAIL. Serve-loop cases are not explained this way (their module cases show the delta).
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from itertools import combinations
+
+import numpy as np
 
 from .compare import Result
 
@@ -56,22 +60,37 @@ def applicable(case, opts: dict) -> list[tuple[Delta, str]]:
     return out
 
 
-def explain(case, opts: dict, port: dict, ours, judge) -> tuple[list[Delta], Result] | None:
+def explain(case, opts: dict, port: dict, ours, judge, failed: set[str]) -> tuple[list[Delta], Result] | None:
     """The smallest set of deltas under which `port` matches our port (`ours(variant)`: our arrays
-    on a case), judged by `judge(variant, port, arrays, result)`; None if no set explains it.
-    Deltas on one option are exclusive, so each set flips each option once."""
+    on a case) at the case's own tier, judged by `judge(variant, port, arrays, result)`; None if no
+    set explains it. `failed`: the port arrays the original judgement's first failing check read;
+    a set explains only if its other convention changes one of them in our port (a delta that
+    changes nothing there cannot be the cause). Deltas on one option are exclusive, so each set
+    flips each option once."""
     found = applicable(case, opts)
+    base = ours(case) if found else {}
     for n in range(1, len(found) + 1):
         for combo in combinations(found, n):
             if len({d.option for d, _ in combo}) < n:
                 continue
             params = replace(case.params, **{d.option: other for d, other in combo})
-            variant = replace(case, params=params, tier="L2", name=f"{case.name}~{'+'.join(d.name for d, _ in combo)}")
-            trial = Result(case.module, variant.name, "our port", "L2")
-            judge(variant, _no_layers(port), _no_layers(ours(variant)), trial)
+            variant = replace(case, params=params, name=f"{case.name}~{'+'.join(d.name for d, _ in combo)}")
+            other = ours(variant)
+            if not any(_changed(base, other, k) for k in failed):
+                continue
+            trial = Result(case.module, variant.name, "our port", case.tier)
+            judge(variant, _no_layers(port), _no_layers(other), trial)
             if trial.ok:
                 return [d for d, _ in combo], trial
     return None
+
+
+def _changed(a: dict, b: dict, key: str) -> bool:
+    """Whether array `key` differs between two runs of our port (in one and not the other, or bytes)."""
+    if key not in a or key not in b:
+        return (key in a) != (key in b)
+    x, y = np.asarray(a[key]), np.asarray(b[key])
+    return x.shape != y.shape or x.dtype != y.dtype or x.tobytes() != y.tobytes()
 
 
 def _no_layers(arrays: dict) -> dict:

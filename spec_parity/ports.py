@@ -8,6 +8,7 @@ every cached port result, so two ports in one process never share one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib
@@ -162,6 +163,18 @@ def configure(assignments: list[str] | None, cmd_port: Port | None = None, modul
 
 def reset() -> None:
     _SELECTED.clear()
+
+
+@contextlib.contextmanager
+def restored():
+    """The selection as it stands before, back on exit: a `spec-parity run` called in process (a
+    test, a notebook) leaves no port of its own selected for what runs after it."""
+    saved = dict(_SELECTED)
+    try:
+        yield
+    finally:
+        _SELECTED.clear()
+        _SELECTED.update(saved)
 
 
 @functools.cache

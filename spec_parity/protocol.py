@@ -136,7 +136,7 @@ LOOP_RETURNS = (
     Quantity("stream.proposals", "[D]", "int32", "every round's draft tokens, in order"),
     Quantity("stream.draft_logits", "[D, V]", "float32", "the drafter's logits of each proposed token"),
     Quantity("stream.logits", "[N, V]", "float32", "the target's logits each committed token was chosen from"),
-    Quantity("tau", "[1]", "float32", "mean tokens committed per round"),
+    Quantity("tau", "[1]", "float64", "mean tokens committed per round"),
 )
 
 
@@ -198,7 +198,8 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
              (Quantity("step*.token", "[1]", "int32", "the draft token of step i", True),
               Quantity("step*.logits", "[V]", "float32", "the drafter's logits of step i", True),
               Quantity("step*.next_hidden", "[1, 1, H]", "float32", "the hidden the next step is fed"),
-              Quantity("anchor.*", "[1] / [1, 1, H]", "", "the anchor token and hidden (from the target)"),
+              Quantity("anchor.token", "[1]", "int32", "the anchor token (from the target)"),
+              Quantity("anchor.hidden", "[1, 1, H]", "float32", "the anchor hidden (from the target)"),
               Quantity("donor.*", "[1, heads, S, d]", "float32", "the donor K/V views the drafter attends"))
              + LAYER_RETURNS),
     Protocol("dspark", "modules", "the first DSpark draft round after prefill, module by module",

@@ -79,12 +79,12 @@ def check_writable(out_dir: Path) -> None:
 
 
 def table(rows: list[tuple[Result, str]]) -> str:
-    head = ("module", "case", "oracle", "tier", "verdict", "expected", "worst max|Δ|")
+    head = ("module", "case", "oracle", "tier", "verdict", "expected", "checks run", "worst max|Δ|")
     body = []
     for r, expect in rows:
         worst = max((m.get("max_abs", 0.0) for m in r.metrics.values()
                      if isinstance(m, dict) and isinstance(m.get("max_abs"), float)), default=0.0)
-        body.append((r.module, r.case, r.oracle, r.tier, r.shown_verdict, expect, f"{worst:.2e}"))
+        body.append((r.module, r.case, r.oracle, r.tier, r.shown_verdict, expect, r.checks_run, f"{worst:.2e}"))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body])
@@ -98,8 +98,8 @@ def _layers(r: Result) -> dict | None:
 
 def markdown(rows: list[tuple[Result, str]], header: str = "") -> str:
     out = ["# spec-parity report", "", header, "",
-           "| module | case | oracle | tier | verdict | worst max abs | reason |",
-           "|---|---|---|---|---|---|---|"]
+           "| module | case | oracle | tier | verdict | checks run | worst max abs | reason |",
+           "|---|---|---|---|---|---|---|---|"]
     out += [r.markdown_row() for r, _ in rows]
     out += ["", "## Per-layer error (free-running / own teacher-forced max abs)", ""]
     for r, _ in rows:

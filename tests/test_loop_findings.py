@@ -42,7 +42,7 @@ def test_a_loop_that_says_it_starts_earlier_fails_the_schedule_start(monkeypatch
     that it committed nothing before round 0, has the same drafts on shifted contexts, so its
     first round stands one token before DeepSpec's; the start is named as the schedule finding."""
     ours = ports.ours().runs["dspark"]
-    port = ports.Port("starts-early", "0", {"dspark": lambda req: {**ours(req), "stream.prefilled": np.array([0])}},
+    port = ports.Port("starts-early", "0", {"dspark": lambda req: {**ours(req), "stream.prefilled": np.array([0], np.int32)}},
                       (__file__,))
     monkeypatch.setitem(ports._SELECTED, "dspark", port)
     r = harness.evaluate(_case("dspark/loop-gemma4-t0.0"), "golden")

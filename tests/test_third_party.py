@@ -35,7 +35,7 @@ def recorded(section: str, case: str) -> tuple[str, str, list[str]]:
     """(verdict, first failing check or error, the row's further cells) of `case` in `section`'s
     verdict tables of docs/third-party.md."""
     text = DOC.read_text().split(f"## {section}", 1)[1].split("\n## ", 1)[0]
-    m = re.search(rf"^\| {re.escape(case)} \| [^|]+ \| [^|]+ \| (PASS|FAIL|ERROR|DECLINED|DELTA) \| ([^|]*) \|(.*)$",
+    m = re.search(rf"^\| {re.escape(case)} \| [^|]+ \| [^|]+ \| (PASS-PARTIAL|PASS|FAIL|ERROR|DECLINED|DELTA) \| ([^|]*) \|(.*)$",
                   text, re.M)
     assert m, f"{DOC}: no row for {case} under '## {section}'"
     return m.group(1), m.group(2).strip().strip("`"), [x.strip() for x in m.group(3).strip().rstrip("|").split("|")]

@@ -26,8 +26,10 @@ def run(req: Request) -> dict:
     if req.kind == "loop":
         provider = DeepspecProvider(req.drafter, req.options["threshold"], dtype=dt)
         n = req.options["max_new_tokens"]
-        # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
-        return loop.run(target, p, n + 1, provider, provider.trained_gamma, set(), keep=n)
+        # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n. The
+        # blocks' extras (`ext.*`) are the DSpark-on-DFlash protocol's, not this one's: left out.
+        out = loop.run(target, p, n + 1, provider, provider.trained_gamma, set(), keep=n)
+        return {k: v for k, v in out.items() if not k.startswith("ext.")}
     m = dspark.load(req.drafter, dtype=dt)
     dspark.check_pairing(m, target)
     trace = targets.forward(target, mx.array(p))
