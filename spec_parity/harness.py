@@ -181,6 +181,12 @@ def slow_except(values, *keep) -> list:
     return out
 
 
+def runs_live(case: Case) -> bool:
+    """A case with a reference to run live: every L1/L2 case, and an L3 case only where one of its
+    components has one (the DSpark-on-DFlash extension's heads: DeepSpec's)."""
+    return case.tier != "L3" or case.oracle == dflash.HEADS
+
+
 def oracle_name(case: Case) -> str:
     return case.oracle or pair(case.module).ORACLE
 

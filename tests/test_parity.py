@@ -31,10 +31,6 @@ def _tf515(case) -> tuple:
     return (pytest.mark.tf515,) if case.module == "dflash" and case.oracle == dflash.TORCH else ()
 
 
-def _has_reference(case) -> bool:
-    return case.tier != "L3" or case.oracle == dflash.HEADS   # L3: live only where a component has one
-
-
 def _check(case, result):
     harness.check(case, result)
     if case.control and "layer" in case.control:
@@ -48,7 +44,7 @@ def test_vs_golden(case):
 
 
 @pytest.mark.oracle
-@pytest.mark.parametrize("case", _params(lambda case: (case.module, case.oracle), _tf515, _has_reference))
+@pytest.mark.parametrize("case", _params(lambda case: (case.module, case.oracle), _tf515, harness.runs_live))
 def test_vs_live(case, live_oracle):
     live_oracle(case.module, case.oracle)
     _check(case, harness.evaluate(case, "live"))

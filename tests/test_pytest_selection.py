@@ -36,14 +36,10 @@ def _ids(test: str, cases) -> set[str]:
     return {f"{PARITY}::{test}[{c.id}]" for c in cases}
 
 
-def _has_reference(case) -> bool:
-    return case.tier != "L3"
-
-
 def test_a_third_party_port_runs_every_case_of_its_module_and_no_other():
     selected, out = _collect(PARITY, "--port", "dflash=tests.wrapped_port:make_port")
     cases = [c for c in dflash.cases() if not c.control]      # the controls plant bugs in our port only
-    expected = _ids("test_vs_golden", cases) | _ids("test_vs_live", filter(_has_reference, cases))
+    expected = _ids("test_vs_golden", cases) | _ids("test_vs_live", filter(harness.runs_live, cases))
     assert sorted(selected) == sorted(expected)
     slow = [p.values[0] for p in harness.params(dflash.cases()) if p.marks and not p.values[0].control]
     assert slow and _ids("test_vs_golden", slow) <= set(selected)    # the ones --slow used to need
@@ -59,7 +55,7 @@ def test_control_the_dev_loop_still_keeps_one_case_per_test():
 
 def test_m_oracle_runs_every_live_parity_case():
     selected, out = _collect(PARITY, "-m", "oracle")
-    assert sorted(selected) == sorted(_ids("test_vs_live", filter(_has_reference, harness.all_cases())))
+    assert sorted(selected) == sorted(_ids("test_vs_live", filter(harness.runs_live, harness.all_cases())))
     assert "-m oracle: every live parity case run" in out
 
 
