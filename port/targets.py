@@ -141,7 +141,7 @@ def block_ids(first: int | mx.array, fill: int, n: int) -> mx.array:
     """[[first, fill x n]] (int32), a draft block's input ids, built by the device: `first` as a 4-byte
     scalar (or a scalar array already there) and the constant fill once per (fill, n). Not `mx.array` of the list: on MLX CUDA a
     host-filled buffer over 8 bytes is managed memory the GPU page-faults on when the embedding Gather
-    reads it (H200: 100-280 us of device time per block instead of 3, docs/benchmarks-history.md); scalars
+    reads it (H200: 100-280 us of device time per block instead of 3); scalars
     live in MLX's GPU-mapped scalar pool."""
     head = first.reshape(1, 1).astype(mx.int32) if isinstance(first, mx.array) else mx.array([[first]], mx.int32)
     return mx.concatenate([head, _filled(fill, n, str(mx.default_device()))], axis=1)

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import platform
+import re
 import signal
 import sys
 import threading
@@ -207,8 +208,10 @@ def _exit_status(rows: list, require: tuple[str, ...]) -> int:
 
 def cmd_export(args) -> int:
     """Each case as a folder for a port in any language (spec_parity.exchange): the checkpoints,
-    the inputs as safetensors, and in request.json the arrays to return with their shapes."""
-    _preflight(args)
+    the inputs as safetensors, and in request.json the arrays to return with their shapes. A real
+    checkpoint (--target, --drafter) has no goldens: its reference runs live."""
+    _preflight(args, ("drafter",))
+    args.source = args.source or ("live" if args.target else "golden")
     out = Path(args.out)
     cases = [c for c in _select(args) if not c.control]
     with report.Progress(len(cases)) as bar:
@@ -216,7 +219,8 @@ def cmd_export(args) -> int:
             bar.start(case.id)
             ref, _, _ = harness.reference(case, args.source)
             expected = harness.port_run(case, ref)
-            exchange.write_case(harness.request(case, ref), out / case.module / case.name, expected)
+            folder = out / case.module / re.sub(r"[^\w.+-]+", "-", case.name).strip("-")
+            exchange.write_case(harness.request(case, ref), folder, expected)
             bar.done(case.id, "written")
     print(f"{len(cases)} case folders in {out}/ (answer one with `CMD {{case}} {{out}}`, see docs/protocol.md)")
     return 0
@@ -243,11 +247,20 @@ def cmd_list(args) -> int:
 
 
 def cmd_regen(args) -> int:
-    seen = set()
+    """Every golden the selection names, from its live reference; refused before the first one is
+    written when a reference it needs cannot run here."""
+    seen, cases = set(), []
     for case in _select(args):
-        if case.control or case.golden_name in seen:
-            continue
-        seen.add(case.golden_name)
+        if not case.control and case.golden_name not in seen:
+            seen.add(case.golden_name)
+            cases.append(case)
+    for case in cases:
+        status = None if case.tier == "L3" and not harness.runs_live(case) else \
+            harness.pair(case.module).oracle_status(harness.oracle_name(case))
+        if status is not None:
+            raise BadInput(f"{case.id}: its golden comes from {harness.oracle_name(case)}, which cannot run here "
+                           f"({status}); no golden was written")
+    for case in cases:
         print(f"{case.id}: {harness.regen(case)}")
     return 0
 
@@ -437,9 +450,13 @@ def main(argv=None) -> int:
     ex = sub.add_parser("export", help="write each case as a folder for an out-of-process port (--port-cmd)")
     ex.add_argument("--module", choices=harness.PAIRS)
     ex.add_argument("--case")
-    ex.add_argument("--source", choices=("auto", "live", "golden"), default="golden")
+    ex.add_argument("--source", choices=("auto", "live", "golden"),
+                    help="the reference arrays fed to the port (default: golden; live with --target)")
+    ex.add_argument("--target", help="a real target checkpoint directory: its cases, as `run --target` selects them "
+                    "(default: none, the built-in tiny checkpoints)")
+    ex.add_argument("--drafter", help="with --target: a real drafter checkpoint directory (default: none)")
     ex.add_argument("--out", required=True, help="directory: OUT/<module>/<case>/")
-    ex.set_defaults(fn=cmd_export, target=None)
+    ex.set_defaults(fn=cmd_export)
     sub.add_parser("protocol", help="print the port protocol (docs/protocol.md)").set_defaults(fn=cmd_protocol)
     sub.add_parser("list", help="cases, goldens, and which oracles run here").set_defaults(fn=cmd_list)
     fx = sub.add_parser("fixtures", help="goldens")
@@ -473,7 +490,7 @@ def main(argv=None) -> int:
     abp.set_defaults(fn=cmd_ab)
     bp = sub.add_parser("bench", help="speed: our drafters vs the peers vs the bandwidth floor (JSON, Markdown, PNG)")
     bp.add_argument("--shapes", choices=("tiny", "real"), default="tiny",
-                    help="tiny: the factory's checkpoints; real: REFERENCES.md's shapes, random weights in memory")
+                    help="tiny: the factory's checkpoints; real: the real shapes of docs/references.md, random weights in memory")
     bp.add_argument("--sources", default=",".join(("assistant", "dspark", "dflash")),
                     help="comma-separated draft sources (assistant, dspark, dflash)")
     bp.add_argument("--peers", default="auto", help="auto (every other side of a source), none, or a comma list "

@@ -77,7 +77,9 @@ REQUEST = {
     "options": "how to run the case, name -> value: the keys listed under each protocol below, and "
                "only those (the case's parameters over the reference's conventions)",
     "dtype": "the precision to load the checkpoints and compute in (`float32`, or `bfloat16` / `float16` "
-             "for a case in that dtype); the returned arrays keep the dtypes the tables give",
+             "for a case in that dtype), whatever dtype the weights are stored in: a checkpoint stored in "
+             "bfloat16 is cast on load, as the reference casts it; the returned arrays keep the dtypes the "
+             "tables give",
     "inputs": "the reference arrays the port is fed, name -> numpy array (Inputs below; empty where none)",
 }
 """Request's fields and what each holds (docs/protocol.md; a test holds it to the dataclass)."""

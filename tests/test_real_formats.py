@@ -206,3 +206,29 @@ def test_measure_on_a_real_target(tmp_path, live_oracle, capsys):
         assert float(v) <= budgets.budget_for("targets", q).atol, (q, v)
     assert cli.main(["measure", "--drafter", str(checkpoints.build("dflash-drafter"))]) == 2
     assert capsys.readouterr().err.strip() == "spec-parity measure: error: --drafter DIR needs --target DIR (the target it drafts for)"
+
+
+@pytest.mark.oracle
+def test_export_writes_a_bf16_sharded_pair_as_case_folders(tmp_path, live_oracle):
+    """`spec-parity export --target T --drafter D`: each case of the pair as a folder (its
+    reference live, the shards copied as they lie), which our own port answers through the file
+    protocol with the arrays request.json names."""
+    from safetensors.numpy import load_file
+
+    from spec_parity import exchange
+
+    live_oracle("dflash")
+    target, drafter = shipped_pair(tmp_path, "dflash", "bfloat16", 2)
+    out = tmp_path / "cases"
+    assert cli.main(["export", "--target", str(target), "--drafter", str(drafter), "--module", "dflash",
+                     "--out", str(out)]) == 0
+    folders = sorted(p.parent for p in out.glob("dflash/*/request.json"))
+    assert folders and all(" " not in f.name for f in folders)
+    case = folders[0]
+    assert sorted(p.name for p in (case / "drafter").glob("*.safetensors")) == sorted(
+        p.name for p in drafter.glob("*.safetensors"))
+    assert exchange.main([str(case), str(tmp_path / "answer")]) == 0
+    answer = load_file(str(tmp_path / "answer" / "outputs.safetensors"))
+    expected = json.loads((case / "request.json").read_text())["expected"]
+    assert {k: (list(v.shape), str(v.dtype)) for k, v in answer.items()} == {
+        k: (e["shape"], e["dtype"]) for k, e in expected.items()}

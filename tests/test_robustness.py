@@ -211,7 +211,18 @@ BAD_INPUTS = [
                                                  "--port-cmd", CMD], ["both answer dflash"]),
     ("bisect --port-cmd without {case}", lambda t: [*_bisect(t), "--case", "qwen3", "--port-cmd", "./my-port {out}"],
      ["must name {case} and {out}"]),
+    ("a shard the target's index names is missing", lambda t: ["run", "--target", str(_shard_missing(t))],
+     ["model.safetensors.index.json", "names shard(s) ['model-00002-of-00002.safetensors']", "download every shard"]),
 ]
+
+
+def _shard_missing(t: Path) -> Path:
+    """The Qwen3 target in two shards with its index, the second shard lost."""
+    from shipped import reshipped
+
+    d = reshipped(checkpoints.build("qwen3-target", 0, {}), t / "sharded", shards=2)
+    (d / "model-00002-of-00002.safetensors").unlink()
+    return d
 
 
 def _set_config(d: Path, key: str, value) -> Path:
