@@ -53,6 +53,9 @@ def make_port() -> ports.Port:
 
 
 def run(req) -> dict:
+    if req.kind not in ("modules", "loop"):
+        raise ports.Declined(f"this adapter answers dspark/modules and dspark/loop; dspark/{req.kind} is not "
+                             "written for dspark-mlx")
     return _loop(req) if req.kind == "loop" else _modules(req)
 
 

@@ -26,7 +26,7 @@ PEERS = [
     ("dflash", "dflash_mlx", "dflash-mlx==0.1.8", "dflash_mlx_adapter", "dflash-mlx 0.1.8",
      ["mod-qwen3", "mod-qwen3-causal", "mod-qwen3-swa", "ext-qwen3"]),
     ("dspark", "dspark_mlx", "dspark-mlx==0.1.0", "dspark_mlx_adapter", "dspark-mlx 0.1.0",
-     ["mod-qwen3", "mod-gemma4-gated", "loop-qwen3-t0.0"]),
+     ["mod-qwen3", "mod-gemma4-gated", "loop-qwen3-t0.0", "sampled-agree0.8-gemma4-T2.0"]),
 ]
 FINDINGS = ("lossless", "stream", "drafts", "schedule")     # a loop row's columns after the first failing check
 
