@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 from pathlib import Path
 
 import numpy as np
@@ -228,11 +229,17 @@ def optiq_generate_step_sampled(target_dir: Path, drafter_dir: Path, prompt: np.
 
 def optiq_sampled_statistics(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, gamma: int, max_tokens: int,
                              temperature: float, seeds: list[int]) -> dict:
-    """`optiq_generate_step_sampled`, per request spec_parity.sampled's token-match statistics."""
-    from spec_parity.sampled import match_statistics
+    """`optiq_generate_step_sampled`, per request spec_parity.sampled's token-match statistics and
+    the first drafting round's end token (its first pass yields the prefill's token, tokens[0])."""
+    from spec_parity.sampled import first_round_end, match_statistics
 
     ref = optiq_generate_step_sampled(target_dir, drafter_dir, prompt, gamma, max_tokens, temperature, seeds)
-    return match_statistics(ref["rounds"], gamma, max_tokens)
+    vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+    first = []
+    for toks, rounds in zip(ref["tokens"], ref["rounds"]):
+        (n, k), end = rounds[0], (int(toks[1 + rounds[0][1]]) if 1 + rounds[0][1] < len(toks) else -1)
+        first.append((n, k, end if end >= 0 else None))
+    return {**match_statistics(ref["rounds"], gamma, max_tokens), **first_round_end(first, vocab)}
 
 
 # ---- transformers (torch) ---------------------------------------------------------------------

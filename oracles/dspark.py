@@ -335,43 +335,50 @@ def loop_sampled(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_ne
     evaluator's `_init_context` / `_propose` / `_update`, so its sampled proposal
     (`build_dspark_proposal` at the temperature: drafts drawn from softmax(logits / T) through the
     Markov head, q = those probabilities) and its rejection-sampling `verify_draft_tokens` — once
-    per seed (`torch.manual_seed(seed)`), the models loaded once. Returns, per run, the tokens
-    ([runs, max_new_tokens], -1 past the end), and the per-round accepted lengths and proposal
-    sizes (flat, with `rounds` [runs] saying how many belong to each run)."""
+    per seed (`torch.manual_seed(seed)`), the models loaded once; its verifications are observed,
+    not changed. Returns the tokens ([runs, max_new_tokens], -1 past the end) and per run the
+    rounds' accepted lengths, proposal sizes and the token each round ends with (its correction or
+    bonus, the verification's `next_token`: the trimmed tokens may not reach it)."""
     import torch
 
     _import()
     from deepspec.eval.base_evaluator import generate_decoding_sample
-    from deepspec.eval.dspark.evaluator import Gemma4DSparkEvaluator, Qwen3DSparkEvaluator
 
     target, m = _models(target_dir, drafter_dir)
-    cls = Gemma4DSparkEvaluator if target.config.model_type == "gemma4_text" else Qwen3DSparkEvaluator
-    ev = object.__new__(cls)
-    ev.draft_model, ev.target_model, ev.confidence_head_recorder = m, target, None
-    ev.args = SimpleNamespace(max_new_tokens=max_new_tokens, temperature=float(temperature),
-                              confidence_threshold=threshold)
+    ev = evaluator(target, m, max_new_tokens, threshold)
+    ev.args.temperature = float(temperature)
     ids = torch.from_numpy(prompt.astype(np.int64))
     tokens = np.full((len(seeds), max_new_tokens), -1, np.int32)
-    accepted, proposed, rounds = [], [], []
+    accepted, proposed, ends, seen = [], [], [], []
+
+    def update(context, verification):
+        seen.append(int(verification.next_token.reshape(-1)[0]))
+        ev._update(context, verification)
+
     for i, seed in enumerate(seeds):
         torch.manual_seed(int(seed))
         res = generate_decoding_sample(target_model=target, input_ids=ids, max_new_tokens=max_new_tokens,
                                        max_proposal_tokens=ev.max_proposal_tokens, temperature=float(temperature),
                                        stop_token_ids=None, init_context=ev._init_context, propose=ev._propose,
-                                       update=ev._update)
+                                       update=update)
         out = res.output_ids[0, res.num_input_tokens:].numpy()
         tokens[i, : len(out)] = out
-        accepted += list(res.accepted_draft_lengths)
-        proposed += list(res.proposal_lengths)
-        rounds.append(len(res.accepted_draft_lengths))
-    return {"tokens": tokens, "accepted": np.array(accepted, np.int32), "proposed": np.array(proposed, np.int32),
-            "rounds": np.array(rounds, np.int32)}
+        accepted.append(list(res.accepted_draft_lengths))
+        proposed.append(list(res.proposal_lengths))
+        ends.append(seen[len(seen) - len(res.accepted_draft_lengths):])
+    return {"tokens": tokens, "accepted": accepted, "proposed": proposed, "ends": ends}
 
 
 def loop_sampled_statistics(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_new_tokens: int,
                             threshold: float, temperature: float, seeds: list[int]) -> dict:
-    """`loop_sampled`, per request the first round's accepted length and its rounds (the arrays
-    spec_parity.sampled compares)."""
+    """`loop_sampled`, per request the arrays spec_parity.sampled compares: the first round's
+    accepted length, the rounds, and the first round's end (`first_round_end`)."""
+    from spec_parity.sampled import first_and_rounds, first_round_end
+
     ref = loop_sampled(target_dir, drafter_dir, prompt, max_new_tokens, threshold, temperature, seeds)
-    starts = np.cumsum(np.r_[0, ref["rounds"][:-1]])
-    return {"sampled.first": ref["accepted"][starts].astype(np.int32), "sampled.rounds": ref["rounds"].astype(np.int32)}
+    vocab = json.loads((Path(target_dir) / "config.json").read_text())["vocab_size"]
+    # DeepSpec decodes while fewer than n + 1 tokens are committed: the first round's end is one of
+    # them where 1 + k <= n (the prefill's token first); past that, as our loop, not reached.
+    first = [(n[0], a[0], e[0] if 1 + a[0] <= max_new_tokens else None)
+             for n, a, e in zip(ref["proposed"], ref["accepted"], ref["ends"])]
+    return {**first_and_rounds(ref["accepted"]), **first_round_end(first, vocab)}

@@ -147,15 +147,19 @@ def accept_rejection(drafts: mx.array, q: mx.array, p: mx.array, u_accept: mx.ar
     u_resample [B] uniforms -> (accepted [B], next token [B])."""
     B, n = drafts.shape
     V = p.shape[-1]
-    if n:
-        idx = drafts[..., None].astype(mx.int32)
-        pd = mx.take_along_axis(p[:, :n], idx, axis=-1)[..., 0]
-        qd = mx.take_along_axis(q, idx, axis=-1)[..., 0]
-        k = _prefix(u_accept * qd < pd)            # u < min(1, p/q); q > 0 where d was drawn
-    else:
-        k = mx.zeros((B,), mx.int32)
+    k = accepted_prefix(drafts, q, p, u_accept) if n else mx.zeros((B,), mx.int32)
     qz = mx.concatenate([q.astype(mx.float32), mx.zeros((B, 1, V), mx.float32)], axis=1)
     return k, sample(residual(_row(p, k), _row(qz, k)), u_resample)
+
+
+def accepted_prefix(drafts: mx.array, q: mx.array, p: mx.array, u: mx.array) -> mx.array:
+    """The acceptance test of the rejection rule: how many drafts [B, n] pass u_i < min(1, p_i/q_i)
+    at their token (p's first n rows; q > 0 where d was drawn) before the first that fails."""
+    n = drafts.shape[1]
+    idx = drafts[..., None].astype(mx.int32)
+    pd = mx.take_along_axis(p[:, :n], idx, axis=-1)[..., 0]
+    qd = mx.take_along_axis(q, idx, axis=-1)[..., 0]
+    return _prefix(u * qd < pd)
 
 
 def residual(p: mx.array, q: mx.array) -> mx.array:

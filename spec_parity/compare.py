@@ -130,7 +130,8 @@ def _brief(m) -> str:
     if not isinstance(m, dict):
         return str(m)
     keys = ("versions", "identity", "exposed", "ok", "max_abs", "max_rel", "mismatch", "mismatch_pct", "first_mismatch", "cosine",
-            "nmse", "max_ulp", "budget", "first_divergence", "equal", "agree", "kl_max")
+            "nmse", "max_ulp", "budget", "first_divergence", "equal", "agree", "kl_max", "p", "alpha",
+            "detectable_bias", "sees", "residual", "bonus", "acceptance")
     return ", ".join(f"{k}={_fmt(m[k])}" for k in keys if k in m)
 
 

@@ -161,6 +161,11 @@ SAMPLED_OPTIONS = {
 }
 
 
+SAMPLED_END = Quantity("sampled.end", "[runs]", "int32", "the token the first drafting round ends with: the "
+                       "correction's id, V + the bonus's id after a full accept, 2V where the request stops "
+                       "before it (V the vocabulary)", True)
+
+
 def _sampled(module: str, returns: tuple[Quantity, ...]) -> Protocol:
     return Protocol(module, "sampled", "the serve loop at T > 0, once per seed: per request a few small integers, "
                     "compared as distributions with the reference's sampled loop (two-sample chi-square)",
@@ -238,9 +243,10 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
                                     "accepted length", True),
                            Quantity("sampled.second", "[runs]", "int32", "the second round's accepted length", True),
                            Quantity("sampled.rounds_to_M", "[runs]", "int32", "rounds to commit max_tokens - gamma - 1 "
-                                    "tokens (the prefill's counts)", True))),
+                                    "tokens (the prefill's counts)", True), SAMPLED_END)),
     _sampled("dspark", (Quantity("sampled.first", "[runs]", "int32", "each request's first-round accepted length", True),
-                        Quantity("sampled.rounds", "[runs]", "int32", "each request's verify rounds", True))),
+                        Quantity("sampled.rounds", "[runs]", "int32", "each request's verify rounds", True),
+                        SAMPLED_END)),
     Protocol("dflash", "extension", "the DSpark-on-DFlash extension (no reference: L3; its heads: DeepSpec's), extras on, at T=0",
              {**DFLASH_SCALES, "extension": "true: the case is the extension's (its kind says so too)",
               **PROMPT_LEN, "max_tokens": "tokens to generate",

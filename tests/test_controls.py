@@ -57,7 +57,7 @@ def test_every_case_names_a_registered_control():
 
 def test_unknown_controls_are_refused_with_the_known_ones():
     with pytest.raises(controls.ControlError, match=r"no control 'nope' in spec_parity/controls/sampling.py; "
-                                                    r"known: \['residual_skipped'"):
+                                                    r"known: \['accept_inverted'"):
         controls.get("sampling", "nope")
     with pytest.raises(controls.ControlError, match="unknown control module 'ports'"):
         controls.registry("ports")

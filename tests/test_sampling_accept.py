@@ -2,7 +2,8 @@
 `accept_rejection`, the functions the loop calls, with a batch axis) driving 2 x 10^5
 independent streams at once over a small Markov-chain "target" and "drafter" (vocab 8, gamma 2,
 first 4 tokens), against the chain's exact distribution (tests/stats.py): well under a second
-per test. All three controls (spec_parity/controls/sampling.py) are rejected here."""
+per test. Every control (spec_parity/controls/sampling.py) is rejected here, in each mode whose rule
+it changes."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from port import sampling
 from spec_parity import harness
 from spec_parity.controls import planted, registry
+from spec_parity.controls.sampling import MODES
 
 from stats import assert_lossless, assert_rejected, stat_tests
 
@@ -120,9 +122,9 @@ def test_acceptance_rule_is_lossless_on_a_chain(name):
     assert_lossless(res, {"*": CHAIN_MAX_BIAS}, f"chain {name} ({time.perf_counter() - t0:.2f}s)")
 
 
-@pytest.mark.parametrize("bug", sorted(registry("sampling")))
-def test_acceptance_rule_controls_are_rejected_on_a_chain(bug):
+@pytest.mark.parametrize("bug,mode", [(b, m) for b in sorted(registry("sampling")) for m in MODES[b]])
+def test_acceptance_rule_controls_are_rejected_on_a_chain(bug, mode):
     sampler = sampling.Sampler(0.7)       # != 1, so the temperature bug has something to drop
     with planted("sampling", bug):
-        res = _chain_tests(sampler, "rejection", seed=7)
-    assert_rejected(res, f"chain control {bug}")
+        res = _chain_tests(sampler, mode, seed=7)
+    assert_rejected(res, f"chain control {bug} ({mode})")

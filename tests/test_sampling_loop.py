@@ -11,7 +11,7 @@ without drafting."""
 import pytest
 
 from port import sampling, serve
-from spec_parity.controls import planted, registry
+from spec_parity.controls import planted
 
 from sampling_setup import BANNED, GAMMA, PROCESSORS, SOURCES, e2e_tests, setup
 from stats import assert_lossless, assert_rejected
@@ -25,6 +25,12 @@ SMOKE_N = 200
 # target's own head and its q is ~p wherever the two overlap, so a skipped residual barely moves
 # its output there (not rejected at 2500 requests); on the random pair it does.
 CONTROLS = [("agreeing", "dspark", 400), ("random", "dflash", 800), ("random", "dflash-extras", 800)]
+# The rejection rule's controls these first tokens see. Not the bonus ones: a full accept's bonus
+# falls inside them too rarely (bonus_wrong_row: min p 0.29, 0.064, 0.020 on the three setups at
+# these N; bonus_greedy 0.29 on the agreeing one); the chain tests (tests/test_sampling_accept.py)
+# and the pairs' sampled cases (their first round's end token) reject those.
+LOOP_BUGS = ("residual_skipped", "residual_unnormalized", "accept_wrong_row", "accept_inverted",
+             "target_no_temperature")
 
 
 E2E_CASES = [("agreeing", None, "match")] + [("agreeing", s, m) for s in SOURCES for m in sampling.MODES] + [
@@ -52,7 +58,7 @@ def test_speculative_output_distribution_smoke(source):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("setup_name,source,N", CONTROLS, ids=[f"{c[0]}-{c[1]}" for c in CONTROLS])
-@pytest.mark.parametrize("bug", sorted(registry("sampling")))
+@pytest.mark.parametrize("bug", LOOP_BUGS)
 def test_loop_controls_are_rejected(bug, setup_name, source, N):
     with planted("sampling", bug):
         res, _, label = e2e_tests(setup_name, source, "rejection", N, seed0=2000)

@@ -8,7 +8,7 @@ from oracles.layers import as_numpy, mlx_recorded
 
 from ..checks import layer_feeds
 from ..protocol import Request
-from ..sampled import match_statistics
+from ..sampled import first_round_end, match_statistics
 from . import loop
 
 CONVENTIONS = {
@@ -105,6 +105,8 @@ def run_sampled(req: Request) -> dict:
     from port.sources.assistant import AssistantProvider
 
     o, dt = req.options, getattr(mx, req.dtype)
-    traces = loop.seeded_traces(targets.load(req.target, dt), req.prompt, o["max_tokens"],
-                                AssistantProvider(req.drafter, dtype=dt), o["gamma"], o)
-    return match_statistics([[(d, a) for d, a, _ in t] for t in traces], o["gamma"], o["max_tokens"])
+    target = targets.load(req.target, dt)
+    requests = loop.seeded_requests(target, req.prompt, o["max_tokens"], AssistantProvider(req.drafter, dtype=dt),
+                                    o["gamma"], o)
+    return {**match_statistics([[(d, a) for d, a, _ in t] for _, t in requests], o["gamma"], o["max_tokens"]),
+            **first_round_end([loop.first_round(*r) for r in requests], target.config["vocab_size"])}

@@ -8,7 +8,7 @@ from oracles.layers import as_numpy, mlx_recorded
 
 from ..checks import layer_feeds
 from ..protocol import Request
-from ..sampled import first_and_rounds
+from ..sampled import first_and_rounds, first_round_end
 from . import loop
 
 
@@ -59,7 +59,7 @@ def run(req: Request) -> dict:
 
 def sampled(target, req: Request) -> dict:
     """Our loop in rejection mode at the temperature, once per seed: per request the first round's
-    accepted length and its rounds (spec_parity.sampled)."""
+    accepted length, its rounds and the first round's end token (spec_parity.sampled)."""
     import mlx.core as mx
 
     from port.sources.dspark import DeepspecProvider
@@ -67,6 +67,7 @@ def sampled(target, req: Request) -> dict:
     o = req.options
     provider = DeepspecProvider(req.drafter, o["threshold"], dtype=getattr(mx, req.dtype))
     # DeepSpec runs a round while fewer than n + 1 tokens are committed, then trims to n.
-    traces = loop.seeded_traces(target, req.prompt, o["max_new_tokens"] + 1, provider, provider.trained_gamma, o,
-                                mode="rejection")
-    return first_and_rounds([[a for _, a, _ in t] for t in traces])
+    requests = loop.seeded_requests(target, req.prompt, o["max_new_tokens"] + 1, provider, provider.trained_gamma, o,
+                                    mode="rejection")
+    return {**first_and_rounds([[a for _, a, _ in t] for _, t in requests]),
+            **first_round_end([loop.first_round(*r) for r in requests], target.config["vocab_size"])}

@@ -59,12 +59,24 @@ def run(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, eos: 
     return out
 
 
-def seeded_traces(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, options: dict,
-                  mode: str = "match") -> list[list[tuple[int, int, int]]]:
+def seeded_requests(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, options: dict,
+                    mode: str = "match") -> list[tuple[list[int], list[tuple[int, int, int]]]]:
     """A sampled case's requests: our loop at options["temperature"], EOS off, once per seed from
-    options["seed0"] (options["runs"] of them); each request's trace (drafted, accepted, emitted)."""
+    options["seed0"] (options["runs"] of them); each request's tokens and trace (drafted, accepted,
+    emitted)."""
     from port import sampling, serve
 
     seeds = range(options["seed0"], options["seed0"] + options["runs"])
-    return [serve.generate(target, prompt[0].tolist(), max_tokens, provider, gamma=gamma, eos=set(), mode=mode,
-                           sampler=sampling.Sampler(options["temperature"], seed=seed))[1].trace for seed in seeds]
+    out = []
+    for seed in seeds:
+        tokens, stats = serve.generate(target, prompt[0].tolist(), max_tokens, provider, gamma=gamma, eos=set(),
+                                       mode=mode, sampler=sampling.Sampler(options["temperature"], seed=seed))
+        out.append((tokens, stats.trace))
+    return out
+
+
+def first_round(tokens: list[int], trace: list[tuple[int, int, int]]) -> tuple[int, int, int | None]:
+    """The first drafting round's (drafted, accepted, the token it ends with or None where the
+    request stopped before it): the prefill's token is tokens[0]."""
+    n, k, _ = trace[0]
+    return n, k, tokens[1 + k] if 1 + k < len(tokens) else None

@@ -96,13 +96,15 @@ def loop_case(head: str, gamma: int, drafter: str = "random", control: str | Non
 # token match): the agreeing pair at vocab 64 with the target's final softcap off (optiq samples the
 # raw logits, docs/references.md), T = 3, 2 drafts a round, 10 tokens, 1000 requests a side, on the
 # prompt whose first token is the flattest; each statistic at sampled.FAMILY_ALPHA with the power to
-# see a bias of 0.33. Control: the verify sampling the target at T = 1 (p ~1e-139). The bonus token
-# dropped is not one here: it moves these statistics too little at 1000 requests (measured p 0.18,
-# 0.20, 0.54 on the seeds of the case); the T = 0 loop control `...-control-bonus` catches it.
+# see a bias of 0.33. The accepted lengths and rounds see the acceptance test; the first round's end
+# token sees the correction and the bonus too. The controls (spec_parity/controls/sampling.py), one
+# or more of each rule-bug family in its token-match form (the rule has no residual: its correction
+# is the draw that rejected the draft), their p in docs/serve.md.
 SMALL = {"vocab_size": 64, "num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"]}
 SAMPLED_TARGET = {**SMALL, "vocab_size_per_layer_input": 64, "hidden_size": 64, "final_logit_softcapping": None}
 SAMPLED_DRAFTER = {"agree_frac": 0.8, "backbone_hidden_size": 64, "text_config": {**SMALL, "hidden_size": 16}}
-SAMPLED_CONTROLS = {"target_no_temperature": "sampling"}
+SAMPLED_STATS = ("first", "second", "rounds_to_M", "end")
+SAMPLED_CONTROLS = ("correction_redrawn", "bonus_wrong_row", "accept_wrong_row", "target_no_temperature")
 
 
 def sampled_cases() -> list[Case]:
@@ -110,8 +112,8 @@ def sampled_cases() -> list[Case]:
                               drafter=("gemma4-assistant-agreeing", 0, SAMPLED_DRAFTER))
     base = Case(NAME, "sampled-agreeing-T3.0", "L2", "gemma4-target-agreeing", 0, SAMPLED_TARGET, params,
                 oracle="optiq")
-    return [base] + [replace(base, name=f"{base.name}-control-{bug}", control=controls.case_control(m, bug, base.name))
-                     for bug, m in SAMPLED_CONTROLS.items()]
+    return [base] + [replace(base, name=f"{base.name}-control-{bug}",
+                             control=controls.case_control("sampling", bug, base.name)) for bug in SAMPLED_CONTROLS]
 
 
 def cases() -> list[Case]:
@@ -197,7 +199,7 @@ def feeds(case: Case, ref: dict) -> dict:
 def plan(case: Case, ref: dict) -> Plan:
     if isinstance(case.params, AssistantSampled):
         return Plan([Distribution(stat, P(f"sampled.{stat}"), R(f"sampled.{stat}"), FAMILY_ALPHA, max_bias=0.33)
-                     for stat in ("first", "second", "rounds_to_M")])
+                     for stat in SAMPLED_STATS])
     if isinstance(case.params, AssistantLoop):
         eos = {case.params.eos}
         return serve_loop("optiq", case.params.max_tokens, eos, ref_drop=eos, greedy_drop=eos,

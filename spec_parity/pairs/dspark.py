@@ -6,8 +6,9 @@ confidence logits, the prefix length at several thresholds (0 tokens included) a
 Loop cases run our serve loop with the DeepspecSource against DeepSpec's own T=0 decoding loop:
 token stream, per-round proposal sizes, accepted lengths and draft tokens, and tau; and hold our
 stream to the target's plain greedy one. The sampled case holds the distribution of our loop's
-accepted lengths and rounds at T > 0 to DeepSpec's sampled loop (spec_parity/sampled.py). DeepSpec's DFlash variant (Markov rank 0, no confidence
-head) runs through the same port by config.
+accepted lengths, rounds and first-round end token at T > 0 to DeepSpec's sampled loop
+(spec_parity/sampled.py). DeepSpec's DFlash variant (Markov rank 0, no confidence head) runs through
+the same port by config.
 """
 
 from __future__ import annotations
@@ -57,9 +58,13 @@ AGREEING = [("gemma4", 1.0, 0.0), ("gemma4", 0.8, 0.0), ("gemma4-keqv", 0.8, 0.5
 
 # T > 0 against DeepSpec's rejection-sampling loop (`generate_decoding_sample`): the agreeing pair at
 # T = 2, confidence threshold 0.5, 5 tokens a request, 600 requests a side, each statistic at
-# sampled.FAMILY_ALPHA. The control: our verify sampling the target at T = 1
-# (spec_parity/controls/sampling.py).
+# sampled.FAMILY_ALPHA: the first round's accepted length and the rounds (they see the acceptance
+# test) and the first round's end token (it sees the correction and the bonus too). The controls
+# (spec_parity/controls/sampling.py), one or more of each rule-bug family, their p in docs/serve.md.
 SAMPLED = DsparkSampled(prompt_len=12, max_new_tokens=5, threshold=0.5, temperature=2.0, runs=600)
+SAMPLED_STATS = ("first", "rounds", "end")
+SAMPLED_CONTROLS = ("residual_skipped", "residual_unnormalized", "bonus_wrong_row", "accept_inverted",
+                    "target_no_temperature")
 
 # Planted bugs (spec_parity/controls/dspark.py) and the case that must catch each.
 CONTROLS = {
@@ -90,8 +95,9 @@ def cases() -> list[Case]:
     out += [_case(f"loop-agree{f}-{v}-t{t}", v, DsparkLoop(prompt_len=12, max_new_tokens=32, threshold=t), f)
             for v, f, t in AGREEING]
     sampled = _case(f"sampled-agree0.8-gemma4-T{SAMPLED.temperature}", "gemma4", SAMPLED, 0.8)
-    out += [sampled, replace(sampled, name=f"{sampled.name}-control-target_no_temperature",
-                             control=controls.case_control("sampling", "target_no_temperature", sampled.name))]
+    out += [sampled] + [replace(sampled, name=f"{sampled.name}-control-{bug}",
+                                control=controls.case_control("sampling", bug, sampled.name))
+                        for bug in SAMPLED_CONTROLS]
     by_name = {c.name: c for c in out}
     for bug, base in CONTROLS.items():
         b = by_name[base]
@@ -145,7 +151,7 @@ MODULE_TENSORS = [("taps", "taps"), ("context", "context"), ("block_hidden", "bl
 def plan(case: Case, ref: dict) -> Plan:
     if isinstance(case.params, DsparkSampled):
         return Plan([Distribution(stat, P(f"sampled.{stat}"), R(f"sampled.{stat}"), FAMILY_ALPHA)
-                     for stat in ("first", "rounds")])
+                     for stat in SAMPLED_STATS])
     if isinstance(case.params, DsparkLoop):
         # DeepSpec decodes while fewer than n + 1 tokens are committed, then trims to n.
         return serve_loop("DeepSpec", case.params.max_new_tokens + 1, set(), greedy_prefix=True,
