@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .compare import as_expected
+from .compare import PARTIAL_EXIT, as_expected
 
 GOOD, BAD, SKIP = 0, 1, 125
 # -P (3.11+): the interpreter does not put its cwd first on sys.path, so only PYTHONPATH decides.
@@ -37,13 +37,13 @@ class BadInput(Exception):
 
 def classify(returncode: int, report: Path, case: str, stderr: str = "") -> tuple[int, str]:
     """A `spec-parity run` subprocess's outcome as git bisect's exit code, with the reason."""
-    if returncode not in (0, 1) or not report.exists():
+    if returncode not in (0, 1, PARTIAL_EXIT) or not report.exists():
         lines = [x for x in re.split(r"[\r\n]", stderr) if x.strip()]
         return SKIP, f"no verdict (exit {returncode}): {lines[-1].strip() if lines else 'no output'}"
     rows = json.loads(report.read_text())["results"]
     bad = [r for r in rows if not as_expected(r["verdict"], r["expected"])]
     if not bad:
-        return (GOOD, "as expected") if returncode == 0 and rows else (SKIP, f"exit {returncode}, no unexpected verdict")
+        return (GOOD, "as expected") if returncode in (0, PARTIAL_EXIT) and rows else (SKIP, f"exit {returncode}, no unexpected verdict")
     r = next((r for r in bad if r["case"] == case), bad[0])
     reason = f"{r['module']}/{r['case']} {r['verdict']} (expected {r['expected']}): {r['reason'] or 'no reason given'}"
     return (SKIP if r["verdict"] == "ERROR" and IMPORT_FAILURE.search(r["reason"]) else BAD), reason

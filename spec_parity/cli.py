@@ -166,8 +166,9 @@ def _run(args) -> int:
     print(report.table(rows))
     out = Path(args.out)
     report.write(out, rows, header)
-    print(_summary(rows, tuple(args.require or ()), out))
-    return _exit_status(rows, tuple(args.require or ()))
+    require = (args.require,) if args.require else ()
+    print(_summary(rows, require, out))
+    return _exit_status(rows, require)
 
 
 def _unexpected(rows: list, require: tuple[str, ...]) -> list:
@@ -190,7 +191,7 @@ def _summary(rows: list, require: tuple[str, ...], out: Path) -> str:
     seen = {id(r) for r in bad}
     apart = {v: [r for r, _ in rows if r.verdict == v and id(r) not in seen] for v in (compare.PARTIAL, "DELTA", "DECLINED")}
     words = {compare.PARTIAL: "passed only what the port exposes (PASS-PARTIAL: checks not run, each named in "
-             "the report; `--require internals` fails them)",
+             f"the report; exit {compare.PARTIAL_EXIT}: `--require outputs` accepts them, `--require internals` fails them)",
              "DELTA": "explained by a known reference delta (docs/references.md)", "DECLINED": "declined by the port"}
     lines = [f"\n{len(rows) - len(bad) - sum(map(len, apart.values()))}/{len(rows)} as expected (controls must FAIL)"
              + "".join(f", {len(rs)} {words[v]}" for v, rs in apart.items() if rs) + f"; reports in {out}/"]
@@ -202,8 +203,12 @@ def _summary(rows: list, require: tuple[str, ...], out: Path) -> str:
 
 
 def _exit_status(rows: list, require: tuple[str, ...]) -> int:
-    """1 on any unexpected verdict, or when a plug-in port checked nothing; else 0."""
-    return 1 if _unexpected(rows, require) or _silent_ports(rows) else 0
+    """1 on any unexpected verdict, or when a plug-in port checked nothing; compare.PARTIAL_EXIT when a
+    pass left checks unrun and the run does not accept it; else 0."""
+    if _unexpected(rows, require) or _silent_ports(rows):
+        return 1
+    partial = any(r.verdict == compare.PARTIAL for r, _ in rows)
+    return compare.PARTIAL_EXIT if partial and "outputs" not in require else 0
 
 
 def cmd_export(args) -> int:
@@ -414,8 +419,10 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run the parity matrix; non-zero exit on any unexpected verdict",
                          description="Run the parity matrix: each case's port against its reference at "
-                         "its tier. Exit 0 when every verdict is as expected (controls must FAIL), 1 "
-                         "otherwise, 2 on bad input (a one-line message naming it and the fix).")
+                         "its tier. Exit 0 when every verdict is as expected (controls must FAIL) and every "
+                         "check ran, 4 when as expected but a plug-in port's pass left checks unrun "
+                         "(PASS-PARTIAL; see --require), 1 otherwise (or when a plug-in port answered no case), "
+                         "2 on bad input (a one-line message naming it and the fix).")
     run.add_argument("--module", choices=harness.PAIRS,
                      help="only this module's cases (default: every module)")
     run.add_argument("--case", help="only the case of this name, or the cases sharing this golden "
@@ -441,10 +448,11 @@ def main(argv=None) -> int:
                      f"process group is killed and the case reads ERROR (default: {exchange.TIMEOUT_S:g})")
     run.add_argument("--port-id", metavar="NAME", help="--port-cmd: the port's name in the report (default: "
                      "port-cmd; its identity also hashes every argument of CMD that is a file)")
-    run.add_argument("--require", action="append", choices=("internals",),
-                     help="internals: a PASS-PARTIAL (a port that passed every check it exposed arrays for, "
-                     "but left optional quantities out, so some checks did not run) is an unexpected verdict, "
-                     "exit 1 (default: PASS-PARTIAL is counted apart, exit 0)")
+    run.add_argument("--require", choices=("outputs", "internals"),
+                     help="what a pass must have checked. A PASS-PARTIAL (a port that passed every check it "
+                     "exposed arrays for, but left optional quantities out, so some checks did not run) is "
+                     f"counted apart and the run exits {compare.PARTIAL_EXIT} (not green) by default; outputs: it "
+                     "counts as a pass, exit 0; internals: it is an unexpected verdict, exit 1")
     run.add_argument("--debug", default=argparse.SUPPRESS, **debug)
     run.set_defaults(fn=cmd_run)
     ex = sub.add_parser("export", help="write each case as a folder for an out-of-process port (--port-cmd)")

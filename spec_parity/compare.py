@@ -110,6 +110,11 @@ def coverage_text(c: dict) -> str:
                    if c.get("blocked") else "")
 
 
+PARTIAL_EXIT = 4
+"""`spec-parity run`'s exit status when every verdict is as expected but some passed only on what
+the port exposes (PASS-PARTIAL): not green, not a failure; `--require outputs` accepts it (exit 0)."""
+
+
 def as_expected(verdict: str, expect: str, require: tuple[str, ...] = ()) -> bool:
     """Whether a verdict is the one a case expects. PASS-PARTIAL stands for PASS unless the run
     requires the internals (`--require internals`)."""

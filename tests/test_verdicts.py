@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from spec_parity import cli, controls, harness, ports, protocol
+from spec_parity import cli, compare, controls, harness, ports, protocol
 from spec_parity.budgets import budget_for
 
 QWEN3 = "targets/qwen3"
@@ -81,20 +81,25 @@ def _cli(monkeypatch, tmp_path, factory, *extra):
                      str(tmp_path / factory), "--port", f"targets=wrapped_ports:{factory}", *extra])
 
 
-def test_require_internals_fails_a_pass_partial(monkeypatch, tmp_path, capsys):
+def test_a_pass_partial_is_not_green_unless_required_so(monkeypatch, tmp_path, capsys):
+    """PASS-PARTIAL exits 4 by default (counted apart: not green), 0 under --require outputs, 1
+    under --require internals; a port that exposes everything exits 0 under each."""
     import json
 
-    assert _cli(monkeypatch, tmp_path, "public") == 0
+    assert _cli(monkeypatch, tmp_path, "public") == compare.PARTIAL_EXIT
     out = capsys.readouterr().out
     assert "0/1 as expected (controls must FAIL), 1 passed only what the port exposes (PASS-PARTIAL" in out
     row = json.loads((tmp_path / "public" / "report.json").read_text())["results"][0]
     assert row["verdict"] == "PASS-PARTIAL" and row["coverage"]["checked"] == ["logits", "stream"]
     assert "final" in row["coverage"]["not_exposed"]
     assert "| PASS-PARTIAL | 2/" in (tmp_path / "public" / "report.md").read_text()
+    assert _cli(monkeypatch, tmp_path, "public", "--require", "outputs") == 0
+    capsys.readouterr()
     assert _cli(monkeypatch, tmp_path, "public", "--require", "internals") == 1
     assert "0/1 as expected" in capsys.readouterr().out
-    assert _cli(monkeypatch, tmp_path, "full", "--require", "internals") == 0     # the control
-    assert "1/1 as expected" in capsys.readouterr().out
+    for require in ((), ("--require", "outputs"), ("--require", "internals")):     # the control
+        assert _cli(monkeypatch, tmp_path, "full", *require) == 0
+        assert "1/1 as expected" in capsys.readouterr().out
 
 
 def test_a_port_that_declines_every_case_is_not_green(monkeypatch, tmp_path, capsys):
