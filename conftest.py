@@ -38,6 +38,9 @@ def pytest_addoption(parser):
     parser.addoption("--port", action="append", default=[], metavar="MODULE=SPEC",
                      help="run MODULE's parity cases on another port (pkg.module:make_port or a registered name)")
     parser.addoption("--port-cmd", metavar="CMD", help='a port in any language: "CMD {case} {out}" per case')
+    parser.addoption("--require", choices=("outputs", "internals"),
+                     help="what a parity case's pass must have checked, as `spec-parity run --require`: a "
+                          "PASS-PARTIAL fails unless `outputs`; `internals` fails it too with the checks not run")
 
 
 def pytest_configure(config):
@@ -154,6 +157,13 @@ def pytest_sessionstart(session):
             continue
         seen.add((case.module, case.golden_name))
         harness.regen(case)
+
+
+@pytest.fixture
+def require(request) -> tuple[str, ...]:
+    """--require, as harness.check reads it."""
+    value = request.config.getoption("--require")
+    return (value,) if value else ()
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import checks, controls, deltas, goldens, ports, protocol, shared
 from .case import Case
-from .compare import Result, as_expected
+from .compare import PARTIAL, Result, as_expected
 from .pairs import assistant, dflash, dspark, targets
 
 PAIRS = {p.NAME: p for p in (targets, assistant, dspark, dflash)}
@@ -216,15 +216,18 @@ def evaluate(case: Case, source: str = "auto") -> Result:
     return result
 
 
-def check(case: Case, result: Result) -> None:
-    """The test-side verdict: a case must pass (PASS-PARTIAL counts: `spec-parity run --require
-    internals` is the strict reading), a negative control must be caught; a case a plug-in port
-    declines is skipped with its reason."""
+def check(case: Case, result: Result, require: tuple[str, ...] = ()) -> None:
+    """The test-side verdict, read as `spec-parity run --require` reads it: a case must pass, a
+    negative control must be caught; a PASS-PARTIAL fails unless `require` holds "outputs" (it is
+    not green: checks did not run); a case a plug-in port declines is skipped with its reason."""
     if result.verdict == "DECLINED":
         import pytest
 
         pytest.skip(result.reason)
-    if not as_expected(result.verdict, case.expect):
+    if result.verdict == PARTIAL and not require:
+        raise AssertionError(f"passed only what the port exposes, checks not run (--require outputs accepts "
+                             f"it, --require internals fails it):\n{result.message()}")
+    if not as_expected(result.verdict, case.expect, require):
         lead = "negative control was not caught" if case.control else "parity failed"
         raise AssertionError(f"{lead}:\n{result.message()}")
 

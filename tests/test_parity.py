@@ -31,20 +31,20 @@ def _tf515(case) -> tuple:
     return (pytest.mark.tf515,) if case.module == "dflash" and case.oracle == dflash.TORCH else ()
 
 
-def _check(case, result):
-    harness.check(case, result)
+def _check(case, result, require):
+    harness.check(case, result, require)
     if case.control and "layer" in case.control:
         assert result.metrics["layers"]["first_divergent_layer"] == case.control["layer"], result.message()
 
 
 @pytest.mark.golden
 @pytest.mark.parametrize("case", _params(lambda case: case.module))
-def test_vs_golden(case):
-    _check(case, harness.evaluate(case, "golden"))
+def test_vs_golden(case, require):
+    _check(case, harness.evaluate(case, "golden"), require)
 
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("case", _params(lambda case: (case.module, case.oracle), _tf515, harness.runs_live))
-def test_vs_live(case, live_oracle):
+def test_vs_live(case, live_oracle, require):
     live_oracle(case.module, case.oracle)
-    _check(case, harness.evaluate(case, "live"))
+    _check(case, harness.evaluate(case, "live"), require)

@@ -71,3 +71,18 @@ def test_a_port_spec_that_cannot_load_is_a_one_line_usage_error():
     assert done.returncode == 4, done.stdout + done.stderr      # pytest's usage error
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "port 'nosuch:make_port' cannot be imported" in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("require, rc", [((), 1), (("--require", "outputs"), 0), (("--require", "internals"), 1)])
+def test_a_pass_partial_is_not_green_under_pytest(require, rc):
+    """A port that returns only the public outputs passes them, but its parity test fails unless
+    --require outputs accepts it, as `spec-parity run` exits 4 unless told so."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0",
+                           f"{PARITY}::test_vs_golden[dflash/mod-qwen3]", "--port",
+                           "dflash=tests.wrapped_port:public_only", *require], capture_output=True, text=True, cwd=ROOT,
+                          env=env)
+    out = done.stdout + done.stderr
+    assert done.returncode == rc, out
+    if rc:
+        assert ("passed only what the port exposes" if not require else "parity failed") in out
