@@ -162,10 +162,11 @@ async function assistantStep(lib: Lib, req: any, dir: string, inputs: Inputs): P
     hidden = step.nextHidden;
   }
   // The own-error run: step 0 again, each layer i >= 1 fed the reference's layer.{i-1}.
+  const layers = Object.keys(out).filter((n) => n.startsWith("layer.")).length;
   const ref = (i: number) => inputs[`layer.${i}`];
-  if (ref(0)) {
-    const feed = [undefined, ...Object.keys(out).filter((n) => n.startsWith("layer."))
-      .slice(1).map((_, i) => MlxArray.fromFloat32(ref(i)!.data as Float32Array, [1, 1, ref(i)!.shape[1]!]))];
+  if (ref(layers - 2)) {
+    const fed = (a: Arr) => MlxArray.fromFloat32(a.data as Float32Array, [1, 1, a.shape[1]!]);
+    const feed = [undefined, ...Array.from({ length: layers - 1 }, (_, i) => fed(ref(i)!))];
     drafter.taps = { feed, layers: [], scores: null, candidates: null };
     drafter.forward(embed(step0.token), step0.hidden, shared, position);
     drafter.taps.layers.forEach((h: any, i: number) => {
@@ -177,10 +178,10 @@ async function assistantStep(lib: Lib, req: any, dir: string, inputs: Inputs): P
 }
 
 /** assistant/loop: specGenerate, mlx-bun's serve loop, at T=0. */
-async function assistantLoop(lib: Lib, req: any, dir: string): Promise<Inputs> {
+async function assistantLoop(lib: Lib, req: any, dir: string, inputs: Inputs): Promise<Inputs> {
   const model = await loadTarget(lib, join(dir, "target"));
   const drafter = await lib.drafter.GemmaAssistantDrafter.load(join(dir, "drafter"));
-  const prompt = Array.from(readSafetensors(join(dir, "inputs.safetensors")).prompt!.data);
+  const prompt = Array.from(inputs.prompt!.data);
   const o = req.options;
   const res = lib.generate.specGenerate(model, drafter, prompt, {
     gamma: o.gamma, maxTokens: o.max_tokens, eosTokenIds: o.eos < 0 ? [] : [o.eos],
@@ -203,7 +204,7 @@ async function answer(caseDir: string, req: any): Promise<Inputs> {
   process.env.MLX_BUN_FUSED_GELU ??= "0";
   const lib = await mlxBun(root);
   if (req.module === "assistant" && req.kind === "step") return assistantStep(lib, req, caseDir, inputs);
-  if (req.module === "assistant" && req.kind === "loop") return assistantLoop(lib, req, caseDir);
+  if (req.module === "assistant" && req.kind === "loop") return assistantLoop(lib, req, caseDir, inputs);
   if (req.module === "targets") {
     await loadTarget(lib, join(caseDir, "target"));
     throw new Declined("the shim runs no target forward yet");
