@@ -6,7 +6,7 @@ the fixes the doc proposes applied must PASS, so the recorded FAIL is the two fi
 shim that cannot pass.
 
 Skips with one line where a tool (npm, cmake, a C++ compiler) or a tree is missing; `tox -e
-mlx-bun` sets the trees to ../shared/references where they lie.
+mlx-bun` takes the trees from shared/references beside the checkout where they lie.
 """
 
 from __future__ import annotations
