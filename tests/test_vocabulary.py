@@ -31,8 +31,9 @@ REFERENCES = re.compile(r"\bREFERENCES\.md\b")   # case matters: docs/references
 CITED = re.compile(r"(?<![\w/.])((?:docs|benchmarks)/[\w.-]+\.(?:md|json|log))\b")
 PLACEHOLDER = "docs/foo.md"   # README's "add a pair" names the files a new pair adds
 
-# CI's own script finds DeepSpec in the folder CI lays beside the clone; nothing a user reads.
-EXEMPT = {".ci/run": "../shared"}
+# CI's script and the mlx-bun tox env find the sources CI lays beside the clone (DeepSpec, mlx-bun,
+# mlx-c) there by default; nothing a user reads.
+EXEMPT = {".ci/run": "../shared", "tox.ini": "../shared"}
 CITES_MISSING: dict[str, str] = {}
 # `docs/x.md "Title"` or `[x.md](x.md), "Title"`: a section cited by its title.
 SECTION = re.compile(r'(?:docs/)?\b([\w-]+\.md)\]?(?:\([^)]*\))?,? "([^"\n]+)"')
