@@ -1,0 +1,167 @@
+"""mlx-vlm 0.7.10 (PyPI, Blaizzy) behind spec-parity's protocols dflash/modules, dspark and assistant.
+
+An example of checking a third-party port through the plug-in seam, never part of spec-parity:
+
+    pip install --no-deps --target /tmp/vlm-peers mlx-vlm==0.7.10 requests urllib3 charset-normalizer
+    PYTHONPATH=$PWD:$PWD/examples:/tmp/vlm-peers python -m spec_parity.cli run --module dflash \\
+        --port dflash=mlx_vlm_adapter:make_port --source golden
+
+mlx-vlm declares transformers>=5.14 and its media stack; its drafters import neither at load
+(mlx_vlm/__init__ -> utils imports requests, hence the three small packages), so it goes in
+`--no-deps` beside transformers 5.12.1.
+
+Every drafter is loaded as mlx-vlm loads one: `mlx_vlm.utils.load_model` on the case's
+checkpoint, which picks the drafter package and its config class from config.json
+(`utils.get_model_type`: a `dflash_config` makes a Qwen3 checkpoint `qwen3_dflash`). The target
+is the case's mlx-lm checkpoint (mlx-vlm's own models are multimodal; its DFlash drafter binds to
+any model with `embed_tokens`, `DFlashDraftModel.bind`), run by spec-parity's mlx-lm target
+(port.targets, which the targets pair holds to transformers); the taps are its layer outputs
+`hidden[l + 1]`, as mlx-vlm's round loop captures them (speculative/dflash.py).
+
+dflash/modules runs the forced-commit rounds with mlx-vlm's calls: `draft_block` (its greedy
+block, the sampler an argmax) on the new context rows and its own caches (`make_cache`); the
+block hidden is recorded by wrapping the drafter instance's `_hidden` (its output unchanged) and
+the logits are that hidden through its `_logits`, as draft_block computes them. Context K/V are
+its `KVCache` states (a sliding layer's `RotatingKVCache` is a ring whose row positions it does
+not give: not returned). Each drafter layer's output in round 0 is recorded from outside
+(oracles.layers), and once more fed the reference's layers (`own.*`).
+
+Declined, with the reason: dspark cases whose checkpoint mlx-vlm's loader routes to a non-drafter
+model (DeepSpec's flat Qwen3DSparkModel config has no `dflash_config`, so get_model_type gives
+`qwen3`: mlx-vlm reads Qwen3 DSpark only in its dflash_config layout); dflash loop and extension
+cases, dspark and assistant kinds, which this adapter does not drive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import numpy as np
+
+from spec_parity import ports
+
+
+def make_port() -> ports.Port:
+    import importlib.metadata
+
+    return ports.Port("mlx-vlm", importlib.metadata.version("mlx-vlm"),
+                      {"dflash": run_dflash, "dspark": run_dspark, "assistant": run_assistant},
+                      (__file__, ports.package_dir("mlx_vlm")))
+
+
+def run_dflash(req) -> dict:
+    if req.kind != "modules":
+        raise ports.Declined(f"dflash/{req.kind} is not driven by this adapter for mlx-vlm 0.7.10 "
+                             "(its round loop, speculative/dflash.py, runs on mlx-vlm's own multimodal targets)")
+    return _dflash_modules(req)
+
+
+def run_dspark(req) -> dict:
+    model_type = _routed(req.drafter)
+    if model_type not in ("dspark", "gemma4_dspark", "qwen3_dspark"):
+        raise ports.Declined(f"mlx-vlm 0.7.10's loader routes {req.drafter.name}/config.json to "
+                             f"model_type {model_type!r} (utils.get_model_type), not a DSpark drafter: it reads "
+                             "Qwen3 DSpark only with a dflash_config")
+    raise ports.Declined(f"dspark/{req.kind} is not driven by this adapter for mlx-vlm 0.7.10's {model_type}")
+
+
+def run_assistant(req) -> dict:
+    raise ports.Declined(f"assistant/{req.kind} is not driven by this adapter for mlx-vlm 0.7.10's "
+                         "gemma4_assistant (its MTP loop reads the donor K/V of mlx-vlm's own Gemma-4 model)")
+
+
+def _routed(drafter) -> str:
+    """The drafter package mlx-vlm's loader picks for a checkpoint directory."""
+    from mlx_vlm.utils import get_model_type
+
+    return get_model_type(json.loads((drafter / "config.json").read_text()))
+
+
+def _load(req):
+    """The case's target (spec-parity's mlx-lm target) and mlx-vlm's drafter bound to it, both
+    at the request's dtype."""
+    import mlx.core as mx
+    from mlx_vlm.utils import load_model
+
+    from port import targets
+
+    dtype = getattr(mx, req.dtype)
+    target = targets.load(req.target, dtype)
+    draft = load_model(req.drafter)
+    draft.set_dtype(dtype)
+    draft.bind(target.model)
+    return target, draft
+
+
+def _dflash_modules(req) -> dict:
+    import mlx.core as mx
+
+    from oracles.layers import as_numpy, mlx_recorded
+    from port import serve, targets
+    from spec_parity.checks import layer_feeds
+
+    target, draft = _load(req)
+    o, bs = req.options, int(draft.config.block_size)
+    ids = list(draft.config.target_layer_ids)
+    hidden = []
+    inner = draft._hidden
+
+    def recording(*args):
+        h = inner(*args)
+        hidden.append(h)
+        return h
+    draft._hidden = recording
+
+    recorded = {}
+    caches, draft_cache, taps, anchor = _prefilled(req, target, draft, ids)
+    out, anchors = {"taps.0": taps[0]}, [anchor]
+    for r, a in enumerate(o["accepts"]):
+        with mlx_recorded(draft.layers, recorded) if r == 0 else contextlib.nullcontext():
+            tokens = _block(draft, anchor, taps, draft_cache, bs)
+        h = hidden[-1]
+        out[f"hidden.{r}"], out[f"tokens.{r}"] = h[0, 1:], tokens[0].astype(mx.int32)
+        out[f"logits.{r}"] = draft._logits(h[:, 1:])[0]
+        t = targets.forward(target, mx.concatenate([mx.array([[anchor]], dtype=mx.int32),
+                                                    tokens.astype(mx.int32)], axis=1), caches=caches)
+        a = min(a, bs - 1)
+        anchor = int(mx.argmax(t.logits[0, a]).item())
+        anchors.append(anchor)
+        serve.trim_caches(caches, bs - (a + 1))
+        taps = mx.concatenate([t.hidden[i + 1] for i in ids], axis=-1)[:, : a + 1]
+        out[f"taps.{r + 1}"] = taps[0]
+    for i, c in enumerate(draft_cache):
+        if type(c).__name__ == "KVCache" and c.keys is not None:
+            k, v = c.state
+            out[f"ctx_k.{i}"], out[f"ctx_v.{i}"] = k[0], v[0]
+    out["anchors"] = mx.array(anchors, dtype=mx.int32)
+    feed = layer_feeds(req.inputs)
+    if feed:        # fresh caches, round 0 again, each layer fed the reference's previous layer
+        _, own_cache, own_taps, first = _prefilled(req, target, draft, ids)
+        with mlx_recorded(draft.layers, recorded, "own", feed):
+            _block(draft, first, own_taps, own_cache, bs)
+    return {**{k: np.array(v) for k, v in out.items()}, **as_numpy(recorded)}
+
+
+def _block(draft, anchor: int, taps, cache, bs: int):
+    """mlx-vlm's greedy draft block after the context rows `taps`: [1, bs - 1] tokens."""
+    import mlx.core as mx
+
+    return draft.draft_block(anchor, taps, cache, bs, lambda logits: mx.argmax(logits, axis=-1))
+
+
+def _prefilled(req, target, draft, ids):
+    """Fresh target caches and drafter caches (mlx-vlm's `make_cache`), the prompt through the
+    target as the case's `prefill` says: (target caches, drafter caches, taps [1, P, T], anchor)."""
+    import mlx.core as mx
+
+    from port import targets
+
+    p = req.prompt
+    caches = targets.make_caches(target)
+    feats = []
+    for part in [p[:, :-1], p[:, -1:]] if req.options["prefill"] == "split" else [p]:
+        t = targets.forward(target, mx.array(part.astype(np.int32)), caches=caches)
+        feats.append(mx.concatenate([t.hidden[i + 1] for i in ids], axis=-1))
+    return caches, draft.make_cache(), mx.concatenate(feats, axis=1), int(mx.argmax(t.logits[0, -1]).item())
+
