@@ -60,7 +60,7 @@ def run_dflash(req) -> dict:
 def run_dspark(req) -> dict:
     model_type = _routed(req.drafter)
     if model_type not in ("dspark", "gemma4_dspark", "qwen3_dspark"):
-        raise ports.Declined(f"mlx-vlm 0.7.10's loader routes {req.drafter.name}/config.json to "
+        raise ports.Declined("mlx-vlm 0.7.10's loader routes the drafter's config.json to "
                              f"model_type {model_type!r} (utils.get_model_type), not a DSpark drafter: it reads "
                              "Qwen3 DSpark only with a dflash_config")
     raise ports.Declined(f"dspark/{req.kind} is not driven by this adapter for mlx-vlm 0.7.10's {model_type}")
