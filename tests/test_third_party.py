@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from spec_parity import harness, ports
@@ -78,3 +79,21 @@ def test_adapter_gives_the_recorded_verdict(module, name, req, adapter, section,
     if c.params.KIND == "loop":                # each finding as recorded: ok / FAIL / not exposed / not compared
         for finding, cell in zip(FINDINGS, cells):
             assert (cell == "FAIL") == (finding in result.findings), f"{case}: {finding} is {cell!r} in the doc"
+
+
+def test_a_fed_layer_that_returns_a_tuple_keeps_its_tuple():
+    """mlx-vlm's Gemma-4 layers return (h, k, v): the own-error run hands on the reference's h in
+    the first slot and keeps the rest, where it once returned a bare array and the model's
+    unpacking failed."""
+    import mlx.core as mx
+
+    from oracles.layers import mlx_recorded
+
+    layers = [lambda h: (h + 1, "k", "v"), lambda h: (h * 2, "k", "v")]
+    fed, out = np.full((2, 3), 5.0, np.float32), {}
+    with mlx_recorded(layers, out, "own", {"layer.0": fed, "layer.1": fed}):
+        h = mx.zeros((1, 2, 3))
+        for layer in layers:
+            h, k, v = layer(h)
+    assert (k, v) == ("k", "v") and np.array_equal(np.array(h[0]), fed)
+    assert np.array_equal(np.array(out["own.1"][0]), fed * 2)      # layer 1 ran on the fed h
