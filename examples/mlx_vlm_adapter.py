@@ -67,8 +67,67 @@ def run_dspark(req) -> dict:
 
 
 def run_assistant(req) -> dict:
-    raise ports.Declined(f"assistant/{req.kind} is not driven by this adapter for mlx-vlm 0.7.10's "
-                         "gemma4_assistant (its MTP loop reads the donor K/V of mlx-vlm's own Gemma-4 model)")
+    if req.kind != "step":
+        raise ports.Declined(f"assistant/{req.kind} is not driven by this adapter for mlx-vlm 0.7.10's "
+                             "gemma4_assistant (its MTP loop, speculative/mtp.py, runs on mlx-vlm's own Gemma-4)")
+    return _assistant_steps(req)
+
+
+def _assistant_steps(req) -> dict:
+    """`gamma` greedy steps of mlx-vlm's `draft_block` from the case's anchor (token, hidden,
+    position, donor K/V: the case's `in.*`, or spec-parity's target where the case feeds none),
+    as its MTP loop hands them over (`set_shared_kv`)."""
+    import mlx.core as mx
+
+    from oracles.layers import as_numpy, mlx_recorded
+    from port import targets
+    from spec_parity.adapters.assistant import step_inputs
+    from spec_parity.checks import layer_feeds
+
+    dtype = getattr(mx, req.dtype)
+    target = targets.load(req.target, dtype)
+    draft = _drafter(req.drafter, dtype).bind(target.model)
+    inputs = {k: v for k, v in req.inputs.items() if k.startswith("in.")} or step_inputs(
+        req.target, req.prompt, req.dtype, target)
+    donors = {f"{n}_attention": tuple(mx.array(inputs[f"in.donor.{n}.{x}"]).astype(dtype) for x in "kv")
+              for n in ("sliding", "full")}
+    position = int(inputs["in.position"][0])
+    seen = []
+    inner = draft._forward_hidden
+
+    def recording(*args, **kw):
+        out = inner(*args, **kw)
+        seen.append(out)
+        return out
+    draft._forward_hidden = recording
+
+    def steps(n):
+        draft.set_shared_kv(donors, kv_offset=position, position=position)
+        return draft.draft_block(int(inputs["in.anchor.token"][0]), mx.array(inputs["in.anchor.hidden"]).astype(dtype),
+                                 None, n + 1, lambda logits: mx.argmax(logits[:, -1], axis=-1)[:, None])
+
+    recorded = {}
+    with mlx_recorded(draft.model.layers, recorded):
+        tokens = steps(req.options["gamma"])
+    out = {}
+    for i, (nxt, h) in enumerate(seen):
+        out[f"step{i}.logits"] = draft._lm_head_fn(h)[0, -1]
+        out[f"step{i}.next_hidden"], out[f"step{i}.token"] = nxt, tokens[0, i: i + 1].astype(mx.int32)
+    feed = layer_feeds(req.inputs)
+    if feed:
+        with mlx_recorded(draft.model.layers, recorded, "own", feed):
+            steps(1)
+    return {**{k: np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v) for k, v in out.items()},
+            **as_numpy(recorded)}
+
+
+def _drafter(path, dtype):
+    """mlx-vlm's drafter for a checkpoint directory (`utils.load_model`), at `dtype`."""
+    from mlx_vlm.utils import load_model
+
+    draft = load_model(path)
+    draft.set_dtype(dtype)
+    return draft
 
 
 def _routed(drafter) -> str:
@@ -82,14 +141,12 @@ def _load(req):
     """The case's target (spec-parity's mlx-lm target) and mlx-vlm's drafter bound to it, both
     at the request's dtype."""
     import mlx.core as mx
-    from mlx_vlm.utils import load_model
 
     from port import targets
 
     dtype = getattr(mx, req.dtype)
     target = targets.load(req.target, dtype)
-    draft = load_model(req.drafter)
-    draft.set_dtype(dtype)
+    draft = _drafter(req.drafter, dtype)
     draft.bind(target.model)
     return target, draft
 

@@ -35,6 +35,8 @@ PEERS = [
     ("dflash", "mlx_vlm", VLM_PIP, "mlx_vlm_adapter", "mlx-vlm 0.7.10",
      ["mod-qwen3", "mod-qwen3-swa", "mod-gemma4", "dflash/loop-qwen3"]),
     ("dspark", "mlx_vlm", VLM_PIP, "mlx_vlm_adapter", "mlx-vlm 0.7.10", ["dspark/mod-qwen3"]),
+    ("assistant", "mlx_vlm", VLM_PIP, "mlx_vlm_adapter", "mlx-vlm 0.7.10",
+     ["step-gemma4-centroid-optiq", "step-gemma4-tied-optiq", "step-gemma4-centroid-transformers-hfpos"]),
     ("dspark", "mlx_dspark", DSPARK_PIP, "mlx_dspark_adapter", "mlx-dspark 0.20.3",
      ["mod-qwen3", "mod-qwen3-embtap", "mod-qwen3-dflash", "mod-gemma4"]),
 ]
