@@ -1,4 +1,4 @@
-"""mlx-vlm 0.7.10 (PyPI, Blaizzy) behind spec-parity's protocols dflash/modules, dspark and assistant.
+"""mlx-vlm 0.7.10 (PyPI, Blaizzy) behind dflash/modules, dspark/modules and assistant/step.
 
 An example of checking a third-party port through the plug-in seam, never part of spec-parity:
 
@@ -26,10 +26,19 @@ its `KVCache` states (a sliding layer's `RotatingKVCache` is a ring whose row po
 not give: not returned). Each drafter layer's output in round 0 is recorded from outside
 (oracles.layers), and once more fed the reference's layers (`own.*`).
 
+dspark/modules (`gemma4_dspark`, and any checkpoint the loader routes to a DSpark drafter) runs
+the first block after the prompt (`_dspark_modules`). A DSpark drafter's `bind` checks the target
+for mlx-vlm's speculative cache rollback, which only its round loop uses; the adapter turns that
+check off on the instance (module cases roll nothing back).
+
+assistant/step (`gemma4_assistant`, `gemma4_unified_assistant`) runs `gamma` greedy steps of its
+`draft_block` from the case's anchor and donor K/V (`set_shared_kv`); each step's hidden and
+logits are recorded by wrapping the instance's `_forward_hidden`.
+
 Declined, with the reason: dspark cases whose checkpoint mlx-vlm's loader routes to a non-drafter
 model (DeepSpec's flat Qwen3DSparkModel config has no `dflash_config`, so get_model_type gives
-`qwen3`: mlx-vlm reads Qwen3 DSpark only in its dflash_config layout); dflash loop and extension
-cases, dspark and assistant kinds, which this adapter does not drive.
+`qwen3`: mlx-vlm reads Qwen3 DSpark only in its dflash_config layout); loop, sampled and extension
+cases, which run mlx-vlm's round loops on its own multimodal targets.
 """
 
 from __future__ import annotations
@@ -63,7 +72,63 @@ def run_dspark(req) -> dict:
         raise ports.Declined("mlx-vlm 0.7.10's loader routes the drafter's config.json to "
                              f"model_type {model_type!r} (utils.get_model_type), not a DSpark drafter: it reads "
                              "Qwen3 DSpark only with a dflash_config")
-    raise ports.Declined(f"dspark/{req.kind} is not driven by this adapter for mlx-vlm 0.7.10's {model_type}")
+    if req.kind != "modules":
+        raise ports.Declined(f"dspark/{req.kind} is not driven by this adapter for mlx-vlm 0.7.10 (its round "
+                             "loop, speculative/dflash.py, runs on mlx-vlm's own multimodal targets)")
+    return _dspark_modules(req)
+
+
+def _dspark_modules(req) -> dict:
+    """The first DSpark block after the prompt with mlx-vlm's calls: `draft_block` (argmax
+    sampler, through its Markov head) on fresh caches, the block hidden recorded from `_hidden`,
+    base logits through `_logits`, each Markov-corrected row by `markov_head.apply_step_logits`,
+    the confidence by `confidence`. mlx-vlm's loop never truncates a block on confidence, so every
+    threshold's proposal is the whole block."""
+    import mlx.core as mx
+
+    from oracles.layers import as_numpy, mlx_recorded
+    from port import targets
+    from spec_parity.checks import layer_feeds
+
+    target, draft = _load(req)
+    ids, bs = list(draft.config.target_layer_ids), int(draft.config.block_size)
+    t = targets.forward(target, mx.array(req.prompt.astype(np.int32)))
+    taps = mx.concatenate([t.hidden[i + 1] for i in ids], axis=-1)
+    anchor = int(mx.argmax(t.logits[0, -1]).item())
+    hidden = []
+    inner = draft._hidden
+
+    def recording(*args):
+        h = inner(*args)
+        hidden.append(h)
+        return h
+    draft._hidden = recording
+
+    recorded = {}
+    cache = draft.make_cache()
+    with mlx_recorded(draft.layers, recorded):
+        tokens = _block(draft, anchor, taps, cache, bs).astype(mx.int32)
+    h = hidden[-1] if draft.config.sample_from_anchor else hidden[-1][:, 1:]
+    base = draft._logits(h)
+    prev = mx.concatenate([mx.array([[anchor]], dtype=mx.int32), tokens[:, :-1]], axis=1)
+    logits = mx.stack([draft.markov_head.apply_step_logits(base[:, i], prev[:, i]) for i in range(base.shape[1])],
+                      axis=1)
+    out = {"anchor": mx.array([anchor], dtype=mx.int32), "taps": taps[0],
+           "context": draft.hidden_norm(draft.fc(taps))[0], "block_hidden": h[0], "base_logits": base[0],
+           "logits": logits[0], "tokens": tokens[0]}
+    conf = draft.confidence(h, mx.array([anchor], dtype=mx.int32), tokens)
+    if conf is not None:
+        out["confidence"] = conf.reshape(-1)
+    for i, c in enumerate(cache):
+        if type(c).__name__ == "KVCache" and c.keys is not None:
+            out[f"context_k.{i}"], out[f"context_v.{i}"] = (x[0] for x in c.state)
+    for th in req.options["thresholds"]:
+        out[f"prefix@{th}"], out[f"proposal@{th}"] = mx.array([tokens.shape[1]], dtype=mx.int32), tokens[0]
+    feed = layer_feeds(req.inputs)
+    if feed:        # fresh caches, the block again, each layer fed the reference's previous layer
+        with mlx_recorded(draft.layers, recorded, "own", feed):
+            _block(draft, anchor, taps, draft.make_cache(), bs)
+    return {**{k: np.array(v) for k, v in out.items()}, **as_numpy(recorded)}
 
 
 def run_assistant(req) -> dict:
@@ -147,6 +212,7 @@ def _load(req):
     dtype = getattr(mx, req.dtype)
     target = targets.load(req.target, dtype)
     draft = _drafter(req.drafter, dtype)
+    draft.validate_target_compatibility = lambda target_model: None
     draft.bind(target.model)
     return target, draft
 
