@@ -34,7 +34,7 @@ PEERS = [
      ["mod-qwen3", "mod-gemma4-gated", "loop-qwen3-t0.0", "sampled-agree0.8-gemma4-T2.0"]),
     ("dflash", "mlx_vlm", VLM_PIP, "mlx_vlm_adapter", "mlx-vlm 0.7.10",
      ["mod-qwen3", "mod-qwen3-swa", "mod-gemma4", "dflash/loop-qwen3"]),
-    ("dspark", "mlx_vlm", VLM_PIP, "mlx_vlm_adapter", "mlx-vlm 0.7.10", ["dspark/mod-qwen3"]),
+    ("dspark", "mlx_vlm", VLM_PIP, "mlx_vlm_adapter", "mlx-vlm 0.7.10", ["dspark/mod-qwen3", "dspark/mod-gemma4", "dspark/mod-gemma4-gated"]),
     ("assistant", "mlx_vlm", VLM_PIP, "mlx_vlm_adapter", "mlx-vlm 0.7.10",
      ["step-gemma4-centroid-optiq", "step-gemma4-tied-optiq", "step-gemma4-centroid-transformers-hfpos"]),
     ("dspark", "mlx_dspark", DSPARK_PIP, "mlx_dspark_adapter", "mlx-dspark 0.20.3",
