@@ -27,10 +27,11 @@ head) and `confidence_logits`. Internals, and how they are read:
   product of sigmoid(confidence) stays at or above t, and proposes at least one token. The
   adapter states that rule once (`_kept`) so the verdict shows what it does.
 
-Gemma-4 targets: mlx-dspark taps them through mlx-vlm's multimodal Gemma-4 (target.py,
-`is_vlm`); its mlx-lm path replicates the layer loop without Gemma-4's embedding scale, and the
-cases' checkpoints are mlx-lm `gemma4_text` ones. The adapter declines those cases rather than
-run them through a path mlx-dspark does not use for Gemma-4. Loop and sampled kinds are declined:
+Gemma-4 targets: mlx-dspark taps them through mlx-vlm's multimodal Gemma-4 (target.py `run`:
+`language_model(..., capture_layer_ids=tap)`); the cases' targets are mlx-lm `gemma4_text`
+checkpoints, which mlx-vlm loads as its `gemma4_text` model, whose output then carries no
+`hidden_states` (Target.run fails in `mx.concatenate(None)`), and its mlx-lm path replicates the
+layer loop without Gemma-4's embedding scale. The adapter declines those cases. Loop and sampled kinds are declined:
 mlx-dspark's loop (`speculative_generate`) needs a tokenizer, which the cases' checkpoints do not
 carry.
 """
@@ -58,8 +59,8 @@ def run(req) -> dict:
     family = json.loads((req.target / "config.json").read_text()).get("model_type", "")
     if family.startswith("gemma"):
         raise ports.Declined("mlx-dspark taps a Gemma-4 target only through mlx-vlm's multimodal "
-                             "gemma4 model (target.Target.is_vlm); the case's target is an mlx-lm "
-                             f"{family} checkpoint")
+                             "gemma4 model (target.Target.run: `capture_layer_ids`); the case's target is an "
+                             f"mlx-lm {family} checkpoint, whose mlx-vlm model returns no hidden states for it")
     return _modules(req)
 
 
