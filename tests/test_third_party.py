@@ -99,3 +99,18 @@ def test_a_fed_layer_that_returns_a_tuple_keeps_its_tuple():
             h, k, v = layer(h)
     assert (k, v) == ("k", "v") and np.array_equal(np.array(h[0]), fed)
     assert np.array_equal(np.array(out["own.1"][0]), fed * 2)      # layer 1 ran on the fed h
+
+
+def test_an_adapter_whose_package_is_absent_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """An adapter's factory imports its package: absent, `run --port` names the port and the fix
+    in one line and exits 2, before any case runs (it once ended in a traceback)."""
+    from spec_parity import cli
+
+    (tmp_path / "absent_adapter.py").write_text("def make_port():\n    import no_such_package_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with ports.restored():
+        rc = cli.main(["run", "--module", "dflash", "--port", "dflash=absent_adapter:make_port", "--source",
+                       "golden", "--case", "mod-qwen3", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "no_such_package_here" in err and "install it" in err, err
+    assert not (tmp_path / "out" / "report.json").exists()
