@@ -420,7 +420,8 @@ def cmd_matrix(args) -> int:
             matrix.into(doc.read_text(), {"tree": "-", "machine": "-", "rows": []})
         except matrix.MatrixError as e:
             raise matrix.MatrixError(f"{doc}: {e}") from e
-    data = matrix.make(matrix.load([Path(p) for p in args.report or ()]) + matrix.run_ports(args.port or []))
+    data = matrix.make(matrix.load([Path(p) for p in args.report or ()]) + matrix.run_ports(args.port or []),
+                       ran_here=not args.report)
     if doc is None:
         print(matrix.render(data))
         return 0

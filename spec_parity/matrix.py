@@ -100,9 +100,12 @@ def render(data: dict) -> str:
     return "\n".join(lines + ["", "```json", json.dumps(data, indent=1, sort_keys=True), "```"])
 
 
-def make(rows: list[dict]) -> dict:
+def make(rows: list[dict], ran_here: bool) -> dict:
+    """The matrix of `rows`; its tree is this checkout's only when every row was run here (a
+    saved report.json does not record the tree it ran on)."""
     machines = sorted({r["machine"] for r in rows})
-    return {"tree": tree(), "machine": "; ".join(machines) or "-", "rows": rows}
+    return {"tree": tree() if ran_here else "not recorded (saved reports)", "machine": "; ".join(machines) or "-",
+            "rows": rows}
 
 
 def embedded(doc: str) -> dict:

@@ -42,6 +42,12 @@ def test_counts_and_coverage_come_from_the_report(tmp_path):
     assert matrix.render({"tree": "t", "machine": "m", "rows": [other]}) != table
 
 
+def test_saved_reports_do_not_claim_this_tree(tmp_path):
+    rows = matrix.load([_write(tmp_path, REPORT)])
+    assert matrix.make(rows, ran_here=False)["tree"] == "not recorded (saved reports)"
+    assert matrix.make(rows, ran_here=True)["tree"] == matrix.tree() != "not recorded (saved reports)"
+
+
 def test_into_replaces_only_the_block_and_keeps_the_summary():
     data = {"tree": "t", "machine": "m", "rows": matrix.summarize(REPORT, "r")}
     doc = f"# x\n\nbefore\n{matrix.BEGIN}\nold\n{matrix.END}\nafter\n"
