@@ -46,9 +46,9 @@ from spec_parity import ports
 
 
 def make_port() -> ports.Port:
-    import importlib.metadata
+    import mlx_dspark
 
-    return ports.Port("mlx-dspark", importlib.metadata.version("mlx-dspark"), {"dspark": run},
+    return ports.Port("mlx-dspark", mlx_dspark.__version__, {"dspark": run},
                       (__file__, ports.package_dir("mlx_dspark")))
 
 

@@ -52,9 +52,9 @@ from spec_parity import ports
 
 
 def make_port() -> ports.Port:
-    import importlib.metadata
+    import mlx_vlm
 
-    return ports.Port("mlx-vlm", importlib.metadata.version("mlx-vlm"),
+    return ports.Port("mlx-vlm", mlx_vlm.__version__,
                       {"dflash": run_dflash, "dspark": run_dspark, "assistant": run_assistant},
                       (__file__, ports.package_dir("mlx_vlm")))
 
