@@ -6,9 +6,10 @@ An example of checking a third-party port through the plug-in seam, never part o
     PYTHONPATH=$PWD:$PWD/examples:/tmp/vlm-peers python -m spec_parity.cli run --module dflash \\
         --port dflash=mlx_vlm_adapter:make_port --source golden
 
-mlx-vlm declares transformers>=5.14 and its media stack; its drafters import neither at load
-(mlx_vlm/__init__ -> utils imports requests, hence the three small packages), so it goes in
-`--no-deps` beside transformers 5.12.1.
+mlx-vlm declares transformers>=5.14 and its media stack; its drafters need neither: importing
+them imports mlx_vlm.utils, which needs only transformers' AutoProcessor and ProcessorMixin (in
+5.12.1) and requests (hence the three small packages), so it goes in `--no-deps` beside
+transformers 5.12.1.
 
 Every drafter is loaded as mlx-vlm loads one: `mlx_vlm.utils.load_model` on the case's
 checkpoint, which picks the drafter package and its config class from config.json
@@ -16,7 +17,8 @@ checkpoint, which picks the drafter package and its config class from config.jso
 is the case's mlx-lm checkpoint (mlx-vlm's own models are multimodal; its DFlash drafter binds to
 any model with `embed_tokens`, `DFlashDraftModel.bind`), run by spec-parity's mlx-lm target
 (port.targets, which the targets pair holds to transformers); the taps are its layer outputs
-`hidden[l + 1]`, as mlx-vlm's round loop captures them (speculative/dflash.py).
+`hidden[l + 1]`, as mlx-vlm's targets capture them for its round loop (the output of layer l:
+models/gemma4/language.py, `capture_layer_ids`).
 
 dflash/modules runs the forced-commit rounds with mlx-vlm's calls: `draft_block` (its greedy
 block, the sampler an argmax) on the new context rows and its own caches (`make_cache`); the
