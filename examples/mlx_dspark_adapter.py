@@ -1,4 +1,4 @@
-"""mlx-dspark 0.20.3 (PyPI, ARahim3) behind spec-parity's protocol dspark/modules.
+"""mlx-dspark 0.20.3 (PyPI, ARahim3) behind spec-parity's protocols dspark/modules and dflash/modules.
 
 An example of checking a third-party port through the plug-in seam, never part of spec-parity:
 
@@ -27,7 +27,12 @@ head) and `confidence_logits`. Internals, and how they are read:
   product of sigmoid(confidence) stays at or above t, and proposes at least one token. The
   adapter states that rule once (`_kept`) so the verdict shows what it does.
 
-Gemma-4 targets: mlx-dspark taps them through mlx-vlm's multimodal Gemma-4 (target.py `run`:
+dflash/modules runs the forced-commit rounds (spec_parity/third_party.py `dflash_rounds`, shared
+with the mlx-vlm adapter) with its DFlash drafter (`load.load_dflash`, z-lab's checkpoint layout,
+unquantized), bound to the case's mlx-lm target as `dflash_generate` binds it; the block hidden
+is recorded by wrapping the instance's `forward_hidden`.
+
+Gemma-4 targets (DSpark): mlx-dspark taps them through mlx-vlm's multimodal Gemma-4 (target.py `run`:
 `language_model(..., capture_layer_ids=tap)`); the cases' targets are mlx-lm `gemma4_text`
 checkpoints, which mlx-vlm loads as its `gemma4_text` model, whose output then carries no
 `hidden_states` (Target.run fails in `mx.concatenate(None)`), and its mlx-lm path replicates the
@@ -42,13 +47,13 @@ import json
 
 import numpy as np
 
-from spec_parity import ports
+from spec_parity import ports, third_party
 
 
 def make_port() -> ports.Port:
     import mlx_dspark
 
-    return ports.Port("mlx-dspark", mlx_dspark.__version__, {"dspark": run},
+    return ports.Port("mlx-dspark", mlx_dspark.__version__, {"dspark": run, "dflash": run_dflash},
                       (__file__, ports.package_dir("mlx_dspark")))
 
 
@@ -62,6 +67,44 @@ def run(req) -> dict:
                              "gemma4 model (target.Target.run: `capture_layer_ids`); the case's target is an "
                              f"mlx-lm {family} checkpoint, whose mlx-vlm model returns no hidden states for it")
     return _modules(req)
+
+
+def run_dflash(req) -> dict:
+    if req.kind != "modules":
+        raise ports.Declined(f"dflash/{req.kind}: mlx-dspark's loop (generate.dflash_generate) needs a tokenizer, "
+                             "which the case's checkpoints do not carry")
+    return _dflash_modules(req)
+
+
+def _dflash_modules(req) -> dict:
+    """Forced-commit rounds with mlx-dspark's DFlash drafter (`load.load_dflash`, unquantized;
+    `bind` to the target; a block is `drafter(block, taps, cache, logits_start=1)` and its argmax,
+    as `dflash_generate` drafts; the hidden recorded by calling its `forward_hidden`)."""
+    import mlx.core as mx
+    from mlx_dspark.load import load_dflash
+
+    from port import targets
+
+    dtype = getattr(mx, req.dtype)
+    target = targets.load(req.target, dtype)
+    drafter, config = load_dflash(str(req.drafter), quantize=False)
+    drafter.set_dtype(dtype)
+    drafter.bind(target.model)
+    mask = [int(config.mask_token_id)] * (int(config.block_size) - 1)
+    seen = []
+    inner = drafter.forward_hidden
+
+    def recording(*args, **kw):
+        h = inner(*args, **kw)
+        seen.append(h)
+        return h
+    drafter.forward_hidden = recording
+
+    def block(anchor, taps, cache):
+        logits = drafter(mx.array([[anchor] + mask]), taps, cache, logits_start=1)
+        return mx.argmax(logits, axis=-1), seen[-1], logits
+    return third_party.dflash_rounds(req, target, list(config.target_layer_ids), drafter.layers, block,
+                                     drafter.make_cache)
 
 
 def _load(req):

@@ -45,12 +45,11 @@ cases, which run mlx-vlm's round loops on its own multimodal targets.
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import numpy as np
 
-from spec_parity import ports
+from spec_parity import ports, third_party
 
 
 def make_port() -> ports.Port:
@@ -220,15 +219,8 @@ def _load(req):
 
 
 def _dflash_modules(req) -> dict:
-    import mlx.core as mx
-
-    from oracles.layers import as_numpy, mlx_recorded
-    from port import serve, targets
-    from spec_parity.checks import layer_feeds
-
     target, draft = _load(req)
-    o, bs = req.options, int(draft.config.block_size)
-    ids = list(draft.config.target_layer_ids)
+    bs = int(draft.config.block_size)
     hidden = []
     inner = draft._hidden
 
@@ -238,34 +230,11 @@ def _dflash_modules(req) -> dict:
         return h
     draft._hidden = recording
 
-    recorded = {}
-    caches, draft_cache, taps, anchor = _prefilled(req, target, draft, ids)
-    out, anchors = {"taps.0": taps[0]}, [anchor]
-    for r, a in enumerate(o["accepts"]):
-        with mlx_recorded(draft.layers, recorded) if r == 0 else contextlib.nullcontext():
-            tokens = _block(draft, anchor, taps, draft_cache, bs)
-        h = hidden[-1]
-        out[f"hidden.{r}"], out[f"tokens.{r}"] = h[0, 1:], tokens[0].astype(mx.int32)
-        out[f"logits.{r}"] = draft._logits(h[:, 1:])[0]
-        t = targets.forward(target, mx.concatenate([mx.array([[anchor]], dtype=mx.int32),
-                                                    tokens.astype(mx.int32)], axis=1), caches=caches)
-        a = min(a, bs - 1)
-        anchor = int(mx.argmax(t.logits[0, a]).item())
-        anchors.append(anchor)
-        serve.trim_caches(caches, bs - (a + 1))
-        taps = mx.concatenate([t.hidden[i + 1] for i in ids], axis=-1)[:, : a + 1]
-        out[f"taps.{r + 1}"] = taps[0]
-    for i, c in enumerate(draft_cache):
-        if type(c).__name__ == "KVCache" and c.keys is not None:
-            k, v = c.state
-            out[f"ctx_k.{i}"], out[f"ctx_v.{i}"] = k[0], v[0]
-    out["anchors"] = mx.array(anchors, dtype=mx.int32)
-    feed = layer_feeds(req.inputs)
-    if feed:        # fresh caches, round 0 again, each layer fed the reference's previous layer
-        _, own_cache, own_taps, first = _prefilled(req, target, draft, ids)
-        with mlx_recorded(draft.layers, recorded, "own", feed):
-            _block(draft, first, own_taps, own_cache, bs)
-    return {**{k: np.array(v) for k, v in out.items()}, **as_numpy(recorded)}
+    def block(anchor, taps, cache):
+        tokens = _block(draft, anchor, taps, cache, bs)
+        return tokens, hidden[-1][:, 1:], draft._logits(hidden[-1][:, 1:])
+    return third_party.dflash_rounds(req, target, list(draft.config.target_layer_ids), draft.layers, block,
+                                     draft.make_cache)
 
 
 def _block(draft, anchor: int, taps, cache, bs: int):
@@ -273,20 +242,3 @@ def _block(draft, anchor: int, taps, cache, bs: int):
     import mlx.core as mx
 
     return draft.draft_block(anchor, taps, cache, bs, lambda logits: mx.argmax(logits, axis=-1))
-
-
-def _prefilled(req, target, draft, ids):
-    """Fresh target caches and drafter caches (mlx-vlm's `make_cache`), the prompt through the
-    target as the case's `prefill` says: (target caches, drafter caches, taps [1, P, T], anchor)."""
-    import mlx.core as mx
-
-    from port import targets
-
-    p = req.prompt
-    caches = targets.make_caches(target)
-    feats = []
-    for part in [p[:, :-1], p[:, -1:]] if req.options["prefill"] == "split" else [p]:
-        t = targets.forward(target, mx.array(part.astype(np.int32)), caches=caches)
-        feats.append(mx.concatenate([t.hidden[i + 1] for i in ids], axis=-1))
-    return caches, draft.make_cache(), mx.concatenate(feats, axis=1), int(mx.argmax(t.logits[0, -1]).item())
-
