@@ -39,6 +39,8 @@ PEERS = [
      ["step-gemma4-centroid-optiq", "step-gemma4-tied-optiq", "step-gemma4-centroid-transformers-hfpos"]),
     ("dspark", "mlx_dspark", DSPARK_PIP, "mlx_dspark_adapter", "mlx-dspark 0.20.3",
      ["mod-qwen3", "mod-qwen3-embtap", "mod-qwen3-dflash", "mod-gemma4"]),
+    ("dflash", "mlx_dspark", DSPARK_PIP, "mlx_dspark_adapter", "mlx-dspark 0.20.3",
+     ["dflash/mod-qwen3", "dflash/mod-qwen3-causal", "dflash/mod-qwen3-swa-torch"]),
 ]
 FINDINGS = ("lossless", "stream", "drafts", "schedule")     # a loop row's columns after the first failing check
 
