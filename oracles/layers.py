@@ -32,7 +32,9 @@ class _Recording:
             return y
         import mlx.core as mx
 
-        return mx.array(self._feed)[None].astype(y.dtype)
+        head = y[0] if isinstance(y, tuple) else y          # a layer may return (h, k, v): feed h
+        fed = mx.array(self._feed)[None].astype(head.dtype)
+        return (fed, *y[1:]) if isinstance(y, tuple) else fed
 
     def __getattr__(self, name):
         return getattr(self._layer, name)

@@ -31,7 +31,7 @@ def _bad_input_errors() -> tuple[type[Exception], ...]:
     refusals = {"port.checkpoint": "CheckpointError", "port.ab": "PromptsError", "port.assistant": "DrafterError",
                 "port.dspark": "DSparkError", "port.dflash": "DFlashError", "port.heads": "HeadError",
                 "port.calibration": "ThresholdError", "port.targets": "TargetError",
-                "spec_parity.bench.combine": "CombineError", "spec_parity.bench.loops": "OptionError"}
+                "spec_parity.bench.combine": "CombineError", "spec_parity.matrix": "MatrixError", "spec_parity.bench.loops": "OptionError"}
     return (BadInput, *(getattr(sys.modules[m], n) for m, n in refusals.items() if m in sys.modules))
 
 
@@ -410,6 +410,36 @@ def _sigterm_exits():
         signal.signal(signal.SIGTERM, old)
 
 
+def cmd_matrix(args) -> int:
+    """The support matrix from saved reports and/or ports run here; into --doc between its markers."""
+    from . import matrix
+
+    if not args.report and not args.port:
+        raise matrix.MatrixError("nothing to tabulate: give --report DIR (a `spec-parity run --out` folder) "
+                                 "or --port MODULE=SPEC")
+    doc = Path(args.doc) if args.doc else None
+    if doc is not None:
+        if not doc.is_file():
+            raise matrix.MatrixError(f"{doc}: no such file; --doc names a markdown file holding the matrix markers")
+        try:
+            matrix.into(doc.read_text(), {"tree": "-", "machine": "-", "rows": []})
+        except matrix.MatrixError as e:
+            raise matrix.MatrixError(f"{doc}: {e}") from e
+    data = matrix.make(matrix.load([Path(p) for p in args.report or ()]) + matrix.run_ports(args.port or []),
+                       ran_here=not args.report)
+    if doc is None:
+        print(matrix.render(data))
+        return 0
+    tmp = doc.with_name(f".{doc.name}.tmp")
+    try:
+        tmp.write_text(matrix.into(doc.read_text(), data))
+        tmp.replace(doc)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"matrix of {len(data['rows'])} port x module rows written into {doc}")
+    return 0
+
+
 def main(argv=None) -> int:
     debug = dict(action="store_true", help="on bad input, the traceback instead of the one-line message "
                  "(default: off, the one line and exit 2); `run`: also each ERROR case's traceback (report.json "
@@ -455,6 +485,14 @@ def main(argv=None) -> int:
                      "counts as a pass, exit 0; internals: it is an unexpected verdict, exit 1")
     run.add_argument("--debug", default=argparse.SUPPRESS, **debug)
     run.set_defaults(fn=cmd_run)
+    mp = sub.add_parser("matrix", help="the support matrix: ports x modules -> verdict counts and coverage")
+    mp.add_argument("--report", action="append", metavar="DIR", help="a `spec-parity run --out` folder or its "
+                    "report.json (repeatable)")
+    mp.add_argument("--port", action="append", metavar="MODULE=SPEC", help="run this port over MODULE's golden "
+                    "cases first (repeatable)")
+    mp.add_argument("--doc", help="write the table into this markdown file between its <!-- matrix:begin --> and "
+                    "<!-- matrix:end --> lines (default: print it)")
+    mp.set_defaults(fn=cmd_matrix)
     ex = sub.add_parser("export", help="write each case as a folder for an out-of-process port (--port-cmd)")
     ex.add_argument("--module", choices=harness.PAIRS)
     ex.add_argument("--case")

@@ -95,7 +95,11 @@ def load(spec: str) -> Port:
     except (ImportError, AttributeError) as e:
         raise PortError(f"port {spec!r} cannot be imported ({e}); check the module is on PYTHONPATH "
                         f"and defines {attr}()") from e
-    port = factory()
+    try:
+        port = factory()
+    except ImportError as e:            # the package the port wraps is not installed
+        raise PortError(f"port {spec!r}: {attr}() cannot import the package it runs ({e}); install it beside "
+                        f"spec-parity (the adapter's docstring names the pip command)") from e
     if not isinstance(port, Port):
         raise PortError(f"port {spec!r}: {attr}() returned {type(port).__name__}, not spec_parity.ports.Port")
     if not port.sources:

@@ -1,4 +1,5 @@
-"""The third-party MLX ports, dflash-mlx 0.1.8 and dspark-mlx 0.1.0, driven in one place: their
+"""The third-party MLX ports (dflash-mlx 0.1.8, dspark-mlx 0.1.0; the DFlash rounds of mlx-vlm 0.7.10
+and mlx-dspark 0.20.3) driven in one place: their
 parity adapters (examples/*_adapter.py), the bench's peer sides (spec_parity/bench/peers.py) and
 its --serve loops (spec_parity/bench/loop_sides.py) call these, so each of their calls is written once. Only their public objects (and, for
 dspark-mlx, the drafter's own methods) are called; nothing of theirs is re-implemented. Both are
@@ -148,3 +149,54 @@ def dspark_mlx_event_types():
     from dspark_mlx import SummaryEvent, TokenEvent
 
     return TokenEvent, SummaryEvent
+
+
+# ---- DFlash forced-commit rounds (mlx-vlm, mlx-dspark) ------------------------------------------
+
+def dflash_rounds(req, target, ids: list[int], layers: list, draft, make_cache) -> dict:
+    """dflash/modules' forced-commit rounds for a drafter that drafts a block from new context
+    rows: `draft(anchor, taps, cache)` -> (tokens [1, B-1], final-normed hidden of rows 1..B-1,
+    their logits), `make_cache()` its fresh context caches (mlx-lm caches: a full layer's
+    `KVCache` state is returned as ctx_*). The target is spec-parity's mlx-lm one (port.targets),
+    prefilled as the case's `prefill` says; `layers` are recorded in round 0 (`layer.*`) and, fed
+    the reference's, once more on fresh caches (`own.*`)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from oracles.layers import as_numpy, mlx_recorded
+    from port import serve, targets
+    from spec_parity.checks import layer_feeds
+
+    def prefilled():
+        p, caches, feats = req.prompt, targets.make_caches(target), []
+        for part in [p[:, :-1], p[:, -1:]] if req.options["prefill"] == "split" else [p]:
+            t = targets.forward(target, mx.array(part.astype(np.int32)), caches=caches)
+            feats.append(mx.concatenate([t.hidden[i + 1] for i in ids], axis=-1))
+        return caches, make_cache(), mx.concatenate(feats, axis=1), int(mx.argmax(t.logits[0, -1]).item())
+
+    recorded = {}
+    caches, draft_cache, taps, anchor = prefilled()
+    out, anchors = {"taps.0": taps[0]}, [anchor]
+    for r, a in enumerate(req.options["accepts"]):
+        with mlx_recorded(layers, recorded) if r == 0 else contextlib.nullcontext():
+            tokens, hidden, logits = draft(anchor, taps, draft_cache)
+        tokens = tokens.astype(mx.int32)
+        out[f"hidden.{r}"], out[f"tokens.{r}"], out[f"logits.{r}"] = hidden[0], tokens[0], logits[0]
+        t = targets.forward(target, mx.concatenate([mx.array([[anchor]], dtype=mx.int32), tokens], axis=1),
+                            caches=caches)
+        a = min(a, tokens.shape[1])
+        anchor = int(mx.argmax(t.logits[0, a]).item())
+        anchors.append(anchor)
+        serve.trim_caches(caches, tokens.shape[1] - a)
+        taps = mx.concatenate([t.hidden[i + 1] for i in ids], axis=-1)[:, : a + 1]
+        out[f"taps.{r + 1}"] = taps[0]
+    for i, c in enumerate(draft_cache):
+        if type(c).__name__ == "KVCache" and c.keys is not None:
+            out[f"ctx_k.{i}"], out[f"ctx_v.{i}"] = c.keys[0, :, : c.offset], c.values[0, :, : c.offset]
+    out["anchors"] = mx.array(anchors, dtype=mx.int32)
+    feed = layer_feeds(req.inputs)
+    if feed:        # fresh caches, round 0 again, each layer fed the reference's previous layer
+        _, own_cache, own_taps, first = prefilled()
+        with mlx_recorded(layers, recorded, "own", feed):
+            draft(first, own_taps, own_cache)
+    return {**{k: np.array(v) for k, v in out.items()}, **as_numpy(recorded)}
