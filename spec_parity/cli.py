@@ -54,9 +54,9 @@ def _preflight(args, drafters: tuple[str, ...] = ()) -> None:
                            "give a folder you can write (it is created if missing)") from e
 
 
-def _select(args) -> list:
+def _select(args, selection: ports.Selection = ports.OURS_ONLY) -> list:
     modules = [args.module] if getattr(args, "module", None) else list(harness.PAIRS)
-    cases = harness.all_cases(modules)
+    cases = harness.all_cases(modules, selection)
     if getattr(args, "target", None):
         from . import real
 
@@ -105,7 +105,7 @@ def _header() -> str:
             f"python {platform.python_version()}, mlx {mx.__version__}")
 
 
-def _ports(args, modules: list[str], selected_by: str) -> None:
+def _ports(args, modules: list[str], selected_by: str) -> ports.Selection:
     """--port MODULE=SPEC and --port-cmd CMD: who answers the cases of `modules` (spec_parity.ports),
     refused before any case runs where a port the user named would not answer."""
     for opt, val in (("--timeout", f"{args.timeout:g}" if args.timeout is not None else None),
@@ -117,7 +117,7 @@ def _ports(args, modules: list[str], selected_by: str) -> None:
         ports.check(args.port, bool(args.port_cmd), modules, selected_by)
         cmd = exchange.command_port(args.port_cmd, exchange.TIMEOUT_S if args.timeout is None else args.timeout,
                                     args.port_id) if args.port_cmd else None
-        ports.configure(args.port, cmd, modules, selected_by)
+        return ports.configure(args.port, cmd, modules, selected_by)
     except ports.PortError as e:
         raise BadInput(str(e)) from e
 
@@ -130,26 +130,21 @@ def _answered(args, cases: list) -> None:
         raise BadInput(str(e)) from e
 
 
-def _error(case, e: Exception, debug: bool):
+def _error(case, e: Exception, debug: bool, port: ports.Port):
     """A case that could not run: ERROR with its reason, where in the port's code it was raised,
     and the traceback (report.json; printed under --debug)."""
     trace = "".join(traceback.format_exception(e))
     if debug:
         print(f"{case.id}: ERROR\n{trace}", file=sys.stderr)
-    at = "" if isinstance(e, exchange.ExchangeError) else ports.where(ports.for_module(case.module), e)
+    at = "" if isinstance(e, exchange.ExchangeError) else ports.where(port, e)
     reason = f"{type(e).__name__}: {e}" + (f" [at {at}]" if at else "")
     return harness.Result(case.module, case.name, "-", case.tier, verdict="ERROR", reason=reason, trace=trace)
 
 
 def cmd_run(args) -> int:
-    with ports.restored():
-        return _run(args)
-
-
-def _run(args) -> int:
     _preflight(args, ("drafter",))
-    _ports(args, *_modules(args))
-    cases = _select(args)
+    selection = _ports(args, *_modules(args))
+    cases = _select(args, selection)
     if args.target:
         _answered(args, cases)
     rows, t0 = [], time.time()
@@ -157,18 +152,18 @@ def _run(args) -> int:
         for case in cases:
             bar.start(case.id)
             try:
-                result = harness.evaluate(case, args.source)
+                result = harness.evaluate(case, args.source, selection)
             except Exception as e:  # a case that cannot run is a failure with its reason, not a crash
-                result = _error(case, e, args.debug)
+                result = _error(case, e, args.debug, selection.port(case.module))
             rows.append((result, case.expect))
             bar.done(case.id, result.shown_verdict)
-    header = f"{_header()}; ports: {ports.describe()}; {len(cases)} cases in {time.time() - t0:.1f} s"
+    header = f"{_header()}; ports: {selection.describe()}; {len(cases)} cases in {time.time() - t0:.1f} s"
     print(report.table(rows))
     out = Path(args.out)
     report.write(out, rows, header)
     require = (args.require,) if args.require else ()
-    print(_summary(rows, require, out))
-    return _exit_status(rows, require)
+    print(_summary(rows, require, out, selection))
+    return _exit_status(rows, require, selection)
 
 
 def _unexpected(rows: list, require: tuple[str, ...]) -> list:
@@ -176,15 +171,15 @@ def _unexpected(rows: list, require: tuple[str, ...]) -> list:
     return [r for r, e in rows if r.verdict not in ("DELTA", "DECLINED") and not compare.as_expected(r.verdict, e, require)]
 
 
-def _silent_ports(rows: list) -> list[str]:
-    """The plug-in ports selected for the run that answered none of its cases (each declined, or
+def _silent_ports(rows: list, selection: ports.Selection) -> list[str]:
+    """The plug-in ports `selection` chose that answered none of the run's cases (each declined, or
     none of their modules' cases selected): a run that checked nothing of the user's port."""
-    theirs = sorted({ports.for_module(m).identity for m in harness.PAIRS if not ports.for_module(m).ours})
+    theirs = sorted({selection.port(m).identity for m in selection.theirs()})
     answered = {r.metrics.get("port", {}).get("identity") for r, _ in rows if r.verdict != "DECLINED"}
     return [p for p in theirs if p not in answered]
 
 
-def _summary(rows: list, require: tuple[str, ...], out: Path) -> str:
+def _summary(rows: list, require: tuple[str, ...], out: Path, selection: ports.Selection) -> str:
     """The run's closing lines: verdicts as expected, the ones counted apart, every unexpected
     one's message, and a line per plug-in port that checked nothing."""
     bad = _unexpected(rows, require)
@@ -198,14 +193,14 @@ def _summary(rows: list, require: tuple[str, ...], out: Path) -> str:
     lines += [r.message() for r in bad + apart["DELTA"] + apart["DECLINED"]]
     lines += [f"[{r.verdict}] {r.module}/{r.case}: {r.reason}" for r in apart[compare.PARTIAL]]
     lines += [f"port {p} checked nothing: it answered none of the {len(rows)} cases run (each declined, or none "
-              f"of its module's cases selected); not a pass" for p in _silent_ports(rows)]
+              f"of its module's cases selected); not a pass" for p in _silent_ports(rows, selection)]
     return "\n".join(lines)
 
 
-def _exit_status(rows: list, require: tuple[str, ...]) -> int:
+def _exit_status(rows: list, require: tuple[str, ...], selection: ports.Selection) -> int:
     """1 on any unexpected verdict, or when a plug-in port checked nothing; compare.PARTIAL_EXIT when a
     pass left checks unrun and the run does not accept it; else 0."""
-    if _unexpected(rows, require) or _silent_ports(rows):
+    if _unexpected(rows, require) or _silent_ports(rows, selection):
         return 1
     partial = any(r.verdict == compare.PARTIAL for r, _ in rows)
     return compare.PARTIAL_EXIT if partial and "outputs" not in require else 0

@@ -47,15 +47,15 @@ def test_adapter_gives_the_recorded_verdict(module, name, req, adapter, section,
     pytest.importorskip(name, reason=f"{name} not importable: pip install --no-deps {req} (see {DOC.name})")
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     port = ports.load(f"{adapter}:make_port")
-    monkeypatch.setitem(ports._SELECTED, module, port)
+    selection = ports.Selection({module: port})
     c = {c.name: c for c in harness.pair(module).cases()}[case]
     verdict, first, cells = recorded(section, case)
     if verdict == "ERROR":                     # the port cannot run the case: the doc names why
         with pytest.raises(Exception) as e:
-            harness.evaluate(c, "golden")
+            harness.evaluate(c, "golden", selection)
         assert f"{e.type.__name__}: {e.value}" == first
         return
-    result = harness.evaluate(c, "golden")
+    result = harness.evaluate(c, "golden", selection)
     assert result.metrics["port"]["identity"] == port.identity
     if verdict == "DECLINED":                  # the adapter says it has no counterpart: not a pass
         assert result.verdict == "DECLINED" and first in result.reason, result.message()
