@@ -37,7 +37,7 @@ def test_a_drafter_bug_with_unchanged_acceptance_fails_the_drafts():
 
 
 def test_a_loop_that_says_it_starts_earlier_fails_the_schedule_start():
-    """Control of `schedule_start` (checks._drafts): our own DSpark loop, declaring from outside
+    """Control of `schedule_start` (drafting.drafts): our own DSpark loop, declaring from outside
     that it committed nothing before round 0, has the same drafts on shifted contexts, so its
     first round stands one token before DeepSpec's; the start is named as the schedule finding."""
     ours = ports.ours().runs["dspark"]
