@@ -41,7 +41,14 @@ from mlx_lm.models.cache import RotatingKVCache
 from . import sampling, targets
 from .compiled import AUTO, VerifyCache
 from .fast import verify as fast_verify
-from .serve_options import COMPILED, DEFAULT, PIPELINES, ServeOptions, _resolve, resolve_verify
+from .serve_options import (
+    COMPILED,
+    DEFAULT,
+    PIPELINES,
+    ServeOptions,
+    resolve_choice,
+    resolve_verify,
+)
 from .serve_options import VERIFIES as VERIFIES
 from .serve_seam import SEAM as SEAM
 from .serve_seam import DraftProvider, Stats, TargetView, _device_drafter
@@ -417,7 +424,7 @@ def _sequential(r: _Request, prompt: list[int], pending: int, trace: targets.Tra
 
 def resolve_pipeline(pipeline: str, verifier, verify: str, source, record: bool, gamma: int) -> str:
     """The request's loop: AUTO is "on" wherever `_pipelined` runs."""
-    return _resolve("pipeline", pipeline, PIPELINES, {"on": _unpipelined(verifier, verify, source, record, gamma)})
+    return resolve_choice("pipeline", pipeline, PIPELINES, {"on": _unpipelined(verifier, verify, source, record, gamma)})
 
 
 def _unpipelined(verifier, verify: str, source, record: bool, gamma: int) -> str | None:

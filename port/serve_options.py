@@ -65,11 +65,11 @@ DEFAULT = ServeOptions()
 
 def resolve_verify(verify: str, target: targets.Target, kv_bucket: int | None) -> str:
     """The request's verify forward: AUTO is the first of VERIFIES that port/fast/verify.py takes."""
-    return _resolve("verify", verify, VERIFIES, {"kernel": fast_verify.kernel_unsupported(target, kv_bucket),
+    return resolve_choice("verify", verify, VERIFIES, {"kernel": fast_verify.kernel_unsupported(target, kv_bucket),
                                                  "compiled": fast_verify.unsupported(target, kv_bucket)})
 
 
-def _resolve(option: str, value: str, choices: tuple[str, ...], why: dict[str, str | None]) -> str:
+def resolve_choice(option: str, value: str, choices: tuple[str, ...], why: dict[str, str | None]) -> str:
     """An option whose choices run fastest first, the last everywhere; `why`: why a choice cannot
     run here (None or absent: it can). AUTO is the first that can; one asked for where it cannot is
     refused with the reason and the fix (the next one that can)."""

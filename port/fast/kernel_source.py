@@ -1,6 +1,6 @@
 """The CUDA source of port/fast/kernels.py's bucketed-block attention: the split kernel (fp32
 FMA, and on bf16 tensor cores) and the combine kernel, as MLX's cuda_kernel takes them (bodies;
-the tensor-core helpers as a header). port/fast/kernels.py says what they compute and why."""
+the tensor-core device functions as a header). port/fast/kernels.py says what they compute and why."""
 
 # Both split kernels start here: which keys of [context rows 0..valid-1 ; block rows] this CUDA
 # block walks (its split's whole tiles of TK keys).
