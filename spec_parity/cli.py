@@ -313,14 +313,6 @@ def cmd_ab(args) -> int:
     return 0 if verdict.passed else 1
 
 
-def _csv(text: str, known, what: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in known]
-    if bad or not items:
-        raise BadInput(f"--{what} {text!r}: unknown {bad or 'empty list'}; known: {', '.join(known)}")
-    return items
-
-
 def cmd_bench(args) -> int:
     """Speed of the drafters side by side with the peers, against the bandwidth floor; figures are
     reported, never asserted. Writes OUT/bench.json, bench.md, bench.png (--serve: OUT/serve.json,
@@ -335,26 +327,11 @@ def cmd_bench(args) -> int:
 
     from . import bench
     from .bench import report as bench_report
-    from .bench import shapes as bench_shapes
 
-    real = args.shapes == "real"
-    if args.scale < 1 or (args.scale > 1 and not real):
-        raise BadInput("--scale N (N >= 1) shrinks the real shapes (widths, vocabulary, windows, context); "
-                       "it applies to --shapes real only")
-    peers = None if args.peers == "auto" else [] if args.peers == "none" else _csv(args.peers, bench.runner.OTHERS, "peers")
-    gpu = mx.default_device().type == mx.DeviceType.gpu
-    opts = bench.Options(
-        shapes=args.shapes, sources=tuple(_csv(args.sources, bench_shapes.SOURCES, "sources")), peers=peers,
-        warmup=args.warmup if args.warmup is not None else (10 if real else 3),
-        iters=args.iters if args.iters is not None else (40 if real else 15),
-        dtype=args.dtype or ("bfloat16" if real else "float32"), ctx=args.ctx, scale=args.scale,
-        target_layers=args.target_layers, gamma=args.gamma,
-        max_tokens=args.max_tokens or (32 if real else 16), serve_runs=args.serve_runs,
-        bw_bytes=(args.bw_mib or (1024 if gpu else 256)) << 20, torch_device=args.torch_device,
-        cases=[c for c in (args.case or "").split(",") if c] or None, seed=args.seed, kernels=args.kernels,
-        argv=list(args.argv))
-    if opts.iters < 1 or opts.warmup < 0 or opts.serve_runs < 1:
-        raise BadInput("--iters and --serve-runs must be >= 1 and --warmup >= 0")
+    try:
+        opts = cli_args.bench_options(args, mx.default_device().type == mx.DeviceType.gpu)
+    except ValueError as e:
+        raise BadInput(str(e)) from e
     try:
         doc = bench.run(opts, progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True),
                         keep=lambda d: bench_report.keep(d, Path(args.out)))

@@ -1,5 +1,6 @@
 """The command line's arguments: one function per subcommand that adds its options to its parser,
-and parser() that builds the whole command line from spec_parity.cli's table of subcommands."""
+parser() that builds the whole command line from spec_parity.cli's table of subcommands, and
+bench_options(), the bench's Options as its arguments resolve."""
 
 from __future__ import annotations
 
@@ -187,3 +188,36 @@ def bisect(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, metavar="S", help="passed to `spec-parity run --timeout` "
                    f"(default: {exchange.TIMEOUT_S:g})")
     p.add_argument("--pythonpath", help="the repository's folder that goes first on PYTHONPATH (default: its root)")
+
+
+def bench_options(args: argparse.Namespace, gpu: bool):
+    """`bench`'s Options from its arguments: the defaults that follow --shapes and the device
+    (`gpu`) filled in, the comma lists checked; ValueError (bad input) for what it cannot run."""
+    from .bench import Options, runner, shapes
+
+    real = args.shapes == "real"
+    if args.scale < 1 or (args.scale > 1 and not real):
+        raise ValueError("--scale N (N >= 1) shrinks the real shapes (widths, vocabulary, windows, context); "
+                         "it applies to --shapes real only")
+    peers = None if args.peers == "auto" else [] if args.peers == "none" else _csv(args.peers, runner.OTHERS, "peers")
+    opts = Options(
+        shapes=args.shapes, sources=tuple(_csv(args.sources, shapes.SOURCES, "sources")), peers=peers,
+        warmup=args.warmup if args.warmup is not None else (10 if real else 3),
+        iters=args.iters if args.iters is not None else (40 if real else 15),
+        dtype=args.dtype or ("bfloat16" if real else "float32"), ctx=args.ctx, scale=args.scale,
+        target_layers=args.target_layers, gamma=args.gamma,
+        max_tokens=args.max_tokens or (32 if real else 16), serve_runs=args.serve_runs,
+        bw_bytes=(args.bw_mib or (1024 if gpu else 256)) << 20, torch_device=args.torch_device,
+        cases=[c for c in (args.case or "").split(",") if c] or None, seed=args.seed, kernels=args.kernels,
+        argv=list(args.argv))
+    if opts.iters < 1 or opts.warmup < 0 or opts.serve_runs < 1:
+        raise ValueError("--iters and --serve-runs must be >= 1 and --warmup >= 0")
+    return opts
+
+
+def _csv(text: str, known, what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in known]
+    if bad or not items:
+        raise ValueError(f"--{what} {text!r}: unknown {bad or 'empty list'}; known: {', '.join(known)}")
+    return items
