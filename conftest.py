@@ -44,17 +44,18 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    """--port / --port-cmd select who answers the parity cases, as `spec-parity run` does; a spec
-    that cannot be used is a one-line usage error."""
+    """--port / --port-cmd select who answers the parity cases, as `spec-parity run` does (the
+    selection is kept on the config, the `selection` fixture hands it out); a spec that cannot be
+    used is a one-line usage error."""
     from spec_parity import exchange, ports
 
     config.addinivalue_line("markers", "parity(module): a parity case of `module` (tests/test_parity.py)")
     cmd = config.getoption("--port-cmd")
     try:
-        ports.configure(config.getoption("--port"), exchange.command_port(cmd) if cmd else None)
+        config.stash[SELECTION] = ports.configure(config.getoption("--port"),
+                                                  exchange.command_port(cmd) if cmd else None)
     except ports.PortError as e:
         raise pytest.UsageError(str(e)) from None
-    config.stash[PORTED] = _ported()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -85,16 +86,8 @@ def _oracle_selected(config) -> bool:
     return compiled.evaluate(lambda name, **kw: name == "oracle") and not compiled.evaluate(lambda name, **kw: False)
 
 
-PORTED = pytest.StashKey[tuple]()
-"""The modules --port / --port-cmd named, read once at configure time: tests that select ports of
-their own later in the session must not change what the summary says was checked."""
-
-
-def _ported() -> tuple[str, ...]:
-    """The modules --port / --port-cmd hand to a port other than ours."""
-    from spec_parity import ports, protocol
-
-    return tuple(m for m in protocol.MODULES if not ports.for_module(m).ours)
+SELECTION = pytest.StashKey["ports.Selection"]()
+"""Who answers each module's parity cases, from --port / --port-cmd (spec_parity.ports.Selection)."""
 
 
 def _parity_module(item) -> str | None:
@@ -102,17 +95,25 @@ def _parity_module(item) -> str | None:
     return mark.args[0] if mark else None
 
 
+def _plants_in_ours(item) -> bool:
+    """A negative control's parity test: it plants its bug in our port, so it runs only where ours
+    answers its module."""
+    case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+    return bool(getattr(case, "control", None))
+
+
 def pytest_collection_modifyitems(config, items):
     """Checking a port: the ported modules' parity cases all run, the other modules' are deselected.
     `-m oracle`: every live parity case runs. The dev loop, for the rest: `slow` tests out, and
     each parametrized test function once (its first parameter set not marked slow); a test named
     by its id runs. --slow: the whole matrix."""
-    ported, oracle, slow = config.stash[PORTED], _oracle_selected(config), _slow_selected(config)
+    ported = config.stash[SELECTION].theirs()
+    oracle, slow = _oracle_selected(config), _slow_selected(config)
     named = [a for a in config.args if "::" in a]
     keep, out, seen = [], [], set()
     for item in items:
         module = _parity_module(item)
-        if ported and module is not None and module not in ported:
+        if ported and module is not None and (module not in ported or _plants_in_ours(item)):
             out.append(item)
             continue
         whole = slow or module in ported or (oracle and module is not None and item.get_closest_marker("oracle"))
@@ -133,7 +134,7 @@ def pytest_terminal_summary(terminalreporter, config):
         return
     from spec_parity import protocol
 
-    ported = config.stash[PORTED]
+    ported = config.stash[SELECTION].theirs()
     ours = [m for m in protocol.MODULES if m not in ported]
     if ported:
         terminalreporter.write_line(f"checking a port: every parity case of {', '.join(ported)} run (golden and live)"
@@ -157,6 +158,12 @@ def pytest_sessionstart(session):
             continue
         seen.add((case.module, case.golden_name))
         harness.regen(case)
+
+
+@pytest.fixture
+def selection(request):
+    """The ports --port / --port-cmd chose (ours for every other module), as harness.evaluate takes them."""
+    return request.config.stash[SELECTION]
 
 
 @pytest.fixture

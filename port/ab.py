@@ -263,12 +263,14 @@ def run_ab(target_dir: str | Path, drafter_a: str | Path, drafter_b: str | Path,
     try:
         if warmup and prompts:
             for arm in ("a", "b"):
-                serve.generate(target, prompts[0], max_tokens, providers[arm], gamma=gammas[arm])
+                serve.generate(target, prompts[0], max_tokens, providers[arm],
+                               serve.ServeOptions(gamma=gammas[arm]))
         results: dict[str, list[AbPromptResult]] = {"a": [], "b": []}
         for i, prompt in enumerate(prompts):
             streams = {}
             for arm in (("a", "b") if i % 2 == 0 else ("b", "a")):
-                tokens, stats = serve.generate(target, prompt, max_tokens, providers[arm], gamma=gammas[arm])
+                tokens, stats = serve.generate(target, prompt, max_tokens, providers[arm],
+                                               serve.ServeOptions(gamma=gammas[arm]))
                 streams[arm] = tokens
                 results[arm].append(_result(prompt, stats))
             if streams["a"] != streams["b"]:

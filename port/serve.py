@@ -33,8 +33,7 @@ host's graph building overlaps the device's work (`_pipelined`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.models.cache import RotatingKVCache
@@ -42,110 +41,19 @@ from mlx_lm.models.cache import RotatingKVCache
 from . import sampling, targets
 from .compiled import AUTO, VerifyCache
 from .fast import verify as fast_verify
-
-VERIFIES = ("kernel", "compiled", "plain")   # fastest first: AUTO takes the first that runs
-COMPILED = ("kernel", "compiled")             # the verifies port/fast/verify.py runs as one compiled call
-PIPELINES = ("on", "off")
-
-
-@dataclass
-class TargetView:
-    """What a source may read of the target: the model and its live caches (borrowed)."""
-
-    target: targets.Target
-    caches: list
-
-
-class DraftSource(Protocol):
-    """Per-request drafting state."""
-
-    tap_layers: list[int] | None
-
-    def prefill(self, prompt_ids: list[int], tapped: list[mx.array] | None) -> None: ...
-
-    def draft(self, feed: list[int], n: int, anchor_hidden: mx.array) -> list[int]:
-        """Up to n tokens following feed[-1]; anchor_hidden is the target hidden that predicted it."""
-
-    def commit(self, n_drafted: int, accepted: int, tapped: list[mx.array] | None) -> None:
-        """The verify kept pending + `accepted` drafts; `tapped` are the verify's taps of all its
-        rows [pending, d1..dn]: only the first accepted + 1 belong to the committed context."""
-
-    def dispose(self) -> None: ...
-
-    # Optional (found with hasattr):
-    #   draft_sampled(feed, n, anchor_hidden, pick) -> list[int]: as `draft`, but every draft
-    #       token is `pick(logits_row)` of the row the source would take the argmax of, chained
-    #       as the source chains its own tokens; the returned tokens are a prefix of the picks.
-    #   draft_device(feed, n, anchor_hidden) -> mx.array: as `draft`, the tokens as a lazy integer array
-    #       [m] (m known on the host); the T=0 loop uses it unless `draft` was replaced on the
-    #       instance (an observer wrapping `draft` still sees every draft).
-    #   nbytes: the bytes the source holds for this request (its context K/V), for admission.
-    #   draft_pipelined(pending, n, offset, room) -> mx.array, commit_pipelined(tapped) and
-    #       pipelines() -> str | None: the pipelined loop's seam (`_pipelined`): `draft_device`
-    #       with the pending token and the committed length as device scalars (room: a bound on it
-    #       the host knows), `commit` keeping every row of the verify; pipelines() says why this
-    #       request's source cannot (None: it can).
-
-
-class DraftProvider(Protocol):
-    """A loaded drafter, shared by requests. `kv_bucket` (optional): the verify's bucket its
-    source wants (generate's "auto"); absent, mlx-lm's caches."""
-
-    id: str
-    weights_bytes: int
-    trained_gamma: int | None
-
-    def open(self, view: TargetView) -> DraftSource: ...
-
-    def dispose(self) -> None: ...
-
-
-@dataclass
-class Stats:
-    drafted: int = 0
-    accepted: int = 0
-    target_calls: int = 0
-    emitted: int = 0
-    accepted_by_position: list[int] = field(default_factory=list)
-    drafted_by_position: list[int] = field(default_factory=list)
-    trace: list[tuple[int, int, int]] = field(default_factory=list)  # per round (drafted, accepted, emitted)
-    proposals: list[list[int]] = field(default_factory=list)  # per round, the draft tokens
-    elapsed_s: float = 0.0
-    stop: str = ""
-    logits: list = field(default_factory=list)  # with record=True: the row each committed token came from
-    weights_bytes: int = 0       # the provider's weights (shared by requests)
-    target_cache_bytes: int = 0  # peak bytes of this request's target K/V caches
-    source_bytes: int = 0        # peak bytes the source holds for this request (its context K/V)
-    kv_bucket: int | None = None  # the verify's bucket (None: mlx-lm's caches)
-    verify: str = "plain"        # the verify's forward: one of VERIFIES
-    pipeline: str = "off"        # "on": the pipelined loop (serve._pipelined)
-
-    @property
-    def request_bytes(self) -> int:
-        """What one more request costs on top of the shared weights: target caches + source state."""
-        return self.target_cache_bytes + self.source_bytes
-
-    @property
-    def acceptance(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per verify round (accepted + 1), the papers' τ."""
-        return sum(a + 1 for _, a, _ in self.trace) / len(self.trace) if self.trace else 0.0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.emitted / self.elapsed_s if self.elapsed_s else 0.0
-
-    def to_json(self) -> dict:
-        return {"drafted": self.drafted, "accepted": self.accepted, "target_calls": self.target_calls,
-                "emitted": self.emitted, "acceptance": self.acceptance, "tau": self.tau,
-                "accepted_by_position": self.accepted_by_position, "drafted_by_position": self.drafted_by_position,
-                "tokens_per_s": self.tokens_per_s, "stop": self.stop, "trace": [list(r) for r in self.trace],
-                "weights_bytes": self.weights_bytes, "target_cache_bytes": self.target_cache_bytes,
-                "source_bytes": self.source_bytes, "request_bytes": self.request_bytes, "kv_bucket": self.kv_bucket,
-                "verify": self.verify, "pipeline": self.pipeline}
+from .serve_options import (
+    COMPILED,
+    DEFAULT,
+    PIPELINES,
+    ServeOptions,
+    resolve_choice,
+    resolve_verify,
+)
+from .serve_options import VERIFIES as VERIFIES
+from .serve_seam import SEAM as SEAM
+from .serve_seam import DraftProvider, Stats, TargetView, _device_drafter
+from .serve_seam import DraftSource as DraftSource
+from .serve_seam import Observed as Observed
 
 
 def trim_caches(caches: list, n: int) -> None:
@@ -174,51 +82,6 @@ def _taps(trace: targets.Trace, layers: list[int] | None, rows: slice) -> list[m
     if layers is None:
         return None
     return [trace.hidden[layer + 1][:, rows, :] for layer in layers]
-
-
-def _device_drafter(source):
-    """The source's `draft_device`, unless `draft` was replaced on the instance (a wrapper that
-    observes drafts must keep seeing them; `Observed` is the one that needs no replacing)."""
-    if isinstance(source, _ObservedSource):
-        return getattr(source, "draft_device", None)
-    own = getattr(type(source), "draft", None)
-    if not hasattr(source, "draft_device") or getattr(source.draft, "__func__", None) is not own:
-        return None
-    return source.draft_device
-
-
-SEAM = ("prefill", "draft", "draft_device", "draft_sampled", "commit", "draft_pipelined", "commit_pipelined")
-
-
-class Observed:
-    """A provider whose sources report every seam call to `around(name, source, args, call)`,
-    which returns `call()`'s value. Tests and the bench read drafts, context updates and times
-    through it, instead of replacing a method on the source (which would turn the loop's
-    device drafts off); the loop drafts on the device exactly when it would unobserved."""
-
-    def __init__(self, provider, around):
-        self.inner, self.around = provider, around
-        self.id, self.weights_bytes, self.trained_gamma = provider.id, provider.weights_bytes, provider.trained_gamma
-        self.kv_bucket = getattr(provider, "kv_bucket", None)
-
-    def open(self, view):
-        return _ObservedSource(self.inner.open(view), self.around)
-
-    def dispose(self) -> None:
-        self.inner.dispose()
-
-
-class _ObservedSource:
-    def __init__(self, inner, around):
-        self.inner, self._around = inner, around
-
-    def __getattr__(self, name):
-        if name not in SEAM:
-            return getattr(self.inner, name)
-        if name == "draft_device" and _device_drafter(self.inner) is None:
-            raise AttributeError(name)
-        method = getattr(self.inner, name)
-        return lambda *args: self._around(name, self.inner, args, lambda: method(*args))
 
 
 class _Greedy:
@@ -457,136 +320,111 @@ def _pipelined(target: targets.Target, caches: list, source, verifier: _Greedy, 
 
 
 def generate(target: targets.Target, prompt: list[int], max_tokens: int, provider: DraftProvider | None = None,
-             gamma: int = 4, eos: set[int] | None = None, record: bool = False,
-             sampler: sampling.Sampler | None = None, processors=(), mode: str = "match",
-             draft_sampler: sampling.Sampler | None = None,
-             kv_bucket: int | str | None = AUTO, verify: str = AUTO, pipeline: str = AUTO) -> tuple[list[int], Stats]:
-    """Speculative decoding. Returns the content tokens and the stats (with the per-round
-    trace). With no source it is plain decoding through the same verify path.
+             options: ServeOptions = DEFAULT) -> tuple[list[int], Stats]:
+    """Speculative decoding, served as `options` say (ServeOptions). Returns the content tokens
+    and the stats (with the per-round trace). With no provider it is plain decoding through the
+    same verify path. Its negative controls (planted bugs) live in spec_parity/controls/serve.py."""
+    r = _open(target, provider, options)
+    t0 = time.perf_counter()
+    trace = target_forward(target, mx.array([prompt]), r.caches, r.stats.verify)
+    r.stats.target_calls += 1
+    if r.source is not None:
+        r.source.prefill(prompt, _taps(trace, r.source.tap_layers, slice(None)))
+    pending = r.verifier.first(trace.logits[0, -1], prompt)
+    pieces, proposals = [[pending]], []   # the committed tokens: host lists, or device slices (_Greedy)
+    if options.record:
+        r.stats.logits.append(trace.logits[0, -1])
+    if pending not in r.eos and max_tokens > 1:
+        if r.stats.pipeline == "on":
+            _pipelined(target, r.caches, r.source, r.verifier, r.eos, pending, options.gamma, max_tokens - 1,
+                       r.stats, pieces, proposals, r.stats.verify)
+        else:
+            _sequential(r, prompt, pending, trace, max_tokens - 1, pieces, proposals, options)
+    pieces, r.stats.proposals = read_at_end([pieces, proposals])
+    committed = [t for p in pieces for t in p]
+    r.stats.elapsed_s = time.perf_counter() - t0
+    _count_bytes(r.stats, r.caches, r.source)
+    r.stats.stop = "eos" if committed[-1] in r.eos else "length"
+    r.stats.emitted = len(committed)
+    if r.source is not None:
+        r.source.dispose()
+    return _content(committed, r.eos), r.stats
 
-    Default: greedy (T=0), token match. `sampler` (port.sampling.Sampler), `processors`
-    (callables (tokens, logits [1, V]) -> logits, mlx-lm's convention, applied to every verify
-    row before acceptance and to the draft rows of a source with `draft_sampled`), `mode`
-    ("match" or "rejection") and `draft_sampler` (rejection: what the drafts are drawn from;
-    default the request's sampler) select the sampling verify, see port/sampling.py.
 
-    `kv_bucket` (rows, or None): the bucketed verify (targets.make_caches): the target's caches
-    are buffers a whole number of buckets long that every forward attends over whole, masked, so
-    on MLX CUDA the attention plans a kernel once per bucket, not once per round's key length.
-    Bit-exact with mlx-lm's caches on the CPU (tests/test_bucketed.py), within fp32 tolerance on
-    MLX CUDA, the same greedy stream. Default "auto": the provider's own `kv_bucket` (DSpark and
-    DFlash: compiled.BUCKET; the assistant and plain decoding: None) where the target's caches
-    allow it (targets.make_caches); `stats.kv_bucket` says what the request ran with.
+@dataclass
+class _Request:
+    """A request's resolved state: its caches, its source, how it verifies, its stop tokens and stats."""
 
-    `verify`: "compiled" (port/fast/verify.py: the bucketed verify as one compiled call, traced
-    once per buffer length; needs a kv_bucket), "kernel" (the same with port/fast/kernels.py's
-    attention: MLX CUDA from compute capability 8.0, Qwen3 targets with bf16 activations;
-    1.03-1.41x the compiled verify's loop in serving: docs/benchmarks.md, "The kernel verify against
-    the compiled one"), "plain"
-    (targets.forward, op by op), or "auto" (default): the first of "kernel", "compiled", "plain"
-    that runs here; `stats.verify` says which ran.
+    target: targets.Target
+    caches: list
+    source: DraftSource | None
+    verifier: _Greedy | _Sampled
+    eos: set[int]
+    stats: Stats
 
-    `pipeline`: "on" (`_pipelined`: round r + 1 is built while the device runs round r; the
-    greedy verify, compiled, and a source with `draft_pipelined` (DFlash, DSpark) or none), "off" (the sequential
-    loop below), or "auto" (default): on where it fits; `stats.pipeline` says which ran.
 
-    Its negative controls (planted bugs) live in spec_parity/controls/serve.py."""
-    if mode not in sampling.MODES:
-        raise sampling.SamplingError(f"unknown acceptance mode {mode!r}; known: {sampling.MODES}")
-    if not 0 <= gamma < _FIELD:
-        raise ValueError(f"gamma={gamma}: expected 0..{_FIELD - 1} draft tokens per round (the round's verdict "
+def _open(target: targets.Target, provider: DraftProvider | None, o: ServeOptions) -> _Request:
+    """Every "auto" of `o` resolved and every option checked, before the prefill: the stop tokens,
+    the verifier, the caches (kv_bucket), the verify forward, the source, the pipelined loop."""
+    if o.mode not in sampling.MODES:
+        raise sampling.SamplingError(f"unknown acceptance mode {o.mode!r}; known: {sampling.MODES}")
+    if not 0 <= o.gamma < _FIELD:
+        raise ValueError(f"gamma={o.gamma}: expected 0..{_FIELD - 1} draft tokens per round (the round's verdict "
                          f"packs counts up to {_FIELD} in {_BITS} bits)")
-    processors = list(processors)
-    eos = targets.eos_ids(target) if eos is None else eos
-    if sampler is None and not processors and mode == "match":
-        verifier = _Greedy(eos)
-    else:
-        verifier = _Sampled(sampler or sampling.Sampler(), processors, mode, draft_sampler, eos)
-    auto = kv_bucket == AUTO
-    caches = targets.make_caches(target, getattr(provider, "kv_bucket", None) if auto else kv_bucket, strict=not auto)
+    eos = targets.eos_ids(target) if o.eos is None else o.eos
+    greedy = o.sampler is None and not o.processors and o.mode == "match"
+    verifier = _Greedy(eos) if greedy else _Sampled(o.sampler or sampling.Sampler(), o.processors, o.mode,
+                                                     o.draft_sampler, eos)
+    auto = o.kv_bucket == AUTO
+    caches = targets.make_caches(target, getattr(provider, "kv_bucket", None) if auto else o.kv_bucket,
+                                 strict=not auto)
     kv_bucket = caches[0].step if caches and isinstance(caches[0], VerifyCache) else None
-    verify = resolve_verify(verify, target, kv_bucket)
+    verify = resolve_verify(o.verify, target, kv_bucket)
     source = provider.open(TargetView(target, caches)) if provider is not None else None
-    stats = Stats(accepted_by_position=[0] * gamma, drafted_by_position=[0] * gamma, kv_bucket=kv_bucket,
+    stats = Stats(accepted_by_position=[0] * o.gamma, drafted_by_position=[0] * o.gamma, kv_bucket=kv_bucket,
                   weights_bytes=int(getattr(provider, "weights_bytes", 0) or 0) if provider is not None else 0,
                   verify=verify)
-    taps = source.tap_layers if source is not None else None
-    t0 = time.perf_counter()
-    trace = target_forward(target, mx.array([prompt]), caches, verify)
-    stats.target_calls += 1
-    if source is not None:
-        source.prefill(prompt, _taps(trace, taps, slice(None)))
-    pending = verifier.first(trace.logits[0, -1], prompt)
-    anchor = trace.final[:, -1:, :]
-    pieces, count = [[pending]], 1   # the committed tokens: host lists, or device slices (_Greedy)
-    proposals = []
+    stats.pipeline = resolve_pipeline(o.pipeline, verifier, verify, source, o.record, o.gamma)
+    return _Request(target, caches, source, verifier, eos, stats)
+
+
+def _sequential(r: _Request, prompt: list[int], pending: int, trace: targets.Trace, left: int, pieces: list,
+                proposals: list, o: ServeOptions) -> None:
+    """The rounds one after the other: each round's verdict is read before the next is built."""
+    anchor, taps = trace.final[:, -1:, :], r.source.tap_layers if r.source is not None else None
 
     def history() -> list[int]:
-        return prompt + [t for p in pieces for t in p] if verifier.reads_history else prompt
+        return prompt + [t for p in pieces for t in p] if r.verifier.reads_history else prompt
 
-    if record:
-        stats.logits.append(trace.logits[0, -1])
-    stats.pipeline = resolve_pipeline(pipeline, verifier, verify, source, record, gamma)
-    if stats.pipeline == "on" and pending not in eos and count < max_tokens:
-        _pipelined(target, caches, source, verifier, eos, pending, gamma, max_tokens - count, stats, pieces, proposals,
-                   verify)
-    while stats.pipeline == "off" and pending not in eos and count < max_tokens:
-        drafts, q = verifier.draft(source, pending, gamma, anchor, history()) if source is not None else ([], None)
-        drafts = drafts[:gamma]
+    while pending not in r.eos and left > 0:
+        drafts, q = (r.verifier.draft(r.source, pending, o.gamma, anchor, history()) if r.source is not None
+                     else ([], None))
+        drafts = drafts[:o.gamma]
         n = len(drafts)
-        trace = target_forward(target, _verify_ids(pending, drafts), caches, verify)
-        stats.target_calls += 1
+        trace = target_forward(r.target, _verify_ids(pending, drafts), r.caches, r.stats.verify)
+        r.stats.target_calls += 1
         # trace.logits[0, ...]: a view, where [0] would be a Gather (see port/dflash.py Model.block)
-        k, stop, last, new = verifier.verify(drafts, q, trace.logits[0, ...], history())
+        k, stop, last, new = r.verifier.verify(drafts, q, trace.logits[0, ...], history())
         proposals.append(drafts)
         kept = _kept(n, k)
-        emitted = _count_round(stats, n, k, stop, max_tokens - count)
+        emitted = _count_round(r.stats, n, k, stop, left)
         pieces.append(new[:emitted])
-        count += emitted
-        if record:
-            stats.logits += [trace.logits[0, i] for i in range(emitted)]
-        trim_caches(caches, n - kept + 1)
-        if source is not None:
-            source.commit(n, k, _taps(trace, taps, slice(None)))
-        _count_bytes(stats, caches, source)
+        left -= emitted
+        if o.record:
+            r.stats.logits += [trace.logits[0, i] for i in range(emitted)]
+        trim_caches(r.caches, n - kept + 1)
+        if r.source is not None:
+            r.source.commit(n, k, _taps(trace, taps, slice(None)))
+        _count_bytes(r.stats, r.caches, r.source)
         if emitted < kept:
-            break
+            return
         pending = last
         anchor = trace.final[:, kept - 1:kept, :]
-    pieces, stats.proposals = read_at_end([pieces, proposals])
-    committed = [t for p in pieces for t in p]
-    stats.elapsed_s = time.perf_counter() - t0
-    _count_bytes(stats, caches, source)
-    stats.stop = "eos" if committed[-1] in eos else "length"
-    stats.emitted = len(committed)
-    if source is not None:
-        source.dispose()
-    return _content(committed, eos), stats
-
-
-def resolve_verify(verify: str, target: targets.Target, kv_bucket: int | None) -> str:
-    """The request's verify forward: AUTO is the first of VERIFIES that port/fast/verify.py takes."""
-    return _resolve("verify", verify, VERIFIES, {"kernel": fast_verify.kernel_unsupported(target, kv_bucket),
-                                                 "compiled": fast_verify.unsupported(target, kv_bucket)})
 
 
 def resolve_pipeline(pipeline: str, verifier, verify: str, source, record: bool, gamma: int) -> str:
     """The request's loop: AUTO is "on" wherever `_pipelined` runs."""
-    return _resolve("pipeline", pipeline, PIPELINES, {"on": _unpipelined(verifier, verify, source, record, gamma)})
-
-
-def _resolve(option: str, value: str, choices: tuple[str, ...], why: dict[str, str | None]) -> str:
-    """An option whose choices run fastest first, the last everywhere; `why`: why a choice cannot
-    run here (None or absent: it can). AUTO is the first that can; one asked for where it cannot is
-    refused with the reason and the fix (the next one that can)."""
-    if value == AUTO:
-        return next(c for c in choices if not why.get(c))
-    if value not in choices:
-        raise ValueError(f"{option}={value!r}: expected one of {choices} or {AUTO!r}")
-    if why.get(value):
-        fix = next(c for c in choices[choices.index(value) + 1:] if not why.get(c))
-        raise ValueError(f"{option}={value!r} cannot run here: {why[value]}; use {option}={fix!r}")
-    return value
+    return resolve_choice("pipeline", pipeline, PIPELINES, {"on": _unpipelined(verifier, verify, source, record, gamma)})
 
 
 def _unpipelined(verifier, verify: str, source, record: bool, gamma: int) -> str | None:

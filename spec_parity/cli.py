@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import compare, exchange, goldens, harness, ports, report
+from . import cli_args, compare, exchange, goldens, harness, ports, report
 from .goldens import atomic_write
 
 
@@ -54,9 +53,9 @@ def _preflight(args, drafters: tuple[str, ...] = ()) -> None:
                            "give a folder you can write (it is created if missing)") from e
 
 
-def _select(args) -> list:
+def _select(args, selection: ports.Selection = ports.OURS_ONLY) -> list:
     modules = [args.module] if getattr(args, "module", None) else list(harness.PAIRS)
-    cases = harness.all_cases(modules)
+    cases = harness.all_cases(modules, selection)
     if getattr(args, "target", None):
         from . import real
 
@@ -105,7 +104,7 @@ def _header() -> str:
             f"python {platform.python_version()}, mlx {mx.__version__}")
 
 
-def _ports(args, modules: list[str], selected_by: str) -> None:
+def _ports(args, modules: list[str], selected_by: str) -> ports.Selection:
     """--port MODULE=SPEC and --port-cmd CMD: who answers the cases of `modules` (spec_parity.ports),
     refused before any case runs where a port the user named would not answer."""
     for opt, val in (("--timeout", f"{args.timeout:g}" if args.timeout is not None else None),
@@ -117,7 +116,7 @@ def _ports(args, modules: list[str], selected_by: str) -> None:
         ports.check(args.port, bool(args.port_cmd), modules, selected_by)
         cmd = exchange.command_port(args.port_cmd, exchange.TIMEOUT_S if args.timeout is None else args.timeout,
                                     args.port_id) if args.port_cmd else None
-        ports.configure(args.port, cmd, modules, selected_by)
+        return ports.configure(args.port, cmd, modules, selected_by)
     except ports.PortError as e:
         raise BadInput(str(e)) from e
 
@@ -130,26 +129,21 @@ def _answered(args, cases: list) -> None:
         raise BadInput(str(e)) from e
 
 
-def _error(case, e: Exception, debug: bool):
+def _error(case, e: Exception, debug: bool, port: ports.Port):
     """A case that could not run: ERROR with its reason, where in the port's code it was raised,
     and the traceback (report.json; printed under --debug)."""
     trace = "".join(traceback.format_exception(e))
     if debug:
         print(f"{case.id}: ERROR\n{trace}", file=sys.stderr)
-    at = "" if isinstance(e, exchange.ExchangeError) else ports.where(ports.for_module(case.module), e)
+    at = "" if isinstance(e, exchange.ExchangeError) else ports.where(port, e)
     reason = f"{type(e).__name__}: {e}" + (f" [at {at}]" if at else "")
     return harness.Result(case.module, case.name, "-", case.tier, verdict="ERROR", reason=reason, trace=trace)
 
 
 def cmd_run(args) -> int:
-    with ports.restored():
-        return _run(args)
-
-
-def _run(args) -> int:
     _preflight(args, ("drafter",))
-    _ports(args, *_modules(args))
-    cases = _select(args)
+    selection = _ports(args, *_modules(args))
+    cases = _select(args, selection)
     if args.target:
         _answered(args, cases)
     rows, t0 = [], time.time()
@@ -157,18 +151,18 @@ def _run(args) -> int:
         for case in cases:
             bar.start(case.id)
             try:
-                result = harness.evaluate(case, args.source)
+                result = harness.evaluate(case, args.source, selection)
             except Exception as e:  # a case that cannot run is a failure with its reason, not a crash
-                result = _error(case, e, args.debug)
+                result = _error(case, e, args.debug, selection.port(case.module))
             rows.append((result, case.expect))
             bar.done(case.id, result.shown_verdict)
-    header = f"{_header()}; ports: {ports.describe()}; {len(cases)} cases in {time.time() - t0:.1f} s"
+    header = f"{_header()}; ports: {selection.describe()}; {len(cases)} cases in {time.time() - t0:.1f} s"
     print(report.table(rows))
     out = Path(args.out)
     report.write(out, rows, header)
     require = (args.require,) if args.require else ()
-    print(_summary(rows, require, out))
-    return _exit_status(rows, require)
+    print(_summary(rows, require, out, selection))
+    return _exit_status(rows, require, selection)
 
 
 def _unexpected(rows: list, require: tuple[str, ...]) -> list:
@@ -176,15 +170,15 @@ def _unexpected(rows: list, require: tuple[str, ...]) -> list:
     return [r for r, e in rows if r.verdict not in ("DELTA", "DECLINED") and not compare.as_expected(r.verdict, e, require)]
 
 
-def _silent_ports(rows: list) -> list[str]:
-    """The plug-in ports selected for the run that answered none of its cases (each declined, or
+def _silent_ports(rows: list, selection: ports.Selection) -> list[str]:
+    """The plug-in ports `selection` chose that answered none of the run's cases (each declined, or
     none of their modules' cases selected): a run that checked nothing of the user's port."""
-    theirs = sorted({ports.for_module(m).identity for m in harness.PAIRS if not ports.for_module(m).ours})
+    theirs = sorted({selection.port(m).identity for m in selection.theirs()})
     answered = {r.metrics.get("port", {}).get("identity") for r, _ in rows if r.verdict != "DECLINED"}
     return [p for p in theirs if p not in answered]
 
 
-def _summary(rows: list, require: tuple[str, ...], out: Path) -> str:
+def _summary(rows: list, require: tuple[str, ...], out: Path, selection: ports.Selection) -> str:
     """The run's closing lines: verdicts as expected, the ones counted apart, every unexpected
     one's message, and a line per plug-in port that checked nothing."""
     bad = _unexpected(rows, require)
@@ -198,14 +192,14 @@ def _summary(rows: list, require: tuple[str, ...], out: Path) -> str:
     lines += [r.message() for r in bad + apart["DELTA"] + apart["DECLINED"]]
     lines += [f"[{r.verdict}] {r.module}/{r.case}: {r.reason}" for r in apart[compare.PARTIAL]]
     lines += [f"port {p} checked nothing: it answered none of the {len(rows)} cases run (each declined, or none "
-              f"of its module's cases selected); not a pass" for p in _silent_ports(rows)]
+              f"of its module's cases selected); not a pass" for p in _silent_ports(rows, selection)]
     return "\n".join(lines)
 
 
-def _exit_status(rows: list, require: tuple[str, ...]) -> int:
+def _exit_status(rows: list, require: tuple[str, ...], selection: ports.Selection) -> int:
     """1 on any unexpected verdict, or when a plug-in port checked nothing; compare.PARTIAL_EXIT when a
     pass left checks unrun and the run does not accept it; else 0."""
-    if _unexpected(rows, require) or _silent_ports(rows):
+    if _unexpected(rows, require) or _silent_ports(rows, selection):
         return 1
     partial = any(r.verdict == compare.PARTIAL for r, _ in rows)
     return compare.PARTIAL_EXIT if partial and "outputs" not in require else 0
@@ -319,14 +313,6 @@ def cmd_ab(args) -> int:
     return 0 if verdict.passed else 1
 
 
-def _csv(text: str, known, what: str) -> list[str]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in known]
-    if bad or not items:
-        raise BadInput(f"--{what} {text!r}: unknown {bad or 'empty list'}; known: {', '.join(known)}")
-    return items
-
-
 def cmd_bench(args) -> int:
     """Speed of the drafters side by side with the peers, against the bandwidth floor; figures are
     reported, never asserted. Writes OUT/bench.json, bench.md, bench.png (--serve: OUT/serve.json,
@@ -341,26 +327,11 @@ def cmd_bench(args) -> int:
 
     from . import bench
     from .bench import report as bench_report
-    from .bench import shapes as bench_shapes
 
-    real = args.shapes == "real"
-    if args.scale < 1 or (args.scale > 1 and not real):
-        raise BadInput("--scale N (N >= 1) shrinks the real shapes (widths, vocabulary, windows, context); "
-                       "it applies to --shapes real only")
-    peers = None if args.peers == "auto" else [] if args.peers == "none" else _csv(args.peers, bench.runner.OTHERS, "peers")
-    gpu = mx.default_device().type == mx.DeviceType.gpu
-    opts = bench.Options(
-        shapes=args.shapes, sources=tuple(_csv(args.sources, bench_shapes.SOURCES, "sources")), peers=peers,
-        warmup=args.warmup if args.warmup is not None else (10 if real else 3),
-        iters=args.iters if args.iters is not None else (40 if real else 15),
-        dtype=args.dtype or ("bfloat16" if real else "float32"), ctx=args.ctx, scale=args.scale,
-        target_layers=args.target_layers, gamma=args.gamma,
-        max_tokens=args.max_tokens or (32 if real else 16), serve_runs=args.serve_runs,
-        bw_bytes=(args.bw_mib or (1024 if gpu else 256)) << 20, torch_device=args.torch_device,
-        cases=[c for c in (args.case or "").split(",") if c] or None, seed=args.seed, kernels=args.kernels,
-        argv=list(args.argv))
-    if opts.iters < 1 or opts.warmup < 0 or opts.serve_runs < 1:
-        raise BadInput("--iters and --serve-runs must be >= 1 and --warmup >= 0")
+    try:
+        opts = cli_args.bench_options(args, mx.default_device().type == mx.DeviceType.gpu)
+    except ValueError as e:
+        raise BadInput(str(e)) from e
     try:
         doc = bench.run(opts, progress=lambda msg: print(f"[bench] {msg}", file=sys.stderr, flush=True),
                         keep=lambda d: bench_report.keep(d, Path(args.out)))
@@ -440,160 +411,28 @@ def cmd_matrix(args) -> int:
     return 0
 
 
+COMMANDS = (   # name ("GROUP NAME": a subcommand of GROUP), help, its arguments (cli_args), what runs it
+    ("run", "run the parity matrix; non-zero exit on any unexpected verdict", cli_args.run, cmd_run),
+    ("export", "write each case as a folder for an out-of-process port (--port-cmd)", cli_args.export, cmd_export),
+    ("protocol", "print the port protocol (docs/protocol.md)", cli_args.none, cmd_protocol),
+    ("list", "cases, goldens, and which oracles run here", cli_args.none, cmd_list),
+    ("fixtures regen", "regenerate goldens from the live references (this machine's key only)", cli_args.regen,
+     cmd_regen),
+    ("measure", "measure cross-framework errors behind budgets.py", cli_args.measure, cmd_measure),
+    ("ab", "paired drafter A/B through the serve loop at T=0 (exit 1 on FAIL); each arm any drafter family: "
+     "assistant, DSpark, DFlash, DSpark-on-DFlash", cli_args.ab, cmd_ab),
+    ("bench", "speed: our drafters vs the peers vs the bandwidth floor (JSON, Markdown, PNG)", cli_args.bench,
+     cmd_bench),
+    ("combine", "one table from two or more bench runs: each run's figure, the median of the runs, ratios as a "
+     "range where they moved more than their spread", cli_args.combine, cmd_combine),
+    ("bisect", "the first commit of a port's git history that breaks one case", cli_args.bisect, cmd_bisect),
+    ("matrix", "the support matrix: ports x modules -> verdict counts and coverage", cli_args.matrix, cmd_matrix),
+)
+GROUPS = {"fixtures": "goldens"}
+
+
 def main(argv=None) -> int:
-    debug = dict(action="store_true", help="on bad input, the traceback instead of the one-line message "
-                 "(default: off, the one line and exit 2); `run`: also each ERROR case's traceback (report.json "
-                 "holds it either way)")
-    ap = argparse.ArgumentParser(prog="spec-parity", description=__doc__)
-    ap.add_argument("--debug", **debug)
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    run = sub.add_parser("run", help="run the parity matrix; non-zero exit on any unexpected verdict",
-                         description="Run the parity matrix: each case's port against its reference at "
-                         "its tier. Exit 0 when every verdict is as expected (controls must FAIL) and every "
-                         "check ran, 4 when as expected but a plug-in port's pass left checks unrun "
-                         "(PASS-PARTIAL; see --require), 1 otherwise (or when a plug-in port answered no case), "
-                         "2 on bad input (a one-line message naming it and the fix).")
-    run.add_argument("--module", choices=harness.PAIRS,
-                     help="only this module's cases (default: every module)")
-    run.add_argument("--case", help="only the case of this name, or the cases sharing this golden "
-                     "(default: every case; `spec-parity list` names them)")
-    run.add_argument("--out", default="parity-report",
-                     help="folder for report.md, report.json, layers.png; created if missing, checked "
-                     "writable before the first case, earlier report files replaced (default: parity-report)")
-    run.add_argument("--source", choices=("auto", "live", "golden"), default="auto",
-                     help="reference outputs: live oracle, stored goldens, or live where available "
-                     "(default: auto)")
-    run.add_argument("--target", help="a real target checkpoint directory: the cases that apply to it (and to "
-                     "--drafter), live references only (default: none, the built-in tiny checkpoints)")
-    run.add_argument("--drafter", help="a real drafter checkpoint directory: its family (assistant, DSpark, DFlash, "
-                     "DSpark-on-DFlash) is read off its config.json (default: none, the target's own cases)")
-    run.add_argument("--port", action="append", metavar="MODULE=SPEC",
-                     help="run MODULE's cases on another port: SPEC is pkg.module:make_port or a name registered "
-                          "in the spec_parity.ports entry points (repeatable: one per module, each a "
-                          "module the run selects; default: our own ports)")
-    run.add_argument("--port-cmd", metavar="CMD", help='a port in any language: run CMD per case, e.g. '
-                     '"./my-port {case} {out}" (the file protocol, docs/protocol.md); it answers every module the '
-                     'run selects, so it does not combine with --port (default: none)')
-    run.add_argument("--timeout", type=float, metavar="S", help="--port-cmd: seconds a case may take before its "
-                     f"process group is killed and the case reads ERROR (default: {exchange.TIMEOUT_S:g})")
-    run.add_argument("--port-id", metavar="NAME", help="--port-cmd: the port's name in the report (default: "
-                     "port-cmd; its identity also hashes every argument of CMD that is a file)")
-    run.add_argument("--require", choices=("outputs", "internals"),
-                     help="what a pass must have checked. A PASS-PARTIAL (a port that passed every check it "
-                     "exposed arrays for, but left optional quantities out, so some checks did not run) is "
-                     f"counted apart and the run exits {compare.PARTIAL_EXIT} (not green) by default; outputs: it "
-                     "counts as a pass, exit 0; internals: it is an unexpected verdict, exit 1")
-    run.add_argument("--debug", default=argparse.SUPPRESS, **debug)
-    run.set_defaults(fn=cmd_run)
-    mp = sub.add_parser("matrix", help="the support matrix: ports x modules -> verdict counts and coverage")
-    mp.add_argument("--report", action="append", metavar="DIR", help="a `spec-parity run --out` folder or its "
-                    "report.json (repeatable)")
-    mp.add_argument("--port", action="append", metavar="MODULE=SPEC", help="run this port over MODULE's golden "
-                    "cases first (repeatable)")
-    mp.add_argument("--doc", help="write the table into this markdown file between its <!-- matrix:begin --> and "
-                    "<!-- matrix:end --> lines (default: print it)")
-    mp.set_defaults(fn=cmd_matrix)
-    ex = sub.add_parser("export", help="write each case as a folder for an out-of-process port (--port-cmd)")
-    ex.add_argument("--module", choices=harness.PAIRS)
-    ex.add_argument("--case")
-    ex.add_argument("--source", choices=("auto", "live", "golden"),
-                    help="the reference arrays fed to the port (default: golden; live with --target)")
-    ex.add_argument("--target", help="a real target checkpoint directory: its cases, as `run --target` selects them "
-                    "(default: none, the built-in tiny checkpoints)")
-    ex.add_argument("--drafter", help="with --target: a real drafter checkpoint directory (default: none)")
-    ex.add_argument("--out", required=True, help="directory: OUT/<module>/<case>/")
-    ex.set_defaults(fn=cmd_export)
-    sub.add_parser("protocol", help="print the port protocol (docs/protocol.md)").set_defaults(fn=cmd_protocol)
-    sub.add_parser("list", help="cases, goldens, and which oracles run here").set_defaults(fn=cmd_list)
-    fx = sub.add_parser("fixtures", help="goldens")
-    fxs = fx.add_subparsers(dest="fixtures_cmd", required=True)
-    rg = fxs.add_parser("regen", help="regenerate goldens from the live references (this machine's key only)")
-    rg.add_argument("--module")
-    rg.add_argument("--case")
-    rg.set_defaults(fn=cmd_regen)
-    ms = sub.add_parser("measure", help="measure cross-framework errors behind budgets.py")
-    ms.add_argument("--module")
-    ms.add_argument("--case")
-    ms.add_argument("--seeds", type=int, default=5)
-    ms.add_argument("--target", help="a real target checkpoint directory: measure the cases that apply to it, "
-                    "as `run --target` (the seed then moves the prompt only)")
-    ms.add_argument("--drafter", help="a real drafter checkpoint directory, as `run --drafter`")
-    ms.set_defaults(fn=cmd_measure)
-    abp = sub.add_parser("ab", help="paired drafter A/B through the serve loop at T=0 (exit 1 on FAIL); each "
-                         "arm any drafter family: assistant, DSpark, DFlash, DSpark-on-DFlash")
-    abp.add_argument("--target", required=True, help="target checkpoint directory")
-    abp.add_argument("--a", required=True, help="drafter A checkpoint directory (the baseline)")
-    abp.add_argument("--b", required=True, help="drafter B checkpoint directory (the candidate)")
-    abp.add_argument("--prompts", required=True,
-                     help="one prompt per line as whitespace-separated token ids (# comments, blank lines skipped)")
-    abp.add_argument("--gamma", type=int, help="draft tokens per round (default: each block drafter's trained "
-                     "block, 4 for the assistant)")
-    abp.add_argument("--max-tokens", type=int, default=32)
-    abp.add_argument("--max-drop-pts", type=float, default=3,
-                     help="largest acceptance drop of B vs A, absolute points, that still passes")
-    abp.add_argument("--json", help="also write the report (with per-prompt results) to this JSON file")
-    abp.add_argument("--debug", default=argparse.SUPPRESS, **debug)
-    abp.set_defaults(fn=cmd_ab)
-    bp = sub.add_parser("bench", help="speed: our drafters vs the peers vs the bandwidth floor (JSON, Markdown, PNG)")
-    bp.add_argument("--shapes", choices=("tiny", "real"), default="tiny",
-                    help="tiny: the factory's checkpoints; real: the real shapes of docs/references.md, random weights in memory")
-    bp.add_argument("--sources", default=",".join(("assistant", "dspark", "dflash")),
-                    help="comma-separated draft sources (assistant, dspark, dflash)")
-    bp.add_argument("--peers", default="auto", help="auto (every other side of a source), none, or a comma list "
-                    "of sides: our port's other paths (port-plain, port-sdpa, port-kernel, ...) and the peers "
-                    "(optiq, zlab-mlx, dspark-mlx, ...); docs/bench.md says what each is, and a wrong name is "
-                    "answered with the whole list")
-    bp.add_argument("--case", help="only these cases (comma-separated names, see bench.md)")
-    bp.add_argument("--warmup", type=int, help="untimed runs first (default 3 tiny, 10 real)")
-    bp.add_argument("--iters", type=int, help="timed runs (default 15 tiny, 40 real)")
-    bp.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                    help="weights and activations (default float32 tiny, bfloat16 real)")
-    bp.add_argument("--ctx", type=int, help="context length: donor K/V / context rows (default 24 tiny, 2048 real)")
-    bp.add_argument("--scale", type=int, default=1,
-                    help="real only: divide widths, vocabulary, windows and context by N (to run the path on a CPU)")
-    bp.add_argument("--target-layers", type=int,
-                    help="depth of the real shapes' stand-in target (default: Qwen3-4B 36, Gemma-4 6)")
-    bp.add_argument("--gamma", type=int, default=4, help="assistant: chained draft steps per call and per round")
-    bp.add_argument("--max-tokens", type=int, help="serve loop: tokens per request (default 16 tiny, 32 real)")
-    bp.add_argument("--serve-runs", type=int, default=3, help="serve loop: timed requests (after one warm-up)")
-    bp.add_argument("--bw-mib", type=int, help="bandwidth buffer in MiB (default 1024 on a GPU, 256 on CPU)")
-    bp.add_argument("--torch-device", choices=("auto", "cuda", "cpu", "none"), default="auto",
-                    help="torch references: auto = on CUDA if torch sees one, else skipped with the reason")
-    bp.add_argument("--chart", choices=("auto", "matplotlib", "numpy"), default="auto")
-    bp.add_argument("--seed", type=int, default=0)
-    bp.add_argument("--kernels", action="store_true",
-                    help="also record every GPU kernel of each side's step (CUPTI through torch.profiler; CUDA only)")
-    bp.add_argument("--serve", action="store_true",
-                    help="decode tokens/s of our serve loop vs each peer's own loop and plain decode, fresh requests "
-                    "(writes serve.json, serve.md; docs/bench.md)")
-    bp.add_argument("--prompt-len", type=int, default=2048, help="--serve: prompt tokens of a request (default 2048)")
-    bp.add_argument("--new-tokens", type=int, default=128, help="--serve: tokens decoded per request (default 128)")
-    bp.add_argument("--runs", type=int, default=3, help="--serve: timed requests per side, each fresh (default 3)")
-    bp.add_argument("--agree-frac", type=float, default=0.8,
-                    help="--serve: share of the tokens the agreeing drafters propose right (default 0.8)")
-    bp.add_argument("--conditions", default="random,agreeing",
-                    help="--serve: random (random drafters, tau ~ 1), agreeing (controlled tau), or both")
-    bp.add_argument("--out", required=True, help="directory for bench.json, bench.md, bench.png")
-    bp.set_defaults(fn=cmd_bench)
-    cb = sub.add_parser("combine", help="one table from two or more bench runs: each run's figure, the median of "
-                        "the runs, ratios as a range where they moved more than their spread")
-    cb.add_argument("runs", nargs="+", metavar="RUN",
-                    help="a run's serve.json or bench.json, or the --out folder holding it (two or more, one tree)")
-    cb.add_argument("--out", help="folder for combined.json and combined.md (default: print the table only)")
-    cb.add_argument("--debug", default=argparse.SUPPRESS, **debug)
-    cb.set_defaults(fn=cmd_combine)
-    bs = sub.add_parser("bisect", help="the first commit of a port's git history that breaks one case")
-    bs.add_argument("--repo", required=True, help="the port's git repository (its work tree and index are not touched)")
-    bs.add_argument("--good", required=True, help="a revision where the case's verdict is as expected")
-    bs.add_argument("--bad", required=True, help="a later revision where it is not")
-    bs.add_argument("--case", required=True, help="the case (see `spec-parity list`), judged against its golden")
-    bs.add_argument("--port", action="append", help="passed verbatim to `spec-parity run --port` (repeatable)")
-    bs.add_argument("--port-cmd", metavar="CMD", help="passed to `spec-parity run --port-cmd`, run in each "
-                    "revision's checkout (relative paths are the repository's)")
-    bs.add_argument("--timeout", type=float, metavar="S", help="passed to `spec-parity run --timeout` "
-                    f"(default: {exchange.TIMEOUT_S:g})")
-    bs.add_argument("--pythonpath", help="the repository's folder that goes first on PYTHONPATH (default: its root)")
-    bs.set_defaults(fn=cmd_bisect)
+    ap = cli_args.parser(__doc__, COMMANDS, GROUPS)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
     args.argv = argv

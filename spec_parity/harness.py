@@ -11,7 +11,8 @@ A pair is a module in `spec_parity.pairs`, registered in PAIRS below, exposing:
   feeds(case, ref) -> dict the reference arrays the port is given (teacher-forced inputs)
   plan(case, ref) -> Plan  what to check (spec_parity.checks); a pair never compares
 
-The port is whichever `spec_parity.ports` has selected for the module (ours by default).
+The port is the one a `ports.Selection` names for the module (ours by default), handed to
+all_cases() and evaluate() by whoever built it (the CLI, pytest's conftest.py, a test).
 """
 
 from __future__ import annotations
@@ -35,10 +36,10 @@ def pair(module: str):
     return PAIRS[module]
 
 
-def all_cases(modules: Iterable[str] = PAIRS) -> list[Case]:
+def all_cases(modules: Iterable[str] = PAIRS, selection: ports.Selection = ports.OURS_ONLY) -> list[Case]:
     """Every case of `modules`; a negative control plants a bug in our own port, so it runs only
-    where our port answers the module."""
-    return [c for m in modules for c in pair(m).cases() if not c.control or ports.for_module(m).ours]
+    where our port answers the module in `selection`."""
+    return [c for m in modules for c in pair(m).cases() if not c.control or selection.port(m).ours]
 
 
 def prompt(case: Case) -> np.ndarray:
@@ -111,10 +112,10 @@ def live(case: Case):
 
 
 def port_run(case: Case, ref: dict, port: ports.Port | None = None) -> dict:
-    """`port` (default: the one selected for the module) on the case, once per process for each
+    """`port` (default: ours) on the case, once per process for each
     port identity, case and reference bytes (spec_parity.shared). Only our own port takes a planted
     bug (case.control: spec_parity.controls plants it around the run)."""
-    port = port or ports.for_module(case.module)
+    port = port or ports.ours()
     run = port.runs[case.module]
 
     def go():
@@ -191,14 +192,16 @@ def oracle_name(case: Case) -> str:
     return case.oracle or pair(case.module).ORACLE
 
 
-def evaluate(case: Case, source: str = "auto") -> Result:
+def evaluate(case: Case, source: str = "auto", selection: ports.Selection = ports.OURS_ONLY) -> Result:
+    """The case's verdict on the port `selection` names for its module, against its reference
+    (`source`: see reference())."""
     ref, label, versions = reference(case, source)
     result = Result(case.module, case.name, label, case.tier)
     result.metrics["reference"] = {"ok": True, "versions": versions}
-    port = ports.for_module(case.module)
+    port = selection.port(case.module)
     result.metrics["port"] = {"ok": True, "identity": port.identity}
     try:
-        arrays = port_run(case, ref)
+        arrays = port_run(case, ref, port)
     except ports.Declined as e:
         result.verdict = "DECLINED"
         result.note(f"{port.name} declines this case: {e}")

@@ -8,7 +8,6 @@ every cached port result, so two ports in one process never share one.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import importlib
@@ -17,6 +16,7 @@ import traceback
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from .protocol import MODULES
 
@@ -107,9 +107,6 @@ def load(spec: str) -> Port:
     return port
 
 
-_SELECTED: dict[str, Port] = {}
-
-
 def check(assignments: Iterable[str] | None, cmd: bool, modules: Iterable[str],
           selected_by: str = "") -> dict[str, str]:
     """--port MODULE=SPEC assignments as {module: spec}, refused (PortError) where the run would
@@ -143,42 +140,15 @@ def check(assignments: Iterable[str] | None, cmd: bool, modules: Iterable[str],
     return chosen
 
 
-def select(assignments: list[str]) -> None:
-    """`MODULE=SPEC` assignments (from --port): that port answers that module's cases."""
+def select(assignments: list[str]) -> dict[str, Port]:
+    """`MODULE=SPEC` assignments (from --port) as {module: the port that answers its cases}."""
+    chosen = {}
     for module, spec in check(assignments, False, MODULES).items():
         port = load(spec)
         if module not in port.runs:
             raise PortError(f"--port {module}={spec}: port {port.name} implements {sorted(port.runs)}, not {module}")
-        _SELECTED[module] = port
-
-
-def configure(assignments: list[str] | None, cmd_port: Port | None = None, modules=None,
-              selected_by: str = "") -> None:
-    """What --port and --port-cmd say (the CLI's and pytest's): `cmd_port` (exchange.command_port)
-    answers every one of `modules` (default every module); check() refuses a combination that
-    would leave a named port unused."""
-    modules = list(modules or MODULES)
-    check(assignments, cmd_port is not None, modules, selected_by)
-    select(assignments or [])
-    if cmd_port is not None:
-        for module in modules:
-            _SELECTED[module] = cmd_port
-
-
-def reset() -> None:
-    _SELECTED.clear()
-
-
-@contextlib.contextmanager
-def restored():
-    """The selection as it stands before, back on exit: a `spec-parity run` called in process (a
-    test, a notebook) leaves no port of its own selected for what runs after it."""
-    saved = dict(_SELECTED)
-    try:
-        yield
-    finally:
-        _SELECTED.clear()
-        _SELECTED.update(saved)
+        chosen[module] = port
+    return chosen
 
 
 @functools.cache
@@ -186,8 +156,41 @@ def ours() -> Port:
     return load(OURS)
 
 
-def for_module(module: str) -> Port:
-    return _SELECTED.get(module) or ours()
+@dataclass(frozen=True, eq=False)
+class Selection:
+    """Who answers each module's cases: the ports a run chose (--port, --port-cmd), ours for the
+    rest. Built once by the CLI or pytest and handed down; `Selection()` is ours everywhere."""
+
+    chosen: Mapping[str, Port] = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "chosen", MappingProxyType(dict(self.chosen)))
+
+    def port(self, module: str) -> Port:
+        return self.chosen.get(module) or ours()
+
+    def theirs(self) -> tuple[str, ...]:
+        """The modules a port other than ours answers."""
+        return tuple(m for m in MODULES if not self.port(m).ours)
+
+    def describe(self) -> str:
+        return ", ".join(f"{m}={p.identity}" for m, p in sorted(self.chosen.items())) or f"{OURS} (all modules)"
+
+
+OURS_ONLY = Selection()
+
+
+def configure(assignments: list[str] | None, cmd_port: Port | None = None, modules=None,
+              selected_by: str = "") -> Selection:
+    """What --port and --port-cmd say (the CLI's and pytest's): `cmd_port` (exchange.command_port)
+    answers every one of `modules` (default every module); check() refuses a combination that
+    would leave a named port unused."""
+    modules = list(modules or MODULES)
+    check(assignments, cmd_port is not None, modules, selected_by)
+    chosen = select(assignments or [])
+    if cmd_port is not None:
+        chosen.update(dict.fromkeys(modules, cmd_port))
+    return Selection(chosen)
 
 
 def where(port: Port, error: BaseException) -> str:
@@ -200,7 +203,3 @@ def where(port: Port, error: BaseException) -> str:
             if f == root or root in f.parents:
                 return f"{f.relative_to(root.parent)}:{frame.lineno} in {frame.name}"
     return ""
-
-
-def describe() -> str:
-    return ", ".join(f"{m}={p.identity}" for m, p in sorted(_SELECTED.items())) or f"{OURS} (all modules)"

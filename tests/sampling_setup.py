@@ -164,8 +164,9 @@ def run_streams(setup_name: str, source: str | None, mode: str, N: int, seed0: i
     t0 = time.process_time()
     for i in range(N):
         s = sampling.Sampler(sp.temperature, sp.top_k, sp.top_p, seed0 + i)
-        toks, stats = serve.generate(target, k["prompt"], n, provider, gamma=GAMMA, eos=set(), sampler=s, mode=mode,
-                                     processors=PROCESSORS[processors], **kw)
+        toks, stats = serve.generate(target, k["prompt"], n, provider,
+                                     serve.ServeOptions(gamma=GAMMA, eos=set(), sampler=s, mode=mode,
+                                                        processors=PROCESSORS[processors], **kw))
         seqs[i] = toks
         for _, a, _ in stats.trace:
             hist[a] = hist.get(a, 0) + 1

@@ -94,7 +94,7 @@ def test_plain_serve_loop_is_greedy_decoding():
 
     target = targets.load(_load("gemma4-target"))
     prompt = list(range(3, 15))
-    tokens, stats = serve.generate(target, prompt, 20, None, eos=set())
+    tokens, stats = serve.generate(target, prompt, 20, None, serve.ServeOptions(eos=set()))
     plain, _ = shared.greedy(target.path, prompt, 20, set())
     assert tokens == plain and stats.target_calls == 20 and stats.drafted == 0
 

@@ -234,9 +234,9 @@ def test_serve_loop_with_bucketed_source_is_lossless(name, monkeypatch):
     traced less often than once per round, and a round still syncs within its bound."""
     _, kind, overrides, make, gamma, bound = next(s for s in SOURCES if s[0] == name)
     target = targets.load(checkpoints.build(kind, 0, overrides))
-    plain, _ = serve.generate(target, PROMPT, 40, None, gamma=gamma, eos=set())
+    plain, _ = serve.generate(target, PROMPT, 40, None, serve.ServeOptions(gamma=gamma, eos=set()))
     prov = _bucketed_provider(make)
-    tokens, stats = serve.generate(target, PROMPT, 40, prov, gamma=gamma, eos=set())
+    tokens, stats = serve.generate(target, PROMPT, 40, prov, serve.ServeOptions(gamma=gamma, eos=set()))
     assert tokens == plain and stats.drafted > 0 and (stats.accepted > 0) == LOOPS[name]
     assert prov.drafter._bucketed.traces < len(stats.trace)
     per_round, stats = round_syncs(target, _bucketed_provider(make), 30, gamma, monkeypatch)[:2]
@@ -334,7 +334,8 @@ def _assistant_loop(name: str, kv_bucket=None):
     _, kind, overrides, make, gamma, _ = next(s for s in SOURCES if s[0] == name)
     target = targets.load(checkpoints.build(kind, 0, overrides))
     prov = _BothChains(make)
-    serve.generate(target, PROMPT, 40, prov, gamma=gamma, eos=set(), kv_bucket=kv_bucket)
+    serve.generate(target, PROMPT, 40, prov,
+                   serve.ServeOptions(gamma=gamma, eos=set(), kv_bucket=kv_bucket))
 
     def rounds(which):
         return [([x for s in c[which] for x in (s.logits, s.next_hidden)], [s.token for s in c[which]])
@@ -353,8 +354,9 @@ def test_assistant_bucketed_chains_within_fp32_and_lossless(name):
     target, prov, gamma, fast, plain = _assistant_loop(name)
     ok, bad = _within_tier(fast, plain)
     assert ok and len(fast) > 10, bad
-    reference, _ = serve.generate(target, PROMPT, 40, None, gamma=gamma, eos=set())
-    tokens, stats = serve.generate(target, PROMPT, 40, prov.bucketed, gamma=gamma, eos=set())
+    reference, _ = serve.generate(target, PROMPT, 40, None, serve.ServeOptions(gamma=gamma, eos=set()))
+    tokens, stats = serve.generate(target, PROMPT, 40, prov.bucketed,
+                                   serve.ServeOptions(gamma=gamma, eos=set()))
     assert tokens == reference and stats.accepted > 0
     assert prov.bucketed.drafter._bucketed.traces < stats.drafted / 4
 

@@ -102,8 +102,9 @@ def _loop(name, kv_bucket, bucketed_drafter=False, verify="auto"):
 
     serve.target_forward = recorded
     try:
-        tokens, stats = serve.generate(target, PROMPT, TOKENS, prov, gamma=gamma, eos=set(), kv_bucket=kv_bucket,
-                                       verify=verify, pipeline="off")
+        tokens, stats = serve.generate(target, PROMPT, TOKENS, prov,
+                                       serve.ServeOptions(gamma=gamma, eos=set(), kv_bucket=kv_bucket,
+                                                          verify=verify, pipeline="off"))
     finally:
         serve.target_forward = forward
     return tokens, stats, forwards
@@ -188,7 +189,8 @@ def test_attention_sees_only_bucket_lengths(name, monkeypatch):
     lengths = {}
     for kv_bucket in (BUCKET, None):
         seen.clear()
-        serve.generate(target, PROMPT, TOKENS, make and make(), gamma=gamma, eos=set(), kv_bucket=kv_bucket)
+        serve.generate(target, PROMPT, TOKENS, make and make(),
+                       serve.ServeOptions(gamma=gamma, eos=set(), kv_bucket=kv_bucket))
         lengths[kv_bucket] = set(seen)
     assert lengths[BUCKET] and all(s % BUCKET == 0 for s in lengths[BUCKET])
     assert len(lengths[BUCKET]) <= -(-(len(PROMPT) + TOKENS + 8) // BUCKET) < len(lengths[None])
@@ -257,11 +259,11 @@ def test_auto_takes_the_kernel_verify_where_it_runs(kernel_walk):
     serving, docs/benchmarks.md "The kernel verify against the compiled one"), the compiled one
     where it does not; either asked for."""
     target = _setup(None)[0]
-    assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "kernel"
-    assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET, verify="compiled")[1].verify == "compiled"
+    assert serve.generate(target, PROMPT, 4, None, serve.ServeOptions(kv_bucket=BUCKET))[1].verify == "kernel"
+    assert serve.generate(target, PROMPT, 4, None, serve.ServeOptions(kv_bucket=BUCKET, verify="compiled"))[1].verify == "compiled"
     with pytest.MonkeyPatch.context() as m:
         m.setattr(fast_verify, "kernel_unsupported", lambda *a: "not here")
-        assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "compiled"
+        assert serve.generate(target, PROMPT, 4, None, serve.ServeOptions(kv_bucket=BUCKET))[1].verify == "compiled"
 
 
 def test_planted_write_off_by_one_fails_the_kernel_verify(kernel_walk):
@@ -360,7 +362,8 @@ def test_kernel_verify_as_close_to_fp32_as_the_compiled_verify(bug, monkeypatch)
     target = targets.load(path, dtype=mx.bfloat16)
 
     def loop(verify):
-        return serve.generate(target, PROMPT, TOKENS, make(), gamma=gamma, eos=set(), kv_bucket=BUCKET, verify=verify)
+        return serve.generate(target, PROMPT, TOKENS, make(),
+                              serve.ServeOptions(gamma=gamma, eos=set(), kv_bucket=BUCKET, verify=verify))
 
     compiled_tokens, compiled_stats = loop("compiled")
     for name, old, new in test_kernels.PLANTED.get(bug, []):
@@ -389,9 +392,11 @@ def test_compiled_verify_traces_once_per_buffer_length(monkeypatch):
         return traced(*args)
 
     monkeypatch.setattr(fast_verify, "traced", counted)
-    _, stats = serve.generate(target, PROMPT, TOKENS, make(), gamma=gamma, eos=set(), kv_bucket=BUCKET)
+    _, stats = serve.generate(target, PROMPT, TOKENS, make(),
+                              serve.ServeOptions(gamma=gamma, eos=set(), kv_bucket=BUCKET))
     first = list(lengths)
-    serve.generate(target, PROMPT, TOKENS, make(), gamma=gamma, eos=set(), kv_bucket=BUCKET)
+    serve.generate(target, PROMPT, TOKENS, make(),
+                   serve.ServeOptions(gamma=gamma, eos=set(), kv_bucket=BUCKET))
     assert stats.verify == "compiled" and len(set(first)) == len(first) > 1
     assert len(first) < stats.target_calls - 1 and lengths == first
 
@@ -445,20 +450,22 @@ def test_compiled_verify_where_it_fits_else_refused():
     elsewhere (no bucket, another family), or unknown, it is refused with the reason and the fix.
     The same for the kernel verify (port/fast/verify.py kernel_unsupported)."""
     qwen, gemma = _setup(None)[0], _setup("gemma4")[0]
-    assert serve.generate(qwen, PROMPT, 4, None, kv_bucket=None)[1].verify == "plain"
-    assert serve.generate(gemma, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "compiled"
+    assert serve.generate(qwen, PROMPT, 4, None, serve.ServeOptions(kv_bucket=None))[1].verify == "plain"
+    assert serve.generate(gemma, PROMPT, 4, None, serve.ServeOptions(kv_bucket=BUCKET))[1].verify == "compiled"
     other = dataclasses.replace(qwen, family="llama", compiled={})
     for target, kv_bucket, why in ((qwen, None, "kv_bucket"), (other, BUCKET, "this one: llama")):
         with pytest.raises(ValueError, match=f"verify='compiled' cannot run here: .*{why}.*; use verify='plain'"):
-            serve.generate(target, PROMPT, 4, None, kv_bucket=kv_bucket, verify="compiled")
+            serve.generate(target, PROMPT, 4, None,
+                           serve.ServeOptions(kv_bucket=kv_bucket, verify="compiled"))
     with pytest.raises(ValueError, match="verify='fast': expected one of"):
-        serve.generate(qwen, PROMPT, 4, None, verify="fast")
+        serve.generate(qwen, PROMPT, 4, None, serve.ServeOptions(verify="fast"))
     # the kernel verify: Qwen3 layers, MLX CUDA, bf16 (these targets are fp32); the fix names the next that runs
     for target, kv_bucket, why, fix in ((gemma, BUCKET, "qwen3 layers only", "compiled"),
                                         (qwen, BUCKET, "CUDA backend only" if not kernels.available() else "bf16", "compiled"),
                                         (qwen, None, "kv_bucket", "plain")):
         with pytest.raises(ValueError, match=f"verify='kernel' cannot run here: .*{why}.*; use verify='{fix}'"):
-            serve.generate(target, PROMPT, 4, None, kv_bucket=kv_bucket, verify="kernel")
+            serve.generate(target, PROMPT, 4, None,
+                           serve.ServeOptions(kv_bucket=kv_bucket, verify="kernel"))
 
 
 @pytest.mark.slow
@@ -494,10 +501,10 @@ def test_other_caches_and_bad_buckets_are_refused(monkeypatch):
     qwen, _, _ = _setup(None)
     for bad in (0, -8, 8.0, True):
         with pytest.raises(ValueError, match="kv_bucket"):
-            serve.generate(qwen, PROMPT, 4, None, kv_bucket=bad)
+            serve.generate(qwen, PROMPT, 4, None, serve.ServeOptions(kv_bucket=bad))
     monkeypatch.setattr(targets, "make_prompt_cache", lambda model: [RotatingKVCache(8, keep=4)])
     with pytest.raises(ValueError, match="keep=4.*kv_bucket=None"):
-        serve.generate(qwen, PROMPT, 4, None, kv_bucket=BUCKET)
+        serve.generate(qwen, PROMPT, 4, None, serve.ServeOptions(kv_bucket=BUCKET))
     kept = targets.make_caches(qwen, BUCKET, strict=False)    # generate's "auto": mlx-lm's caches stay
     assert isinstance(kept[0], RotatingKVCache) and kept[0].keep == 4
 
@@ -528,7 +535,7 @@ def test_default_path_is_bucketed_where_it_holds():
     target = targets.load(checkpoints.build("qwen3-target", 0, {}))
     runs = {"auto": (made["dspark"], "auto"), "request-off": (made["dspark"], None),
             "provider-off": (made["dspark-off"], "auto"), "plain": (None, "auto")}
-    got = {k: serve.generate(target, PROMPT, 6, p, gamma=4, eos=set(), kv_bucket=b)[1].kv_bucket
+    got = {k: serve.generate(target, PROMPT, 6, p, serve.ServeOptions(gamma=4, eos=set(), kv_bucket=b))[1].kv_bucket
            for k, (p, b) in runs.items()}
     assert got == {"auto": compiled.BUCKET, "request-off": None, "provider-off": None, "plain": None}
 
@@ -547,8 +554,8 @@ def test_a_replaced_attention_keeps_the_plain_verify_and_dflash_mlx_hooks_are_un
     ops = third_party.dflash_mlx_target_ops(target.model)
     with third_party.dflash_mlx_hooks(target.model, ops):
         assert qwen3.Attention.__call__ is not own
-        assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "plain"
+        assert serve.generate(target, PROMPT, 4, None, serve.ServeOptions(kv_bucket=BUCKET))[1].verify == "plain"
         with pytest.raises(ValueError, match="replaced in this process by dflash_mlx.*; use verify='plain'"):
-            serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET, verify="compiled")
+            serve.generate(target, PROMPT, 4, None, serve.ServeOptions(kv_bucket=BUCKET, verify="compiled"))
     assert qwen3.Attention.__call__ is own
-    assert serve.generate(target, PROMPT, 4, None, kv_bucket=BUCKET)[1].verify == "compiled"
+    assert serve.generate(target, PROMPT, 4, None, serve.ServeOptions(kv_bucket=BUCKET))[1].verify == "compiled"

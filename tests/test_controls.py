@@ -24,6 +24,36 @@ def test_every_control_swaps_existing_port_attributes(module):
             assert hasattr(owner, name) and getattr(owner, name) is not value, (module, key, owner, name)
 
 
+SEAMS = [(module, seam) for module in controls.MODULES for seam in controls.seams(module)]
+
+
+@pytest.mark.parametrize("module, seam", SEAMS, ids=[f"{m}:{s}" for m, s in SEAMS])
+def test_every_declared_seam_is_still_in_the_port(module, seam):
+    """A renamed port internal fails here, named, before any control plants nothing on it."""
+    controls.resolve(seam)
+
+
+@pytest.mark.parametrize("module", controls.MODULES)
+def test_every_control_swaps_only_its_declared_seam(module):
+    for key, c in controls.registry(module).items():
+        assert not controls.undeclared(module, c.swaps(None)), (module, key)
+
+
+def test_a_seam_the_port_lost_is_named_and_an_undeclared_swap_refused(monkeypatch):
+    """The negative controls of the two tests above: a seam renamed away, a swap left out of SEAMS."""
+    monkeypatch.delattr(serve, "_kept")
+    with pytest.raises(controls.ControlError, match="seam port.serve:_kept: .*rename it in SEAMS"):
+        controls.resolve("port.serve:_kept")
+    monkeypatch.undo()
+    monkeypatch.setattr(controls.importlib.import_module("spec_parity.controls.serve"), "SEAMS",
+                        ("port.serve:_kept", "port.serve:_verdict"))
+    with pytest.raises(controls.ControlError, match="control serve/trim swaps port.serve:trim_caches, not in SEAMS"):
+        with controls.planted("serve", "trim"):
+            pass
+    with controls.planted("serve", "bonus"):
+        pass
+
+
 def test_a_control_is_undone_after_its_block():
     plain = (dspark.Model.embed, serve._kept, serve._verdict)
     with controls.planted("dspark", "no_embed_scale"), controls.planted("serve", "bonus"):

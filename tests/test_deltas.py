@@ -26,10 +26,9 @@ def _following(module, perturb=None, **options):
     return ports.Port(name, "0", {module: run}, (__file__,))     # its own identity: results cached apart
 
 
-def _evaluate(monkeypatch, case_id, port):
+def _evaluate(case_id, port):
     case = _case(case_id)
-    monkeypatch.setitem(ports._SELECTED, case.module, port)
-    return harness.evaluate(case, "golden")
+    return harness.evaluate(case, "golden", ports.Selection({case.module: port}))
 
 
 @pytest.mark.parametrize("case_id, options, named", harness.slow_except([
@@ -40,19 +39,19 @@ def _evaluate(monkeypatch, case_id, port):
     ("assistant/step-gemma4-centroid-untied-transformers", {"head_rows": "embed"}, ["centroid-rows"]),
     ("assistant/step-gemma4-centroid-untied-optiq", {"head_rows": "lm_head"}, ["centroid-rows"]),
 ], "dflash/mod-gemma4"))
-def test_a_port_on_the_other_convention_is_named_by_its_delta(monkeypatch, case_id, options, named):
-    r = _evaluate(monkeypatch, case_id, _following(case_id.split("/")[0], **options))
+def test_a_port_on_the_other_convention_is_named_by_its_delta(case_id, options, named):
+    r = _evaluate(case_id, _following(case_id.split("/")[0], **options))
     assert r.verdict == "DELTA" and r.metrics["delta"]["deltas"] == named, r.message()
     assert all(f"delta {n}" in r.reason for n in named)
 
 
 @pytest.mark.slow
-def test_a_port_matching_neither_convention_fails(monkeypatch):
-    r = _evaluate(monkeypatch, "dflash/mod-gemma4", _following("dflash", perturb="logits.3", window="positional"))
+def test_a_port_matching_neither_convention_fails():
+    r = _evaluate("dflash/mod-gemma4", _following("dflash", perturb="logits.3", window="positional"))
     assert r.verdict == "FAIL" and "delta" not in r.metrics, r.message()
 
 
-def test_our_port_is_never_excused(monkeypatch):
+def test_our_port_is_never_excused():
     """Our port is held to each reference under the case's own convention: a planted bug that a
     delta could mimic stays a FAIL (the harness only explains plug-in ports)."""
     control = next(c for c in harness.all_cases(["dflash"]) if c.control)

@@ -156,7 +156,8 @@ def test_serve_loop_is_lossless(variant, window):
     plain, _ = shared.greedy(case.checkpoint_dir(), p, 30, set())
     for max_tokens in (None, 30):
         prov = DflashProvider(case.drafter_dir(), window, max_tokens=max_tokens)
-        tokens, stats = serve.generate(target, p[0].tolist(), 30, prov, gamma=prov.trained_gamma, eos=set())
+        tokens, stats = serve.generate(target, p[0].tolist(), 30, prov,
+                                       serve.ServeOptions(gamma=prov.trained_gamma, eos=set()))
         assert tokens == plain
         last = stats.trace[-1][0]
         left = 30 - sum(e for _, _, e in stats.trace[:-1]) - 1
@@ -246,7 +247,7 @@ def test_zero_draft_rounds_keep_the_context():
     target = targets.load(case.checkpoint_dir())
     prov = DflashProvider(case.drafter_dir())
     p = harness.prompt(case)[0].tolist()
-    tokens, stats = serve.generate(target, p, 10, prov, gamma=0, eos=set())
+    tokens, stats = serve.generate(target, p, 10, prov, serve.ServeOptions(gamma=0, eos=set()))
     plain, _ = shared.greedy(target.path, p, 10, set())
     assert tokens == plain and stats.drafted == 0
 

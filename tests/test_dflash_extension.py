@@ -60,8 +60,8 @@ def _rounds(provider, rounds: list):
 
 def _run(target, prompt, provider):
     rounds: list = []
-    tokens, stats = serve.generate(target, prompt, MAX_TOKENS, _rounds(provider, rounds), gamma=provider.trained_gamma,
-                                   eos=set())
+    tokens, stats = serve.generate(target, prompt, MAX_TOKENS, _rounds(provider, rounds),
+                                   serve.ServeOptions(gamma=provider.trained_gamma, eos=set()))
     return tokens, stats, rounds
 
 
@@ -87,7 +87,7 @@ def calibrated(tmp_path_factory):
     prov = DflashProvider(ext_dir, extras=True, thresholds=[], collect_samples=True)
     assert prov.thresholds is None and prov.threshold_source == "argument"
     for p in _prompts(CAL_PROMPTS, seed=3):
-        serve.generate(target, p, MAX_TOKENS, prov, gamma=prov.trained_gamma, eos=set())
+        serve.generate(target, p, MAX_TOKENS, prov, serve.ServeOptions(gamma=prov.trained_gamma, eos=set()))
     cal = calibration.fit_sts_thresholds(prov.samples, gamma=prov.trained_gamma, target=CAL_TARGET)
     out = tmp_path_factory.mktemp("calibrated") / "dflash-extras"
     shutil.copytree(ext_dir, out)

@@ -73,7 +73,8 @@ def test_zero_token_proposal_runs_the_loop():
 
     target = targets.load(checkpoints.build("gemma4-target", 0, {}))
     prov = DeepspecProvider(_drafter(), threshold=1.0)
-    tokens, stats = serve.generate(target, list(range(3, 15)), 10, prov, gamma=prov.trained_gamma, eos=set())
+    tokens, stats = serve.generate(target, list(range(3, 15)), 10, prov,
+                                   serve.ServeOptions(gamma=prov.trained_gamma, eos=set()))
     plain, _ = shared.greedy(target.path, list(range(3, 15)), 10, set())
     assert tokens == plain and stats.drafted == 0 and all(d == 0 for d, _, _ in stats.trace)
 

@@ -131,7 +131,7 @@ def test_scale_keys_follow_each_reference():
 
 
 @pytest.mark.oracle
-def test_top_level_scales_match_zlab_mlx_and_the_other_reading_is_named(tmp_path, monkeypatch, live_oracle):
+def test_top_level_scales_match_zlab_mlx_and_the_other_reading_is_named(tmp_path, live_oracle):
     """On a checkpoint with top-level scales the port (told z-lab MLX's convention) matches live
     z-lab MLX; a port that reads them as z-lab torch does is named by the delta scale-keys."""
     from spec_parity import ports
@@ -142,6 +142,5 @@ def test_top_level_scales_match_zlab_mlx_and_the_other_reading_is_named(tmp_path
     ours = ports.ours().runs["dflash"]
     torchlike = ports.Port("reads-top-level", "0", {"dflash": lambda req: ours(replace(req, options={
         **req.options, "scales": "either"}))}, (__file__,))
-    monkeypatch.setitem(ports._SELECTED, "dflash", torchlike)
-    r = harness.evaluate(case, "live")
+    r = harness.evaluate(case, "live", ports.Selection({"dflash": torchlike}))
     assert r.verdict == "DELTA" and r.metrics["delta"]["deltas"] == ["scale-keys"], r.message()

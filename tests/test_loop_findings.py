@@ -15,12 +15,11 @@ def _case(case_id):
     return next(c for c in harness.all_cases() if c.id == case_id)
 
 
-def test_other_schedule_right_drafts_reads_as_schedule(monkeypatch):
+def test_other_schedule_right_drafts_reads_as_schedule():
     ours = ports.ours().runs["assistant"]
     port = ports.Port("gamma-2", "0", {"assistant": lambda req: ours(replace(req, options={**req.options, "gamma": 2}))},
                       (__file__,))
-    monkeypatch.setitem(ports._SELECTED, "assistant", port)
-    r = harness.evaluate(_case("assistant/loop-agreeing-centroid-g3"), "golden")
+    r = harness.evaluate(_case("assistant/loop-agreeing-centroid-g3"), "golden", ports.Selection({"assistant": port}))
     assert r.verdict == "FAIL" and set(r.findings) == {"schedule"}, r.message()
     assert r.metrics["drafts_vs_ref"]["ok"] and r.metrics["drafts_vs_ref"]["rounds_compared"] > 0
     assert r.metrics["lossless_vs_greedy"]["ok"]
@@ -37,14 +36,13 @@ def test_a_drafter_bug_with_unchanged_acceptance_fails_the_drafts():
     assert r.metrics["acceptance"] == base.metrics["acceptance"]
 
 
-def test_a_loop_that_says_it_starts_earlier_fails_the_schedule_start(monkeypatch):
-    """Control of `schedule_start` (checks._drafts): our own DSpark loop, declaring from outside
+def test_a_loop_that_says_it_starts_earlier_fails_the_schedule_start():
+    """Control of `schedule_start` (drafting.drafts): our own DSpark loop, declaring from outside
     that it committed nothing before round 0, has the same drafts on shifted contexts, so its
     first round stands one token before DeepSpec's; the start is named as the schedule finding."""
     ours = ports.ours().runs["dspark"]
     port = ports.Port("starts-early", "0", {"dspark": lambda req: {**ours(req), "stream.prefilled": np.array([0], np.int32)}},
                       (__file__,))
-    monkeypatch.setitem(ports._SELECTED, "dspark", port)
-    r = harness.evaluate(_case("dspark/loop-gemma4-t0.0"), "golden")
+    r = harness.evaluate(_case("dspark/loop-gemma4-t0.0"), "golden", ports.Selection({"dspark": port}))
     assert r.verdict == "FAIL" and "schedule" in r.findings, r.message()
     assert r.metrics["schedule_start"] == {"ok": False, "port": 0, "ref": 1}

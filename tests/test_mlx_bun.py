@@ -71,19 +71,18 @@ def recorded(case: str) -> tuple[str, str, str]:
     return m.group(1), m.group(2).strip().strip("`"), m.group(3).strip()
 
 
-def evaluate(module: str, case: str, env: dict, monkeypatch):
+def evaluate(module: str, case: str, env: dict):
     """The case through the shim, with `env` in the command (a port's runs are kept per command)."""
     assigned = " ".join(f"{k}={v}" for k, v in env.items() if k != "BUN")
     port = exchange.command_port(f"env {assigned} {env['BUN']} run {SHIM} {{case}} {{out}}")
-    monkeypatch.setitem(ports._SELECTED, module, port)
     c = {c.name: c for c in harness.pair(module).cases()}[case]
-    return harness.evaluate(c, "golden")
+    return harness.evaluate(c, "golden", ports.Selection({module: port}))
 
 
 @pytest.mark.parametrize("module,case", CASES, ids=[c for _, c in CASES])
-def test_shim_gives_the_recorded_verdict(module, case, built, monkeypatch):
+def test_shim_gives_the_recorded_verdict(module, case, built):
     verdict, first, layer = recorded(case)
-    result = evaluate(module, case, built, monkeypatch)
+    result = evaluate(module, case, built)
     if verdict == "DECLINED":
         assert result.verdict == "DECLINED" and first in result.reason, result.message()
         return
@@ -103,7 +102,7 @@ def test_the_proposed_fixes_pass(built, tmp_path, monkeypatch):
         text = path.read_text()
         assert text.count(shipped) == 1, f"{rel}: {shipped!r} is not in the built tree"
         path.write_text(text.replace(shipped, fixed))
-    result = evaluate("assistant", "step-gemma4-tied-transformers", {**built, "MLX_BUN_DIR": str(tree)}, monkeypatch)
+    result = evaluate("assistant", "step-gemma4-tied-transformers", {**built, "MLX_BUN_DIR": str(tree)})
     assert result.verdict == "PASS", result.message()
 
 

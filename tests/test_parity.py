@@ -7,9 +7,10 @@ caught first at that layer.
 The slow marks are the harness's (`harness.params`): the dev loop runs every module case and
 control and the first serve loop of each checkpoint kind, per module against the goldens and per
 reference live (z-lab's torch twins have their own first loops live; against the goldens they
-repeat their MLX twins'). Checking a port (--port / --port-cmd) runs every case of its modules,
-golden and live, and `-m oracle` every live case (conftest.py). The live cases of z-lab's torch
-reference carry `tf515`: they need transformers 5.15 (`tox -e oracle-tf515`)."""
+repeat their MLX twins'). Checking a port (--port / --port-cmd, handed in by the `selection`
+fixture) runs every case of its modules but their negative controls, golden and live, and
+`-m oracle` every live case (conftest.py). The live cases of z-lab's torch reference carry
+`tf515`: they need transformers 5.15 (`tox -e oracle-tf515`)."""
 
 import pytest
 
@@ -39,12 +40,12 @@ def _check(case, result, require):
 
 @pytest.mark.golden
 @pytest.mark.parametrize("case", _params(lambda case: case.module))
-def test_vs_golden(case, require):
-    _check(case, harness.evaluate(case, "golden"), require)
+def test_vs_golden(case, selection, require):
+    _check(case, harness.evaluate(case, "golden", selection), require)
 
 
 @pytest.mark.oracle
 @pytest.mark.parametrize("case", _params(lambda case: (case.module, case.oracle), _tf515, harness.runs_live))
-def test_vs_live(case, live_oracle, require):
+def test_vs_live(case, selection, live_oracle, require):
     live_oracle(case.module, case.oracle)
-    _check(case, harness.evaluate(case, "live"), require)
+    _check(case, harness.evaluate(case, "live", selection), require)

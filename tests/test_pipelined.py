@@ -42,8 +42,9 @@ def _run(name, max_tokens, eos, pipeline, verify="auto"):
     provider = make and serve.Observed(make(), around)
     serve.target_forward = recorded
     try:
-        tokens, stats = serve.generate(target, PROMPT, max_tokens, provider, gamma=gamma, eos=eos, kv_bucket=BUCKET,
-                                       pipeline=pipeline, verify=verify)
+        tokens, stats = serve.generate(target, PROMPT, max_tokens, provider,
+                                       serve.ServeOptions(gamma=gamma, eos=eos, kv_bucket=BUCKET,
+                                                          pipeline=pipeline, verify=verify))
     finally:
         serve.target_forward = forward
     return tokens, stats, [f + b for f, b in zip(forwards[1:], blocks)] if blocks else forwards
@@ -99,9 +100,9 @@ def test_auto_pipelines_where_it_fits():
     """"auto" pipelines a greedy request with a compiled verify and a source that can (DFlash's
     bucketed block, or none); the sequential loop otherwise."""
     target, make, gamma = _setup("dflash")
-    assert serve.generate(target, PROMPT, 8, make(), gamma=gamma)[1].pipeline == "on"
-    assert serve.generate(target, PROMPT, 8, make(), gamma=gamma, verify="plain")[1].pipeline == "off"
-    assert serve.generate(target, PROMPT, 8, None, kv_bucket=BUCKET)[1].pipeline == "on"
+    assert serve.generate(target, PROMPT, 8, make(), serve.ServeOptions(gamma=gamma))[1].pipeline == "on"
+    assert serve.generate(target, PROMPT, 8, make(), serve.ServeOptions(gamma=gamma, verify="plain"))[1].pipeline == "off"
+    assert serve.generate(target, PROMPT, 8, None, serve.ServeOptions(kv_bucket=BUCKET))[1].pipeline == "on"
     assert serve.generate(target, PROMPT, 8, None)[1].pipeline == "off"   # plain decode: mlx-lm's caches
 
 
@@ -118,9 +119,10 @@ def test_pipeline_refused_where_it_cannot_run():
     for name, kwargs, why in refused:
         target, make, gamma = _setup(name)
         with pytest.raises(ValueError, match=f"pipeline='on' cannot run here: .*{why}.*; use pipeline='off'"):
-            serve.generate(target, PROMPT, 8, make and make(), **{"gamma": gamma, "pipeline": "on", **kwargs})
+            serve.generate(target, PROMPT, 8, make and make(),
+                           serve.ServeOptions(**{"gamma": gamma, "pipeline": "on", **kwargs}))
     with pytest.raises(ValueError, match="pipeline='yes': expected one of"):
-        serve.generate(target, PROMPT, 8, None, pipeline="yes")
+        serve.generate(target, PROMPT, 8, None, serve.ServeOptions(pipeline="yes"))
 
 
 @pytest.mark.parametrize("name,bug", [("dflash", "pipelined_rows_shifted"), ("dspark", "pipelined_rows_shifted"),

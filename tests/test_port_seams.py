@@ -32,20 +32,18 @@ def _case(case_id):
     return next(c for c in harness.all_cases() if c.id == case_id)
 
 
-def _verdict(case, port=None, monkeypatch=None):
-    if port is not None:
-        monkeypatch.setitem(ports._SELECTED, case.module, port)
-    r = harness.evaluate(case, "golden")
+def _verdict(case, port=None):
+    r = harness.evaluate(case, "golden", ports.Selection({case.module: port} if port else {}))
     return r.verdict, r.reason, {k: m.get("max_abs") for k, m in r.metrics.items() if isinstance(m, dict)}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case_id", harness.slow_except(FAST + SLOW, *FAST))
-def test_file_protocol_gives_our_in_process_verdicts(case_id, monkeypatch):
+def test_file_protocol_gives_our_in_process_verdicts(case_id):
     case = _case(case_id)
     here = _verdict(case)
     assert here[0] == "PASS"
-    assert _verdict(case, exchange.command_port(OURS_CMD), monkeypatch) == here
+    assert _verdict(case, exchange.command_port(OURS_CMD)) == here
 
 
 PERTURB = """
@@ -60,11 +58,11 @@ exchange.write_outputs(Path(sys.argv[2]), out)
 
 
 @pytest.mark.slow
-def test_file_protocol_catches_a_perturbed_port(tmp_path, monkeypatch):
+def test_file_protocol_catches_a_perturbed_port(tmp_path):
     script = tmp_path / "perturbed.py"
     script.write_text(PERTURB)
     port = exchange.command_port(f"{sys.executable} {script} {{case}} {{out}}")
-    verdict, reason, _ = _verdict(_case("targets/qwen3"), port, monkeypatch)
+    verdict, reason, _ = _verdict(_case("targets/qwen3"), port)
     assert verdict == "FAIL" and "logits" in reason
 
 
@@ -77,9 +75,8 @@ def _fails(port, monkeypatch, tmp_path, case_id="targets/qwen3") -> str:
     """The message of the port's error on the case; no case folder is left in tmp_path/tmp."""
     (tmp_path / "tmp").mkdir(exist_ok=True)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    monkeypatch.setitem(ports._SELECTED, "targets", port)
     with pytest.raises(exchange.ExchangeError) as e:
-        harness.evaluate(_case(case_id), "golden")
+        harness.evaluate(_case(case_id), "golden", ports.Selection({"targets": port}))
     assert list((tmp_path / "tmp").iterdir()) == []
     assert "spec-parity-case-" not in str(e.value)
     return str(e.value)
@@ -134,12 +131,12 @@ def test_ctrl_c_kills_the_port_and_removes_the_case_folder(tmp_path, monkeypatch
 
     (tmp_path / "tmp").mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    monkeypatch.setitem(ports._SELECTED, "targets", _cmd(tmp_path, SPAWNS))
+    spawns = ports.Selection({"targets": _cmd(tmp_path, SPAWNS)})
     old = signal.signal(signal.SIGALRM, interrupt)
     try:
         signal.setitimer(signal.ITIMER_REAL, 3.0)
         with pytest.raises(KeyboardInterrupt):
-            harness.evaluate(_case("targets/qwen3"), "golden")
+            harness.evaluate(_case("targets/qwen3"), "golden", spawns)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
@@ -225,22 +222,21 @@ def test_where_names_the_frame_in_the_ports_own_files(tmp_path):
 DECLINE = "import sys; sys.stderr.write('no block kind here\\n'); sys.exit(3)"
 
 
-def test_a_port_that_declines_reads_declined_not_pass(monkeypatch):
+def test_a_port_that_declines_reads_declined_not_pass():
     """Exit 3 through the file protocol, `ports.Declined` in process: DECLINED with the reason;
     exit 1 is an error, never a decline (the control)."""
     case = _case("dflash/mod-qwen3")
     port = exchange.command_port(f'{sys.executable} -c "{DECLINE}" {{case}} {{out}}')
-    verdict, reason, _ = _verdict(case, port, monkeypatch)
+    verdict, reason, _ = _verdict(case, port)
     assert verdict == "DECLINED" and "no block kind here" in reason
     failing = exchange.command_port(f'{sys.executable} -c "{DECLINE.replace("exit(3)", "exit(1)")}" {{case}} {{out}}')
-    monkeypatch.setitem(ports._SELECTED, case.module, failing)
     with pytest.raises(exchange.ExchangeError, match="exited 1"):
-        harness.evaluate(case, "golden")
+        harness.evaluate(case, "golden", ports.Selection({case.module: failing}))
 
     def declines(req):
         raise ports.Declined("not implemented here")
 
-    verdict, reason, _ = _verdict(case, ports.Port("decliner", "0", {"dflash": declines}), monkeypatch)
+    verdict, reason, _ = _verdict(case, ports.Port("decliner", "0", {"dflash": declines}))
     assert verdict == "DECLINED" and "decliner declines this case: not implemented here" in reason
 
 
@@ -303,7 +299,7 @@ def test_port_specs_are_checked():
         ports.load("nosuch")
     with pytest.raises(ports.PortError, match="must name"):
         exchange.command_port("my-port")
-    assert ports.load("spec-parity").ours and ports.for_module("dflash").ours
+    assert ports.load("spec-parity").ours and ports.Selection().port("dflash").ours
 
 
 def test_the_protocol_docs_are_rendered_from_the_code():

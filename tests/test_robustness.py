@@ -323,14 +323,11 @@ PORT_ERRORS = [
 
 @contextlib.contextmanager
 def _isolated(t: Path):
-    """One runtime row: temp folders under t/tmp, t on sys.path, and the ports it selected
-    forgotten afterwards (cli.main selects them process-wide)."""
+    """One runtime row: temp folders under t/tmp and t on sys.path, both undone afterwards."""
     import tempfile
 
-    from spec_parity import ports
-
     (t / "tmp").mkdir()
-    saved, tempdir = dict(ports._SELECTED), tempfile.tempdir
+    tempdir = tempfile.tempdir
     tempfile.tempdir = str(t / "tmp")
     sys.path.insert(0, str(t))
     try:
@@ -339,8 +336,6 @@ def _isolated(t: Path):
         sys.path.remove(str(t))
         sys.modules.pop("failing_port", None)
         tempfile.tempdir = tempdir
-        ports._SELECTED.clear()
-        ports._SELECTED.update(saved)
 
 
 def port_outcomes(tmp_root: Path) -> dict[str, tuple[int, dict, list[str]]]:
@@ -498,7 +493,7 @@ def test_misuse_is_refused_before_any_case(tmp_path, monkeypatch):
     from spec_parity import ports
 
     ran_cases = []
-    monkeypatch.setattr(harness, "evaluate", lambda case, source: ran_cases.append(case) or harness.Result(
+    monkeypatch.setattr(harness, "evaluate", lambda case, source, selection: ran_cases.append(case) or harness.Result(
         case.module, case.name, "-", case.tier, verdict=case.expect))
     argv = ["run", "--module", "dflash", "--case", "mod-qwen3", "--port", "targets=spec-parity", "--out", str(tmp_path)]
     rc, _, err = run_cli(argv)
@@ -509,7 +504,7 @@ def test_misuse_is_refused_before_any_case(tmp_path, monkeypatch):
 
 def test_out_is_checked_before_the_first_case(tmp_path, monkeypatch):
     ran_cases = []
-    monkeypatch.setattr(harness, "evaluate", lambda case, source: ran_cases.append(case))
+    monkeypatch.setattr(harness, "evaluate", lambda case, source, selection: ran_cases.append(case))
     rc, _, err = run_cli(["run", "--module", "targets", "--case", "qwen3", "--out", str(_target_file(tmp_path))])
     assert rc == 2 and "--out" in err and ran_cases == []
 

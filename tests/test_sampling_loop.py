@@ -98,18 +98,21 @@ def _ban_runs(setup_name: str, seeds: int, max_tokens: int):
                 for seed in range(seeds):
                     s = sampling.Sampler(T, seed=seed)
                     prov = providers[source] if source else None
-                    toks, st = serve.generate(target, k["prompt"], max_tokens, prov, gamma=GAMMA, eos=set(), sampler=s,
-                                              mode=mode, processors=PROCESSORS["ban"])
+                    toks, st = serve.generate(target, k["prompt"], max_tokens, prov,
+                                              serve.ServeOptions(gamma=GAMMA, eos=set(), sampler=s,
+                                                                 mode=mode, processors=PROCESSORS["ban"]))
                     assert not banned & set(toks), (source, mode, T, seed, toks)
                     drafted = {t for p in st.proposals for t in p}
                     assert not banned & drafted, f"the ban did not reach {source}'s draft logits: {st.proposals}"
                     if T == 0.0:
-                        plain_greedy = plain_greedy or serve.generate(
-                            target, k["prompt"], max_tokens, None, eos=set(), sampler=s,
-                            processors=PROCESSORS["ban"])[0]
+                        plain_greedy = plain_greedy or serve.generate(target, k["prompt"], max_tokens, None,
+                                                                      serve.ServeOptions(eos=set(),
+                                                                                         sampler=s,
+                                                                                         processors=PROCESSORS["ban"]))[0]
                         assert toks == plain_greedy, "T=0 with a processor: drafting changed the greedy stream"
-                    free, _ = serve.generate(target, k["prompt"], max_tokens, prov, gamma=GAMMA, eos=set(), sampler=s,
-                                             mode=mode)
+                    free, _ = serve.generate(target, k["prompt"], max_tokens, prov,
+                                             serve.ServeOptions(gamma=GAMMA, eos=set(), sampler=s,
+                                                                mode=mode))
                     hits_without += len(banned & set(free))
     assert hits_without > 0, "the banned tokens never occur without the ban: the test would be vacuous"
 
@@ -127,5 +130,6 @@ def test_banned_tokens_are_never_emitted_on_a_context_sensitive_target():
 def test_a_ban_of_every_token_is_refused():
     target, _, k = setup("agreeing")
     with pytest.raises(sampling.SamplingError, match="no token the target may emit"):
-        serve.generate(target, k["prompt"], 4, None, sampler=sampling.Sampler(1.0),
-                       processors=[sampling.ban(range(k["V"]))])
+        serve.generate(target, k["prompt"], 4, None,
+                       serve.ServeOptions(sampler=sampling.Sampler(1.0),
+                                          processors=[sampling.ban(range(k["V"]))]))

@@ -65,8 +65,9 @@ def test_seeded_requests_are_reproducible():
     for source, mode in [(None, "match"), ("dspark", "rejection"), ("assistant", "rejection"),
                          ("dflash", "rejection"), ("dflash-extras", "rejection")]:
         prov = providers[source] if source else None
-        runs = [serve.generate(target, k["prompt"], 12, prov, gamma=GAMMA, eos=set(),
-                               sampler=sampling.Sampler(3.0, seed=s), mode=mode) for s in (5, 5, 6)]
+        runs = [serve.generate(target, k["prompt"], 12, prov,
+                               serve.ServeOptions(gamma=GAMMA, eos=set(),
+                                                  sampler=sampling.Sampler(3.0, seed=s), mode=mode)) for s in (5, 5, 6)]
         assert runs[0][0] == runs[1][0] and runs[0][1].trace == runs[1][1].trace
         assert runs[0][0] != runs[2][0]
 
@@ -76,10 +77,11 @@ def test_temperature_zero_sampling_paths_equal_the_default_greedy_loop(setup_nam
     target, providers, k = setup(setup_name)
     for source in (*SOURCES, "dspark-deterministic", "dflash-deterministic"):
         prov = provider_for(setup_name, source)
-        base, st = serve.generate(target, k["prompt"], 12, prov, gamma=GAMMA, eos=set())
+        base, st = serve.generate(target, k["prompt"], 12, prov, serve.ServeOptions(gamma=GAMMA, eos=set()))
         for mode in sampling.MODES:
-            toks, st2 = serve.generate(target, k["prompt"], 12, prov, gamma=GAMMA, eos=set(),
-                                       sampler=sampling.Sampler(0.0, seed=3), mode=mode)
+            toks, st2 = serve.generate(target, k["prompt"], 12, prov,
+                                       serve.ServeOptions(gamma=GAMMA, eos=set(),
+                                                          sampler=sampling.Sampler(0.0, seed=3), mode=mode))
             assert toks == base and st2.trace == st.trace, (source, mode)
 
 
@@ -115,11 +117,14 @@ class Spy:
 def test_default_arguments_draft_through_the_plain_seam(source):
     target, providers, k = setup("agreeing")
     spy = Spy(providers[source])
-    serve.generate(target, k["prompt"], 8, spy, gamma=GAMMA, eos=set())
-    serve.generate(target, k["prompt"], 8, spy, gamma=GAMMA, eos=set(), sampler=sampling.Sampler(1.0))
+    serve.generate(target, k["prompt"], 8, spy, serve.ServeOptions(gamma=GAMMA, eos=set()))
+    serve.generate(target, k["prompt"], 8, spy,
+                   serve.ServeOptions(gamma=GAMMA, eos=set(), sampler=sampling.Sampler(1.0)))
     assert set(spy.calls) == {"draft"}                    # match mode drafts greedily, as the seed did
     spy.calls.clear()
-    serve.generate(target, k["prompt"], 8, spy, gamma=GAMMA, eos=set(), sampler=sampling.Sampler(1.0), mode="rejection")
+    serve.generate(target, k["prompt"], 8, spy,
+                   serve.ServeOptions(gamma=GAMMA, eos=set(), sampler=sampling.Sampler(1.0),
+                                      mode="rejection"))
     assert set(spy.calls) == {"draft_sampled"}
 
 
@@ -142,14 +147,15 @@ def test_a_source_whose_drafts_are_not_its_picks_is_refused():
 
     with pytest.raises(sampling.SamplingError, match="not a prefix of its picks"):
         for seed in range(20):
-            serve.generate(target, k["prompt"], 8, Liar(inner), gamma=GAMMA, eos=set(),
-                           sampler=sampling.Sampler(3.0, seed=seed), mode="rejection")
+            serve.generate(target, k["prompt"], 8, Liar(inner),
+                           serve.ServeOptions(gamma=GAMMA, eos=set(),
+                                              sampler=sampling.Sampler(3.0, seed=seed), mode="rejection"))
 
 
 def test_unknown_mode_and_sampler_values_are_refused():
     target, _, k = setup("agreeing")
     with pytest.raises(sampling.SamplingError, match="unknown acceptance mode"):
-        serve.generate(target, k["prompt"], 4, None, mode="typical")
+        serve.generate(target, k["prompt"], 4, None, serve.ServeOptions(mode="typical"))
     for bad in ({"temperature": -1.0}, {"top_k": -2}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(sampling.SamplingError):
             sampling.Sampler(**bad)
@@ -163,7 +169,8 @@ def test_admission_accounting():
     for source in SOURCES:
         prov = providers[source]
         for kw in ({}, {"sampler": sampling.Sampler(2.0), "mode": "rejection"}):
-            toks, st = serve.generate(target, k["prompt"], 8, prov, gamma=GAMMA, eos=set(), **kw)
+            toks, st = serve.generate(target, k["prompt"], 8, prov,
+                                      serve.ServeOptions(gamma=GAMMA, eos=set(), **kw))
             assert st.weights_bytes == prov.weights_bytes > 0
             assert st.target_cache_bytes > 0 and st.request_bytes == st.target_cache_bytes + st.source_bytes
             js = st.to_json()
@@ -175,5 +182,5 @@ def test_admission_accounting():
                 rows = len(k["prompt"]) + len(toks) - 1 - 1   # context rows committed before the last draft
                 per_row = a.num_hidden_layers * 2 * a.num_key_value_heads * a.head_dim * 4
                 assert st.source_bytes >= per_row * rows, (st.source_bytes, per_row, rows)
-    _, plain = serve.generate(target, k["prompt"], 8, None, eos=set())
+    _, plain = serve.generate(target, k["prompt"], 8, None, serve.ServeOptions(eos=set()))
     assert plain.weights_bytes == 0 and plain.source_bytes == 0 and plain.target_cache_bytes > 0

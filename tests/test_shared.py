@@ -73,8 +73,7 @@ def test_port_runs_are_shared_only_for_the_same_case_and_reference_bytes(monkeyp
     assert runs == [case.name, control.name, case.name]
     # another port (another identity) on the same case and bytes runs on its own, never shares ours
     other_port = ports.Port("other", "1", {"targets": lambda req: runs.append("other") or real(req)}, (__file__,))
-    monkeypatch.setitem(ports._SELECTED, "targets", other_port)
-    theirs = harness.port_run(case, ref)
+    theirs = harness.port_run(case, ref, other_port)
     assert runs[-1] == "other" and not any(theirs[k] is v for k, v in first.items())
 
 

@@ -41,8 +41,8 @@ def round_syncs(target, provider, max_tokens: int, gamma: int, monkeypatch):
 
     with bench.HostSyncs() as hs:
         monkeypatch.setattr(serve, "read_at_end", lambda groups: (marks.append(hs.syncs), read(groups))[1])
-        _, stats = serve.generate(target, PROMPT, max_tokens, serve.Observed(provider, around), gamma=gamma,
-                                  eos=set())
+        _, stats = serve.generate(target, PROMPT, max_tokens, serve.Observed(provider, around),
+                                  serve.ServeOptions(gamma=gamma, eos=set()))
         end = hs.syncs - marks[-1]
     monkeypatch.setattr(serve, "read_at_end", read)
     assert len(marks) - 1 >= len(stats.trace)   # the pipelined loop may draft one more round (dropped)
@@ -110,7 +110,7 @@ def test_device_verdict_stops_at_an_eos_inside_the_accepted_drafts():
     sampling path at T=0 ends it; ignoring it would emit the rest of the round."""
     target = targets.load(checkpoints.build("qwen3-target-agreeing", 0, AGREE_128))
     make = _dflash("dflash-drafter-agreeing", {"agree_frac": 0.8})
-    stream, stats = serve.generate(target, PROMPT, 30, make(), gamma=7, eos=set())
+    stream, stats = serve.generate(target, PROMPT, 30, make(), serve.ServeOptions(gamma=7, eos=set()))
     ends, at = [], 1
     for _, k, emitted in stats.trace:
         ends.append((at, at + k))   # this round's accepted drafts sit at stream[at:at + k]
@@ -119,7 +119,7 @@ def test_device_verdict_stops_at_an_eos_inside_the_accepted_drafts():
     assert i is not None, f"no round accepted a token new to the stream: {stats.trace}"
     eos = {stream[i]}
     for kw in ({}, {"sampler": serve.sampling.Sampler(0.0)}):   # device verdict, host accept
-        content, st = serve.generate(target, PROMPT, 30, make(), gamma=7, eos=eos, **kw)
+        content, st = serve.generate(target, PROMPT, 30, make(), serve.ServeOptions(gamma=7, eos=eos, **kw))
         # the EOS (stream[i], the one id in `eos`) is committed, not content
         assert content == stream[:i] and st.stop == "eos" and st.emitted == i + 1, (kw, i, content, stream)
 
@@ -127,7 +127,7 @@ def test_device_verdict_stops_at_an_eos_inside_the_accepted_drafts():
 def test_gamma_beyond_the_verdicts_fields_is_refused():
     target = targets.load(checkpoints.build("qwen3-target", 0, {}))
     with pytest.raises(ValueError, match=r"gamma=1023: expected 0\.\.1022"):
-        serve.generate(target, PROMPT, 4, None, gamma=1023)
+        serve.generate(target, PROMPT, 4, None, serve.ServeOptions(gamma=1023))
 
 
 class _PlantedSync:
@@ -248,7 +248,8 @@ def _dspark_rounds(max_tokens: int):
     target = targets.load(checkpoints.build("gemma4-target-agreeing", 0, {}))
     provider, rounds = DeepspecProvider(checkpoints.build("dspark-drafter-agreeing", 0, {
         "target_kind": "gemma4-target-agreeing", "agree_frac": 0.8}), kv_bucket=None), []
-    serve.generate(target, PROMPT, max_tokens, _record_rounds(provider, rounds), gamma=7, eos=set())
+    serve.generate(target, PROMPT, max_tokens, _record_rounds(provider, rounds),
+                   serve.ServeOptions(gamma=7, eos=set()))
     return provider.drafter, rounds
 
 
@@ -544,12 +545,13 @@ def test_observed_provider_keeps_the_loops_device_drafts():
 
     def run(p):
         calls = []
-        tokens, _ = serve.generate(target, PROMPT, 8, serve.Observed(p, lambda n, s, a, call: (calls.append(n),
+        tokens, _ = serve.generate(target, PROMPT, 8,
+                                   serve.Observed(p, lambda n, s, a, call: (calls.append(n),
                                                                                               call())[1]),
-                                   gamma=3, eos=set())
+                                   serve.ServeOptions(gamma=3, eos=set()))
         return tokens, calls
 
-    plain, _ = serve.generate(target, PROMPT, 8, provider, gamma=3, eos=set())
+    plain, _ = serve.generate(target, PROMPT, 8, provider, serve.ServeOptions(gamma=3, eos=set()))
     tokens, calls = run(provider)
     assert tokens == plain and "draft_device" in calls and "draft" not in calls and "commit" in calls
 

@@ -62,15 +62,15 @@ def test_adapter_gives_the_recorded_verdict(module, name, req, adapter, section,
     pytest.importorskip(name, reason=f"{name} not importable: pip install --no-deps {req} (see {DOC.name})")
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     port = ports.load(f"{adapter}:make_port")
-    monkeypatch.setitem(ports._SELECTED, module, port)
+    selection = ports.Selection({module: port})
     c = {c.name: c for c in harness.pair(module).cases()}[case.rsplit("/", 1)[-1]]
     verdict, first, cells = recorded(section, case)
     if verdict == "ERROR":                     # the port cannot run the case: the doc names why
         with pytest.raises(Exception) as e:
-            harness.evaluate(c, "golden")
+            harness.evaluate(c, "golden", selection)
         assert f"{e.type.__name__}: {e.value}" == first
         return
-    result = harness.evaluate(c, "golden")
+    result = harness.evaluate(c, "golden", selection)
     assert result.metrics["port"]["identity"] == port.identity
     if verdict == "DECLINED":                  # the adapter says it has no counterpart: not a pass
         assert result.verdict == "DECLINED" and first in result.reason, result.message()
@@ -110,9 +110,8 @@ def test_an_adapter_whose_package_is_absent_is_one_line_and_exit_2(tmp_path, cap
 
     (tmp_path / "absent_adapter.py").write_text("def make_port():\n    import no_such_package_here\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with ports.restored():
-        rc = cli.main(["run", "--module", "dflash", "--port", "dflash=absent_adapter:make_port", "--source",
-                       "golden", "--case", "mod-qwen3", "--out", str(tmp_path / "out")])
+    rc = cli.main(["run", "--module", "dflash", "--port", "dflash=absent_adapter:make_port", "--source",
+                   "golden", "--case", "mod-qwen3", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "\n" not in err and "no_such_package_here" in err and "install it" in err, err
     assert not (tmp_path / "out" / "report.json").exists()

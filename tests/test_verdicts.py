@@ -46,10 +46,9 @@ def _port(module, name, change):
     return ports.Port(name, "0", {module: lambda req: change(req, dict(ours(req)))}, (__file__,))
 
 
-def _evaluate(monkeypatch, case_id, port):
+def _evaluate(case_id, port):
     case = _case(case_id)
-    monkeypatch.setitem(ports._SELECTED, case.module, port)
-    return harness.evaluate(case, "golden")
+    return harness.evaluate(case, "golden", ports.Selection({case.module: port}))
 
 
 def _required_only(req, out):
@@ -57,12 +56,12 @@ def _required_only(req, out):
     return {k: v for k, v in out.items() if p.quantity(k) is not None and p.quantity(k).required}
 
 
-def test_a_public_outputs_only_port_is_pass_partial(monkeypatch):
+def test_a_public_outputs_only_port_is_pass_partial():
     """Passing every check it exposed arrays for is not PASS when most checks could not run: the
     verdict and its coverage say which did not."""
-    full = _evaluate(monkeypatch, QWEN3, _port("targets", "full", lambda req, out: out))
+    full = _evaluate(QWEN3, _port("targets", "full", lambda req, out: out))
     assert full.verdict == "PASS" and not full.coverage["not_exposed"], full.message()
-    r = _evaluate(monkeypatch, QWEN3, _port("targets", "public-only", _required_only))
+    r = _evaluate(QWEN3, _port("targets", "public-only", _required_only))
     assert r.verdict == "PASS-PARTIAL" and r.ok, r.message()
     assert r.coverage["checked"] == ["logits", "stream"], r.coverage
     assert {"final", "hidden.0", "layers", "teacher_forced"} <= set(r.coverage["not_exposed"])
@@ -76,7 +75,6 @@ def test_a_public_outputs_only_port_is_pass_partial(monkeypatch):
 def _cli(monkeypatch, tmp_path, factory, *extra):
     (tmp_path / "wrapped_ports.py").write_text(PORTS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(ports, "_SELECTED", {})
     return cli.main(["run", "--module", "targets", "--case", "qwen3", "--source", "golden", "--out",
                      str(tmp_path / factory), "--port", f"targets=wrapped_ports:{factory}", *extra])
 
@@ -143,11 +141,11 @@ def _batched(req, out):
      ["stream", "stream.logits[shared]"]),
     (_batched, "logits: shape [1, ", ["logits"]),
 ], ids=["misspelt", "extra", "float64-logits", "int64-tokens", "shape"])
-def test_each_contract_violation_fails_before_any_tolerance(monkeypatch, change, words, blocked):
+def test_each_contract_violation_fails_before_any_tolerance(change, words, blocked):
     """float64 logits and int64 tokens are within every L2 budget; the contract fails them, and
     the checks that read them do not run. The control (the unchanged wrapper) passes in the first
     test."""
-    r = _evaluate(monkeypatch, QWEN3, _port("targets", f"contract-{words[:24]}", change))
+    r = _evaluate(QWEN3, _port("targets", f"contract-{words[:24]}", change))
     assert r.verdict == "FAIL" and list(r.findings) == ["contract"], r.message()
     assert words in r.reason, r.reason
     assert r.first_failure == "contract" and r.coverage.get("blocked", []) == blocked, r.coverage
@@ -158,12 +156,12 @@ def _float64(req, out):
     return {k: v.astype(np.float64) if np.asarray(v).dtype.kind == "f" else v for k, v in out.items()}
 
 
-def test_an_all_float64_answer_is_a_contract_fail_not_a_delta(monkeypatch):
+def test_an_all_float64_answer_is_a_contract_fail_not_a_delta():
     """On a full-attention DFlash case (L1), the window delta changes nothing: float64 arrays that
     equal ours in value are FAIL on the contract, never DELTA `window-ring`."""
-    ok = _evaluate(monkeypatch, "dflash/mod-qwen3", _port("dflash", "as-is", lambda req, out: out))
+    ok = _evaluate("dflash/mod-qwen3", _port("dflash", "as-is", lambda req, out: out))
     assert ok.verdict == "PASS", ok.message()                                       # the control
-    r = _evaluate(monkeypatch, "dflash/mod-qwen3", _port("dflash", "float64", _float64))
+    r = _evaluate("dflash/mod-qwen3", _port("dflash", "float64", _float64))
     assert r.verdict == "FAIL" and "delta" not in r.metrics, r.message()
     assert "contract" in r.findings and "logits.0: dtype float64, protocol says float32" in r.reason
 
@@ -176,11 +174,11 @@ def _following_nudged(req, out, nudge):
 
 
 @pytest.mark.parametrize("nudge, verdict", [(False, "DELTA"), (True, "FAIL")])
-def test_a_delta_is_named_at_the_case_tier(monkeypatch, nudge, verdict):
+def test_a_delta_is_named_at_the_case_tier(nudge, verdict):
     """An L1 case: a port on the other window convention is DELTA only while it matches our port on
     that convention bit for bit; one ULP off in one array (well within L2) keeps its FAIL."""
     port = _port("dflash", f"positional-nudged-{nudge}", lambda req, out: _following_nudged(req, out, nudge))
-    r = _evaluate(monkeypatch, "dflash/mod-gemma4", port)
+    r = _evaluate("dflash/mod-gemma4", port)
     assert r.verdict == verdict, r.message()
     assert ("delta" in r.metrics) == (verdict == "DELTA")
 
@@ -191,11 +189,11 @@ def _layer_off(req, out):
     return out
 
 
-def test_a_delta_must_touch_the_first_failing_check(monkeypatch):
+def test_a_delta_must_touch_the_first_failing_check():
     """A port off in one recorded drafter layer only fails at `layers`. Our port on the window's
     other convention reproduces every array a delta's trial compares (layers are left out there),
     but on a full-attention case it changes no layer output: no delta is the cause, FAIL stays."""
-    r = _evaluate(monkeypatch, "dflash/mod-qwen3", _port("dflash", "layer-off", _layer_off))
+    r = _evaluate("dflash/mod-qwen3", _port("dflash", "layer-off", _layer_off))
     assert r.verdict == "FAIL" and r.first_failure == "layers" and "delta" not in r.metrics, r.message()
 
 
@@ -224,15 +222,15 @@ def _doc_row(case: str, key: str) -> list[str]:
 
 
 @pytest.mark.parametrize("case, key, public_verdict", harness.slow_except(ROPE, ROPE[0]))
-def test_what_a_public_outputs_only_check_cannot_catch(monkeypatch, case, key, public_verdict):
+def test_what_a_public_outputs_only_check_cannot_catch(case, key, public_verdict):
     """docs/harness.md's measured example, each row: one layer's RoPE base x1.001 (a control of
     spec_parity.controls). On the Qwen3 target it moves the logits by less than their L2 budget and
     no greedy token: returning only the public outputs the port reads PASS-PARTIAL (never PASS);
     exposing its layers, it fails naming the layer. The doc's max|Δ| is this measurement's (±20 %)."""
     atol = budget_for("targets", "logits", "float32").atol
     layer = int(key.split("-L")[1])
-    public = _evaluate(monkeypatch, f"targets/{case}", _planted_public(key, True))
-    full = _evaluate(monkeypatch, f"targets/{case}", _planted_public(key, False))
+    public = _evaluate(f"targets/{case}", _planted_public(key, True))
+    full = _evaluate(f"targets/{case}", _planted_public(key, False))
     worst = public.metrics["logits"]["max_abs"]
     assert public.verdict == public_verdict and public.metrics["stream"]["equal"], public.message()
     assert (worst < atol) == (public_verdict == "PASS-PARTIAL")

@@ -46,8 +46,8 @@ def run(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, eos: 
     from port import serve
 
     blocks: list = []
-    tokens, stats = serve.generate(target, prompt[0].tolist(), max_tokens, _recording(provider, blocks), gamma=gamma,
-                                   eos=eos, record=True)
+    tokens, stats = serve.generate(target, prompt[0].tolist(), max_tokens, _recording(provider, blocks),
+                                   serve.ServeOptions(gamma=gamma, eos=eos, record=True))
     out = {"stream.tokens": np.array(tokens[:keep], np.int32),
            "stream.drafted": np.array([d for d, _, _ in stats.trace], np.int32),
            "stream.accepted": np.array([k for _, k, _ in stats.trace], np.int32),
@@ -69,8 +69,9 @@ def seeded_requests(target, prompt: np.ndarray, max_tokens: int, provider, gamma
     seeds = range(options["seed0"], options["seed0"] + options["runs"])
     out = []
     for seed in seeds:
-        tokens, stats = serve.generate(target, prompt[0].tolist(), max_tokens, provider, gamma=gamma, eos=set(),
-                                       mode=mode, sampler=sampling.Sampler(options["temperature"], seed=seed))
+        tokens, stats = serve.generate(target, prompt[0].tolist(), max_tokens, provider,
+                                       serve.ServeOptions(gamma=gamma, eos=set(), mode=mode,
+                                                          sampler=sampling.Sampler(options["temperature"], seed=seed)))
         out.append((tokens, stats.trace))
     return out
 

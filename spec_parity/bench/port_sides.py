@@ -177,8 +177,8 @@ def generate(target, prompt: list[int], max_tokens: int, provider, gamma: int, v
     its forward and loop as `verify` and `pipeline` say: (tokens, stats)."""
     from port import serve
 
-    return serve.generate(target, prompt, max_tokens, provider, gamma=gamma, eos=set(), verify=verify,
-                          pipeline=pipeline)
+    return serve.generate(target, prompt, max_tokens, provider,
+                          serve.ServeOptions(gamma=gamma, eos=set(), verify=verify, pipeline=pipeline))
 
 
 def verify_note(target, provider, verify: str = "auto") -> str:

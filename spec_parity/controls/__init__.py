@@ -9,8 +9,12 @@ spec_parity/controls/<module>.py and registered there by key with their one-line
     def _(case):
         return {(dspark.Model, "embed"): lambda self, ids: self.embed_tokens(ids)}
 
-`case` is the case the control is applied to (None when a test plants it); only a control that
-perturbs a case's inputs reads it. A pair's case names its control (`case_control`), the harness
+Each controls module declares its seam, the port names its controls may swap, in one place:
+`SEAMS = ("port.dspark:Model.embed", ...)` (module:attribute). A control that swaps a name its
+module does not declare is refused when planted, and tests/test_controls.py resolves every
+declared name against the port, so a renamed port internal fails a test naming the seam instead
+of a control planting nothing. `case` is the case the control is applied to (None when a test
+plants it); only a control that perturbs a case's inputs reads it. A pair's case names its control (`case_control`), the harness
 runs the port under `applied(case)`, and a test plants one with `planted(module, key)`. Only what is
 built while a control is applied carries it: load (and compile) the model inside the block.
 """
@@ -63,6 +67,38 @@ def get(module: str, key: str) -> Control:
     return known[key]
 
 
+def seams(module: str) -> tuple[str, ...]:
+    """The port names `module`'s controls may swap: its SEAMS."""
+    registry(module)
+    return importlib.import_module(f"{__name__}.{module}").SEAMS
+
+
+def seam_name(owner, attribute: str) -> str:
+    """How SEAMS names a swap: `module:attribute` of a module, `module:Class.attribute` of a class."""
+    if isinstance(owner, type):
+        return f"{owner.__module__}:{owner.__qualname__}.{attribute}"
+    return f"{owner.__name__}:{attribute}"
+
+
+def resolve(seam: str):
+    """What a SEAMS entry names in the port; ControlError naming the seam where the port has it no more."""
+    module, _, path = seam.partition(":")
+    try:
+        found = importlib.import_module(module)
+        for part in path.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError) as e:
+        raise ControlError(f"seam {seam}: {e}; rename it in SEAMS and in the control that swaps it, "
+                           "or drop the control") from e
+    return found
+
+
+def undeclared(module: str, swaps: dict) -> list[str]:
+    """The swaps outside `module`'s SEAMS."""
+    declared = set(seams(module))
+    return [name for name in (seam_name(owner, a) for owner, a in swaps) if name not in declared]
+
+
 def case_control(module: str, key: str, base: str, **extra) -> dict:
     """A case's `control` field: the base case it perturbs, the description, the key and the
     controls module (when it is not the case's own, e.g. a serve-loop control of a pair)."""
@@ -113,8 +149,13 @@ _ACTIVE: list[tuple[str, str]] = []
 
 @contextmanager
 def planted(module: str, key: str, case=None):
-    """The control `key` of `module` as a context manager."""
-    with swapped(get(module, key).swaps(case)):
+    """The control `key` of `module` as a context manager; refused where it swaps a name its
+    module's SEAMS does not declare."""
+    swaps = get(module, key).swaps(case)
+    if undeclared(module, swaps):
+        raise ControlError(f"control {module}/{key} swaps {', '.join(undeclared(module, swaps))}, not in "
+                           f"SEAMS of spec_parity/controls/{module}.py; declare it there")
+    with swapped(swaps):
         _ACTIVE.append((module, key))
         try:
             yield

@@ -7,6 +7,10 @@ from dataclasses import replace
 
 from . import control
 
+SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
+    "port.ab:paired_verdict", "port.ab:summarize_arm",
+)
+
 
 @control("ab", "relative_delta", "the acceptance change as a relative % instead of absolute points")
 def _relative(case):

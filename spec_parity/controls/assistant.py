@@ -5,6 +5,12 @@ from __future__ import annotations
 
 from . import LAYER_SCALE, control, one_layer_scaled
 
+SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
+    "port.assistant:Attention.__init__", "port.assistant:Model.candidate_rows",
+    "port.assistant:draft_chain", "port.assistant:load", "port.assistant:sliding_view",
+    "port.fast.assistant:donor_buffers",
+)
+
 
 @control("assistant", "scale", "attention scale 1/sqrt(d) instead of 1.0")
 def _scale(case):

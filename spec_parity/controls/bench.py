@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from . import control
 
+SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
+    "port.dflash:Model.logits", "port.serve:read_at_end", "port.targets:block_ids",
+)
+
 
 @control("bench", "logits_gather", "a lone integer index ([0]) on the DFlash block's logits: one more Gather")
 def _gather(case):

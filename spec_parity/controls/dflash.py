@@ -8,6 +8,14 @@ import functools
 from . import LAYER_SCALE, control, one_layer_scaled
 from .dspark import bucket_mask_off_by_one, chain_before_softcap, rejected_rows
 
+SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
+    "port.compiled:valid_rows", "port.dflash:Attention.block_heads",
+    "port.dflash:DecoderLayer.__call__", "port.dflash:Model.head", "port.dflash:load",
+    "port.fast.dflash:rows_as_heads", "port.heads:confidence_logits", "port.heads:markov_chain",
+    "port.sources.dflash:DflashSource.extend", "port.sources.dflash:prune_length",
+    "port.targets:verified_rows",
+)
+
 
 @functools.cache
 def _random_head(vocab: int, hidden: int):

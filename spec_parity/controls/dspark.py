@@ -6,6 +6,13 @@ from __future__ import annotations
 
 from . import LAYER_SCALE, control, one_layer_scaled, swapped
 
+SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
+    "port.compiled:valid_rows", "port.dspark:Attention.kv", "port.dspark:Model.embed",
+    "port.dspark:Model.final", "port.dspark:Model.prefix_length", "port.dspark:Model.tail",
+    "port.dspark:Model.tap_layers", "port.dspark:load", "port.heads:markov_chain",
+    "port.targets:verified_rows",
+)
+
 
 def rejected_rows(case):
     """Every verify row joins the drafter's context, the rejected drafts' too."""

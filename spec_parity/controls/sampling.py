@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from . import control
 
+SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
+    "port.sampling:accept_match", "port.sampling:accept_rejection",
+    "port.sampling:accepted_prefix", "port.sampling:residual", "port.sampling:verify_probs",
+)
+
 # Each control's family (spec_parity.sampled.BUG_FAMILIES) and the acceptance modes whose rule it
 # changes (the others run as they are).
 FAMILIES = {"residual_skipped": "residual", "residual_unnormalized": "residual", "correction_redrawn": "residual",

@@ -5,6 +5,13 @@ from __future__ import annotations
 
 from . import control
 
+SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
+    "port.compiled:VerifyCache.mask", "port.compiled:written",
+    "port.fast.verify:BufferView.update_and_fetch", "port.fast.verify:forward_at",
+    "port.serve:_content", "port.serve:_kept", "port.serve:_verdict", "port.serve:trim_caches",
+    "port.sources:PipelinedRows.commit_pipelined",
+)
+
 
 @control("serve", "trim", "trim one too few")
 def _trim(case):

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from . import control
 
+SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
+    "port.targets:load",
+)
+
 ROPE_LAYERS = (1, 3)   # the layers the targets pair perturbs (Qwen3: 1, Gemma-4: 3)
 ROPE_BASE_SCALE = 1.001
 
