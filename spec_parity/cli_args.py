@@ -199,6 +199,16 @@ def matrix(p: argparse.ArgumentParser) -> None:
                    "<!-- matrix:end --> lines (default: print it)")
 
 
+def diff(p: argparse.ArgumentParser) -> None:
+    """`spec-parity diff`: the two runs."""
+    p.description = ("The verdict changes between two runs, case by case: regressions, fixed, changed, new, "
+                     "removed. Exit 1 on a regression (a case as expected in A and not in B), 0 otherwise, 2 on "
+                     "a path holding no report.json of the schema this version reads (docs/report-schema.md).")
+    p.add_argument("a", metavar="A", help="the baseline: a `spec-parity run --out` folder or its report.json")
+    p.add_argument("b", metavar="B", help="the candidate, likewise")
+    debug(p)
+
+
 def bench_options(args: argparse.Namespace, gpu: bool):
     """`bench`'s Options from its arguments: the defaults that follow --shapes and the device
     (`gpu`) filled in, the comma lists checked; ValueError (bad input) for what it cannot run."""
