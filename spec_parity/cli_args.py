@@ -53,7 +53,7 @@ def run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--case", help="only the case of this name, or the cases sharing this golden "
                    "(default: every case; `spec-parity list` names them)")
     p.add_argument("--out", default="parity-report",
-                   help="folder for report.md, report.json, layers.png; created if missing, checked "
+                   help="folder for report.md, report.html, report.json, layers-MODULE.png; created if missing, checked "
                    "writable before the first case, earlier report files replaced (default: parity-report)")
     p.add_argument("--source", choices=("auto", "live", "golden"), default="auto",
                    help="reference outputs: live oracle, stored goldens, or live where available "
