@@ -39,7 +39,8 @@ def short_reason(x: dict) -> str:
 
 def _worst(x: dict) -> str:
     vals = [m["max_abs"] for m in x["metrics"].values()
-            if isinstance(m, dict) and isinstance(m.get("max_abs"), float)]
+            if isinstance(m, dict) and isinstance(m.get("max_abs"), (int, float))
+            and not isinstance(m.get("max_abs"), bool)]
     return f"{max(vals):.2e}" if vals else "-"
 
 
