@@ -63,10 +63,10 @@ def blocks(doc: dict, messages: dict[str, str], charts: list[str]) -> list[tuple
                     f"{run['duration_s']:.1f} s"]])]
     rows = sorted(doc["results"], key=lambda x: ORDER.index(x["category"]))
     out += [("h", 2, "Results, unexpected first", None),
-            ("table", "results", ["module", "case", "tier", "verdict", "expected", "as expected", "checks run",
+            ("table", "results", ["module", "case", "tier", "verdict", "checks run", "expected", "as expected",
                                   "first failing check", "layer", "worst max abs", "reason"],
              [[x["module"], ("link", x["case"], "#" + anchor(x["module"], x["case"])), x["tier"],
-               x["shown_verdict"], x["expected"], "yes" if x["as_expected"] else ("b", "NO"), x["checks_run"],
+               x["shown_verdict"], x["checks_run"], x["expected"], "yes" if x["as_expected"] else ("b", "NO"),
                x["first_failing_check"] or "-", "-" if x["layer"] is None else str(x["layer"]), _worst(x),
                short_reason(x)] for x in rows])]
     out += _layers(doc, charts)
