@@ -30,8 +30,9 @@ def load(path: str | Path) -> dict:
     try:
         report_schema.validate(doc)
     except report_schema.SchemaError as e:
-        raise DiffError(f"{f}: not a report.json this spec-parity reads ({e}); rerun `spec-parity run` "
-                        f"with this version to write one of {report_schema.VERSION}") from e
+        raise DiffError(f"{f}: not a report.json this spec-parity reads ({e}); diff two reports of "
+                        f"{report_schema.VERSION}: rerun `spec-parity run` with this version, or diff with the "
+                        "spec-parity that wrote them") from e
     return doc
 
 
