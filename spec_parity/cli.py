@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import platform
 import re
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cli_args, compare, exchange, goldens, harness, ports, report
+from . import cli_args, compare, exchange, goldens, harness, ports, report, report_schema
 from .goldens import atomic_write
 
 
@@ -146,7 +147,7 @@ def cmd_run(args) -> int:
     cases = _select(args, selection)
     if args.target:
         _answered(args, cases)
-    rows, t0 = [], time.time()
+    rows, t0, started = [], time.time(), datetime.datetime.now(datetime.timezone.utc)
     with report.Progress(len(cases)) as bar:
         for case in cases:
             bar.start(case.id)
@@ -159,8 +160,9 @@ def cmd_run(args) -> int:
     header = f"{_header()}; ports: {selection.describe()}; {len(cases)} cases in {time.time() - t0:.1f} s"
     print(report.table(rows))
     out = Path(args.out)
-    report.write(out, rows, header)
     require = (args.require,) if args.require else ()
+    report.write(out, rows, header, report_schema.run_info(args.argv, started, time.time() - t0, require),
+                 report_schema.port_entries(selection, [c.module for c in cases]))
     print(_summary(rows, require, out, selection))
     return _exit_status(rows, require, selection)
 
@@ -184,11 +186,8 @@ def _summary(rows: list, require: tuple[str, ...], out: Path, selection: ports.S
     bad = _unexpected(rows, require)
     seen = {id(r) for r in bad}
     apart = {v: [r for r, _ in rows if r.verdict == v and id(r) not in seen] for v in (compare.PARTIAL, "DELTA", "DECLINED")}
-    words = {compare.PARTIAL: "passed only what the port exposes (PASS-PARTIAL: checks not run, each named in "
-             f"the report; exit {compare.PARTIAL_EXIT}: `--require outputs` accepts them, `--require internals` fails them)",
-             "DELTA": "explained by a known reference delta (docs/references.md)", "DECLINED": "declined by the port"}
-    lines = [f"\n{len(rows) - len(bad) - sum(map(len, apart.values()))}/{len(rows)} as expected (controls must FAIL)"
-             + "".join(f", {len(rs)} {words[v]}" for v, rs in apart.items() if rs) + f"; reports in {out}/"]
+    tally = report_schema.tally([{"category": report_schema.category(r.verdict, e, require)} for r, e in rows])
+    lines = [f"\n{tally}; reports in {out}/"]
     lines += [r.message() for r in bad + apart["DELTA"] + apart["DECLINED"]]
     lines += [f"[{r.verdict}] {r.module}/{r.case}: {r.reason}" for r in apart[compare.PARTIAL]]
     lines += [f"port {p} checked nothing: it answered none of the {len(rows)} cases run (each declined, or none "
@@ -367,6 +366,16 @@ def cmd_bisect(args) -> int:
                          port_cmd=args.port_cmd, timeout=args.timeout)
 
 
+def cmd_diff(args) -> int:
+    """The verdict changes between two runs (spec_parity.diff): exit 1 on a regression."""
+    from . import diff
+
+    try:
+        return diff.main(args.a, args.b)
+    except diff.DiffError as e:
+        raise BadInput(str(e)) from e
+
+
 @contextlib.contextmanager
 def _sigterm_exits():
     """SIGTERM (a cancelled job) leaves through Python's cleanup as Ctrl-C does: a --port-cmd's
@@ -427,6 +436,7 @@ COMMANDS = (   # name ("GROUP NAME": a subcommand of GROUP), help, its arguments
      "range where they moved more than their spread", cli_args.combine, cmd_combine),
     ("bisect", "the first commit of a port's git history that breaks one case", cli_args.bisect, cmd_bisect),
     ("matrix", "the support matrix: ports x modules -> verdict counts and coverage", cli_args.matrix, cmd_matrix),
+    ("diff", "verdict changes between two runs' report.json; exit 1 on a regression", cli_args.diff, cmd_diff),
 )
 GROUPS = {"fixtures": "goldens"}
 

@@ -53,7 +53,7 @@ def run(p: argparse.ArgumentParser) -> None:
     p.add_argument("--case", help="only the case of this name, or the cases sharing this golden "
                    "(default: every case; `spec-parity list` names them)")
     p.add_argument("--out", default="parity-report",
-                   help="folder for report.md, report.json, layers.png; created if missing, checked "
+                   help="folder for report.md, report.html, report.json, layers-MODULE.png; created if missing, checked "
                    "writable before the first case, earlier report files replaced (default: parity-report)")
     p.add_argument("--source", choices=("auto", "live", "golden"), default="auto",
                    help="reference outputs: live oracle, stored goldens, or live where available "
@@ -197,6 +197,16 @@ def matrix(p: argparse.ArgumentParser) -> None:
                    "cases first (repeatable)")
     p.add_argument("--doc", help="write the table into this markdown file between its <!-- matrix:begin --> and "
                    "<!-- matrix:end --> lines (default: print it)")
+
+
+def diff(p: argparse.ArgumentParser) -> None:
+    """`spec-parity diff`: the two runs."""
+    p.description = ("The verdict changes between two runs, case by case: regressions, fixed, changed, new, "
+                     "removed. Exit 1 on a regression (a case as expected in A and not in B), 0 otherwise, 2 on "
+                     "a path holding no report.json of the schema this version reads (docs/report-schema.md).")
+    p.add_argument("a", metavar="A", help="the baseline: a `spec-parity run --out` folder or its report.json")
+    p.add_argument("b", metavar="B", help="the candidate, likewise")
+    debug(p)
 
 
 def bench_options(args: argparse.Namespace, gpu: bool):

@@ -1,11 +1,7 @@
-"""Reports of a matrix run: a table on stdout, report.md, report.json, layers.png, and the
-progress of the run on stderr.
-
-layers.png (matplotlib): one panel per case that records per-layer errors, in the order of
-report.md's layer table; per layer the free-running max|Δ| (blue) and the layer's own,
-teacher-forced max|Δ| (orange) on a log scale, the two budgets as dashed lines, the first
-divergent layer's bar red and labelled. Every file is written atomically, and a report file the
-new run does not write (a layers.png from an earlier run) is removed: the folder never mixes runs.
+"""Reports of a matrix run: a table on stdout, report.json (spec_parity.report_schema), report.md
+and report.html (spec_parity.report_render), layers-MODULE.png (spec_parity.report_plot), and
+the progress of the run on stderr. Every file is written atomically, and a report file the new
+run does not write (a layers chart from an earlier run) is removed: the folder never mixes runs.
 """
 
 from __future__ import annotations
@@ -21,14 +17,16 @@ from pathlib import Path
 
 import numpy as np
 
+from . import report_plot, report_render, report_schema
 from .compare import Result
 from .goldens import atomic_write
 
-REPORT_FILES = ("report.json", "report.md", "layers.png")
+REPORT_FILES = ("report.json", "report.md", "report.html", "layers.png")
 
 
 class Progress:
-    """A rich progress bar when stderr is a terminal; otherwise one plain line per finished case
+    """A rich progress bar when stderr is a terminal: the running case, its elapsed time, the cases
+    done and the run's time; otherwise one plain line per finished case
     (`[3/49] PASS targets/qwen3 (1.2 s)`), which logs and CI read."""
 
     def __init__(self, total: int, stream=None):
@@ -42,16 +40,16 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
             from rich.progress import Progress as Bar
 
-            self.bar = Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            self.bar = Bar(TextColumn("{task.description}"), _case_elapsed_column(), BarColumn(), MofNCompleteColumn(),
                            TimeElapsedColumn(), console=Console(file=self.stream), transient=False)
             self.bar.start()
-            self.task = self.bar.add_task("starting", total=self.total)
+            self.task = self.bar.add_task("starting", total=self.total, since=self.t0)
         return self
 
     def start(self, label: str) -> None:
         self.t0 = time.time()
         if self.bar is not None:
-            self.bar.update(self.task, description=label)
+            self.bar.update(self.task, description=label, since=self.t0)
 
     def done(self, label: str, verdict: str) -> None:
         self.done_n += 1
@@ -64,6 +62,19 @@ class Progress:
     def __exit__(self, *exc) -> None:
         if self.bar is not None:
             self.bar.stop()
+
+
+def _case_elapsed_column():
+    from rich.progress import ProgressColumn
+    from rich.text import Text
+
+    class CaseElapsed(ProgressColumn):
+        """The running case's seconds so far (the bar's own clock is the run's)."""
+
+        def render(self, task) -> Text:
+            return Text(f"{time.time() - task.fields.get('since', time.time()):6.1f} s", style="cyan")
+
+    return CaseElapsed()
 
 
 def check_writable(out_dir: Path) -> None:
@@ -93,106 +104,49 @@ def table(rows: list[tuple[Result, str]]) -> str:
 def _layers(r: Result) -> dict | None:
     """The result's layer localization, None where the port exposed no per-layer outputs."""
     lay = r.metrics.get("layers")
-    return lay if lay and lay.get("exposed", True) else None
+    return lay if lay and lay.get("exposed", True) and "own_max_abs" in lay else None
 
 
-def markdown(rows: list[tuple[Result, str]], header: str = "") -> str:
-    out = ["# spec-parity report", "", header, "",
-           "| module | case | oracle | tier | verdict | checks run | worst max abs | reason |",
-           "|---|---|---|---|---|---|---|---|"]
-    out += [r.markdown_row() for r, _ in rows]
-    out += ["", "## Per-layer error (free-running / own teacher-forced max abs)", ""]
+def charts(rows: list[tuple[Result, str]]) -> dict[str, bytes]:
+    """layers-MODULE.png per module whose cases record layers (spec_parity.report_plot)."""
+    by_module: dict[str, list] = {}
     for r, _ in rows:
-        lay = _layers(r)
-        if not lay:
-            continue
-        free = ", ".join(f"{x:.1e}" for x in lay["free_max_abs"])
-        own = ", ".join(f"{x:.1e}" for x in lay["own_max_abs"])
-        first = lay["first_divergent_layer"]
-        out.append(f"- **{r.module}/{r.case}**: first divergent layer "
-                   f"{'none (every own error within budget)' if first is None else first}; "
-                   f"free [{free}]; own [{own}]; budget {lay['budget']}")
-    out += ["", "## Details", ""]
-    for r, _ in rows:
-        out += ["```", r.message(), "```"]
-    return "\n".join(out) + "\n"
+        if _layers(r):
+            by_module.setdefault(r.module, []).append((r.case, r.tier, _layers(r)))
+    return {report_plot.chart_name(m): report_plot.layer_chart(p, m) for m, p in by_module.items()}
 
 
-def write(out_dir: Path, rows: list[tuple[Result, str]], header: str) -> list[Path]:
-    """report.json, report.md and (when a case records layers) layers.png, each atomically; the
-    report files this run does not write are removed. Returns the paths written."""
+def markdown(rows: list[tuple[Result, str]], header: str = "", doc: dict | None = None,
+             charts: tuple[str, ...] = ()) -> str:
+    """report.md of `rows`: the summary first (spec_parity.report_render)."""
+    doc = doc or report_schema.document(rows, header)
+    return report_render.markdown(report_render.blocks(doc, _messages(rows), list(charts)))
+
+
+def _messages(rows: list[tuple[Result, str]]) -> dict[str, str]:
+    return {f"{r.module}/{r.case}": r.message() for r, _ in rows}
+
+
+def write(out_dir: Path, rows: list[tuple[Result, str]], header: str, run: dict | None = None,
+          ports: list[dict] | None = None) -> list[Path]:
+    """report.json (validated against its schema), report.md, report.html and a layers-MODULE.png
+    per module that records layers, each atomically; the report files this run does not write are
+    removed. `run` and `ports`: report_schema.run_info() and port_entries(). Returns the paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    files = {
-        "report.json": (json.dumps({"header": header, "results": [{**r.to_json(), "expected": e} for r, e in rows]},
-                                   indent=2) + "\n").encode(),
-        "report.md": markdown(rows, header).encode(),
-    }
-    panels = [(f"{r.module}/{r.case}", _layers(r)) for r, _ in rows if _layers(r)]
-    if panels:
-        files["layers.png"] = layer_chart(panels)
+    doc = report_schema.document(rows, header, run, ports)
+    report_schema.validate(doc)
+    files = charts(rows)
+    bl = report_render.blocks(doc, _messages(rows), sorted(files))
+    files.update({"report.json": (json.dumps(doc, indent=2) + "\n").encode(),
+                  "report.md": report_render.markdown(bl).encode(),
+                  "report.html": report_render.html_page(bl).encode()})
     for name, data in files.items():
         atomic_write(out_dir / name, data)
-    for name in set(REPORT_FILES) - set(files):
+    stale = {p.name for p in out_dir.glob("layers*.png")} | set(REPORT_FILES)
+    for name in stale - set(files):
         (out_dir / name).unlink(missing_ok=True)
     return [out_dir / n for n in files]
-
-
-def layer_chart(panels: list[tuple[str, dict]]) -> bytes:
-    """layers.png's bytes: see the module docstring."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    floor = 1e-9  # a zero error is drawn at the floor (a log axis has no 0)
-    cols = 2 if len(panels) > 1 else 1
-    rows = (len(panels) + cols - 1) // cols
-    height = 2.8 * rows + 0.9  # the panels, then the title and the legend
-    fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(6.2 * cols, height))
-    for ax in axes.flat[len(panels):]:
-        ax.axis("off")
-    for ax, (name, lay) in zip(axes.flat, panels):
-        free, own = (np.asarray(lay[k], float) for k in ("free_max_abs", "own_max_abs"))
-        finite = np.concatenate([free, own, [lay["free_budget_atol"], lay["own_budget_atol"]]])
-        top = float(np.max(finite[np.isfinite(finite)]))
-        bad = ~np.isfinite(own) | ~np.isfinite(free)
-        free, own = (np.maximum(np.where(np.isfinite(v), v, top * 10), floor) for v in (free, own))
-        x = np.arange(len(free))
-        for i in np.flatnonzero(bad):
-            ax.text(i, floor * 3, "NaN/Inf", ha="center", va="bottom", rotation=90, fontsize=8, color="black")
-        first = lay["first_divergent_layer"]
-        ax.bar(x - 0.2, free, 0.4, color="#3a5fcd", label="free-running max|Δ|")
-        ax.bar(x + 0.2, own, 0.4, color=["#d62728" if i == first else "#f28e2b" for i in x],
-               label="own (teacher-forced) max|Δ|")
-        ax.axhline(lay["free_budget_atol"], color="#1f2a6e", ls="--", lw=1.2,
-                   label=f"free-running budget (atol {lay['free_budget_atol']:.0e})")
-        ax.axhline(lay["own_budget_atol"], color="#d62728", ls="--", lw=1.2,
-                   label=f"own budget (atol {lay['own_budget_atol']:.0e})")
-        if first is not None:
-            ax.annotate(f"first divergent layer {first}", (first + 0.2, own[first]), xytext=(0, 16),
-                        textcoords="offset points", ha="center", fontsize=8, color="#d62728",
-                        bbox={"boxstyle": "round,pad=0.15", "fc": "white", "ec": "none"},
-                        arrowprops={"arrowstyle": "->", "color": "#d62728"})
-        verdict = "all layers within budget" if lay.get("ok") else (
-            f"first divergent layer {first}" if first is not None else "free-running drift over budget")
-        ax.set_title(f"{name}: {verdict}", fontsize=9, loc="left")
-        ax.set_yscale("log")
-        ax.set_ylim(floor / 2, top * 300)
-        ax.set_xticks(x)
-        ax.set_xlabel("layer", fontsize=8)
-        ax.set_ylabel("max |port − reference|", fontsize=8)
-        ax.tick_params(labelsize=7)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
-    fig.suptitle("Per-layer error, port vs reference (log scale; a zero is drawn at 1e-9)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.4 / height, 1, 1 - 0.05 / height))
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
 
 
 def write_png(path: Path, rgb: np.ndarray) -> None:

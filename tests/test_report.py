@@ -6,11 +6,12 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import time
 
 import numpy as np
 import pytest
 
-from spec_parity import cli, report
+from spec_parity import cli, report, report_plot
 from spec_parity.budgets import DTYPE_DEFAULTS
 from spec_parity.compare import (
     Result,
@@ -45,13 +46,13 @@ def test_layers_png_is_a_matplotlib_chart_with_the_divergent_layer_red(tmp_path)
     import matplotlib.image as mpimg
 
     written = report.write(tmp_path, [_row("qwen3", _layers()), _row("qwen3-control", _layers(2, 2), "FAIL")], "h")
-    assert tmp_path / "layers.png" in written
-    img = mpimg.imread(tmp_path / "layers.png")
+    assert tmp_path / "layers-targets.png" in written
+    img = mpimg.imread(tmp_path / "layers-targets.png")
     h, w = img.shape[:2]
     assert w >= 600 and h >= 250, (w, h)  # the numpy drawing was 142 px wide, no text
     red = (img[..., 0] > 0.8) & (img[..., 1] < 0.25) & (img[..., 2] < 0.25)
     assert red.sum() > 200  # the first divergent layer's bar
-    plain = report.layer_chart([("a", _layers())])
+    plain = report_plot.layer_chart([("a", "L2", _layers())])
     assert plain[:8] == b"\x89PNG\r\n\x1a\n"
     clean = mpimg.imread(io.BytesIO(plain))
     assert ((clean[..., 0] > 0.8) & (clean[..., 1] < 0.25) & (clean[..., 2] < 0.25)).sum() < red.sum() / 4
@@ -61,15 +62,16 @@ def test_layers_png_is_a_matplotlib_chart_with_the_divergent_layer_red(tmp_path)
 def test_a_non_finite_layer_is_drawn():
     lay = _layers(1, 1)
     lay["own_max_abs"][1] = float("inf")
-    assert report.layer_chart([("nan", lay)])[:4] == b"\x89PNG"
+    assert report_plot.layer_chart([("nan", "L2", lay)])[:4] == b"\x89PNG"
 
 
 def test_no_stale_report_file_and_no_temp_left(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "layers.png").write_bytes(b"an earlier version's single chart")
     report.write(tmp_path, [_row("qwen3", _layers())], "first")
-    assert (tmp_path / "layers.png").exists()
+    assert (tmp_path / "layers-targets.png").exists() and not (tmp_path / "layers.png").exists()
     report.write(tmp_path, [_row("assistant-step")], "second")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "report.json", "report.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "report.html", "report.json", "report.md"]
     assert "second" in (tmp_path / "report.md").read_text()
 
 
@@ -116,8 +118,9 @@ def test_run_report_on_a_centroid_control(tmp_path):
     assert rc == 0
     md = (tmp_path / "report.md").read_text()
     assert "| FAIL |" in md and "e+30" not in md and "None" not in md
-    png = tmp_path / "layers.png"       # the case's own drafter layers, or none: never the stale file
-    assert not png.exists() or png.read_bytes().startswith(b"\x89PNG")
+    assert not (tmp_path / "layers.png").exists()  # the stale file of an earlier run is gone
+    for png in tmp_path.glob("layers-*.png"):    # the case's own drafter layers, or none
+        assert png.read_bytes().startswith(b"\x89PNG")
     assert err.getvalue().splitlines()[-1].startswith("[1/1] FAIL assistant/step-gemma4-centroid-optiq-control-scale")
 
 
@@ -151,5 +154,27 @@ def test_progress_plain_lines_off_a_terminal_and_a_bar_on_one():
     tty = _Tty()
     with report.Progress(2, tty) as bar:
         bar.start("targets/qwen3")
+        time.sleep(1.3)                 # a long case: its clock runs while it runs
         bar.done("targets/qwen3", "PASS")
-    assert "1/2" in tty.getvalue() and "[1/2] PASS" not in tty.getvalue()
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", tty.getvalue())
+    assert "1/2" in shown and "[1/2] PASS" not in shown
+    ticks = [float(t) for t in re.findall(r"targets/qwen3\s+(\d+\.\d) s", shown)]
+    assert ticks and max(ticks) >= 1.0, shown
+
+
+@pytest.mark.parametrize("tier, dashed", [("L1", 0), ("L2", 2)])
+def test_each_panel_has_its_tiers_budget_and_a_legend(tier, dashed):
+    """An L1 panel's budget is bit-exactness: no tolerance line; an L2 panel draws both budgets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    report_plot._panel(ax, "qwen3", tier, _layers())
+    lines = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(fig)
+    assert len(lines) == dashed and any("free-running max" in t for t in labels)
+    assert any("bit-exact" in t for t in labels) == (tier == "L1")
+    assert ax.get_title(loc="left").startswith(f"qwen3 ({tier})")
