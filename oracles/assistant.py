@@ -37,10 +37,10 @@ def versions(oracle: str) -> dict[str, str]:
 # ---- optiq (MLX) ----------------------------------------------------------------------------
 
 def _np(a) -> np.ndarray:
-    """MLX -> numpy; bf16 goes through fp32, which holds every bf16 value exactly."""
+    """MLX -> numpy; bf16 and fp16 go through fp32, which holds each of their values exactly."""
     import mlx.core as mx
 
-    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+    return np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
 
 
 def optiq_drafter(drafter_dir: Path):

@@ -69,6 +69,7 @@ def load(path: str | Path, dtype: mx.Dtype | None = None, lazy: bool = False) ->
     if family is None:
         raise TargetError(f"{path / 'config.json'}: model_type {config.get('model_type')!r} is not a supported "
                           f"target; supported: {sorted(FAMILIES)}")
+    checkpoint.check_layer_types(config, path, config["model_type"])
     if dtype is not None:
         model.set_dtype(dtype)
     return Target(model, config, family, path)

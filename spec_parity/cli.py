@@ -31,7 +31,7 @@ def _bad_input_errors() -> tuple[type[Exception], ...]:
     refusals = {"port.checkpoint": "CheckpointError", "port.ab": "PromptsError", "port.assistant": "DrafterError",
                 "port.dspark": "DSparkError", "port.dflash": "DFlashError", "port.heads": "HeadError",
                 "port.calibration": "ThresholdError", "port.targets": "TargetError",
-                "spec_parity.bench.combine": "CombineError", "spec_parity.matrix": "MatrixError", "spec_parity.bench.loops": "OptionError"}
+                "spec_parity.bench.combine": "CombineError", "spec_parity.matrix": "MatrixError", "spec_parity.fuzz": "FuzzError", "spec_parity.bench.loops": "OptionError"}
     return (BadInput, *(getattr(sys.modules[m], n) for m, n in refusals.items() if m in sys.modules))
 
 
@@ -222,6 +222,15 @@ def cmd_export(args) -> int:
             bar.done(case.id, "written")
     print(f"{len(cases)} case folders in {out}/ (answer one with `CMD {{case}} {{out}}`, see docs/protocol.md)")
     return 0
+
+
+def cmd_fuzz(args) -> int:
+    """Draw configurations of one module, or run one again (spec_parity.fuzz.command)."""
+    from . import fuzz
+
+    fuzz.check_args(args)
+    _preflight(args)
+    return fuzz.command(args, _ports(args, [args.module], f"--module {args.module}"))
 
 
 def cmd_protocol(args) -> int:
@@ -435,6 +444,8 @@ COMMANDS = (   # name ("GROUP NAME": a subcommand of GROUP), help, its arguments
     ("combine", "one table from two or more bench runs: each run's figure, the median of the runs, ratios as a "
      "range where they moved more than their spread", cli_args.combine, cmd_combine),
     ("bisect", "the first commit of a port's git history that breaks one case", cli_args.bisect, cmd_bisect),
+    ("fuzz", "configurations no case uses: draw, run against the live reference, shrink a failure", cli_args.fuzz,
+     cmd_fuzz),
     ("matrix", "the support matrix: ports x modules -> verdict counts and coverage", cli_args.matrix, cmd_matrix),
     ("diff", "verdict changes between two runs' report.json; exit 1 on a regression", cli_args.diff, cmd_diff),
 )

@@ -13,6 +13,20 @@ DEBUG = dict(action="store_true", help="on bad input, the traceback instead of t
              "(default: off, the one line and exit 2); `run`: also each ERROR case's traceback (report.json "
              "holds it either way)")
 
+_PORT_OPTIONS = {   # who answers the cases: `run` and `fuzz` take the same
+    "--port": dict(action="append", metavar="MODULE=SPEC",
+                   help="run MODULE's cases on another port: SPEC is pkg.module:make_port or a name registered "
+                        "in the spec_parity.ports entry points (repeatable: one per module, each a "
+                        "module the run selects; default: our own ports)"),
+    "--port-cmd": dict(metavar="CMD", help='a port in any language: run CMD per case, e.g. '
+                       '"./my-port {case} {out}" (the file protocol, docs/protocol.md); it answers every module the '
+                       'run selects, so it does not combine with --port (default: none)'),
+    "--timeout": dict(type=float, metavar="S", help="--port-cmd: seconds a case may take before its "
+                      f"process group is killed and the case reads ERROR (default: {exchange.TIMEOUT_S:g})"),
+    "--port-id": dict(metavar="NAME", help="--port-cmd: the port's name in the report (default: "
+                      "port-cmd; its identity also hashes every argument of CMD that is a file)"),
+}
+
 
 def parser(description: str, commands: Sequence[tuple[str, str, Callable, Callable]],
            groups: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -62,17 +76,8 @@ def run(p: argparse.ArgumentParser) -> None:
                    "--drafter), live references only (default: none, the built-in tiny checkpoints)")
     p.add_argument("--drafter", help="a real drafter checkpoint directory: its family (assistant, DSpark, DFlash, "
                    "DSpark-on-DFlash) is read off its config.json (default: none, the target's own cases)")
-    p.add_argument("--port", action="append", metavar="MODULE=SPEC",
-                   help="run MODULE's cases on another port: SPEC is pkg.module:make_port or a name registered "
-                        "in the spec_parity.ports entry points (repeatable: one per module, each a "
-                        "module the run selects; default: our own ports)")
-    p.add_argument("--port-cmd", metavar="CMD", help='a port in any language: run CMD per case, e.g. '
-                   '"./my-port {case} {out}" (the file protocol, docs/protocol.md); it answers every module the '
-                   'run selects, so it does not combine with --port (default: none)')
-    p.add_argument("--timeout", type=float, metavar="S", help="--port-cmd: seconds a case may take before its "
-                   f"process group is killed and the case reads ERROR (default: {exchange.TIMEOUT_S:g})")
-    p.add_argument("--port-id", metavar="NAME", help="--port-cmd: the port's name in the report (default: "
-                   "port-cmd; its identity also hashes every argument of CMD that is a file)")
+    for opt in ("--port", "--port-cmd", "--timeout", "--port-id"):
+        p.add_argument(opt, **_PORT_OPTIONS[opt])
     p.add_argument("--require", choices=("outputs", "internals"),
                    help="what a pass must have checked. A PASS-PARTIAL (a port that passed every check it "
                    "exposed arrays for, but left optional quantities out, so some checks did not run) is "
@@ -91,6 +96,32 @@ def export(p: argparse.ArgumentParser) -> None:
                    "(default: none, the built-in tiny checkpoints)")
     p.add_argument("--drafter", help="with --target: a real drafter checkpoint directory (default: none)")
     p.add_argument("--out", required=True, help="directory: OUT/<module>/<case>/")
+
+
+def fuzz(p: argparse.ArgumentParser) -> None:
+    """`spec-parity fuzz`: the module, how many configurations, the seed, and whose port."""
+    from .fuzz import SHRINK_S
+
+    p.description = ("Draw configurations no built-in case uses from a module's config space (hypothesis), run "
+                     "the port against the live reference at the pair's tier, and shrink the first failure to a "
+                     "minimal configuration, written as a case folder with the command that reproduces it. "
+                     "Configurations a reference refuses are counted apart. Exit 0: no failure; 1: a failure "
+                     "(written under --out); 2: bad input.")
+    p.add_argument("--module", required=True, help="the module whose config space is drawn")
+    p.add_argument("--examples", type=int, default=50, help="configurations to draw (default: 50)")
+    p.add_argument("--seed", type=int, default=0, help="the draw's seed: a run reproduces (default: 0)")
+    p.add_argument("--reference", help="only this reference (default: every reference of the module that runs here)")
+    p.add_argument("--config", metavar="FILE", help="run one configuration again: a fuzz-config.json a failure "
+                   "wrote (default: draw)")
+    p.add_argument("--shrink-s", type=float, default=SHRINK_S, metavar="S",
+                   help=f"seconds shrinking may take; then the smallest failure so far is kept (default: {SHRINK_S:g})")
+    p.add_argument("--out", default="fuzz-report", help="folder for the shrunk failure's case folder and "
+                   "fuzz.json (default: fuzz-report)")
+    p.add_argument("--plant", metavar="MODULE:KEY", help="a negative control (spec_parity/controls) planted in our "
+                   "port for the whole run: the fuzzer's own check that it finds a bug (default: none)")
+    for opt in ("--port", "--port-cmd", "--timeout", "--port-id"):
+        p.add_argument(opt, **_PORT_OPTIONS[opt])
+    debug(p)
 
 
 def regen(p: argparse.ArgumentParser) -> None:

@@ -112,9 +112,9 @@ def live(case: Case):
 
 
 def port_run(case: Case, ref: dict, port: ports.Port | None = None) -> dict:
-    """`port` (default: ours) on the case, once per process for each
-    port identity, case and reference bytes (spec_parity.shared). Only our own port takes a planted
-    bug (case.control: spec_parity.controls plants it around the run)."""
+    """`port` (default: ours) on the case, once per process for each port identity, case,
+    reference bytes and controls planted around it (spec_parity.shared). Only our own port takes
+    a planted bug (case.control: spec_parity.controls plants it around the run)."""
     port = port or ports.ours()
     run = port.runs[case.module]
 
@@ -127,7 +127,7 @@ def port_run(case: Case, ref: dict, port: ports.Port | None = None) -> dict:
 
     if case.path:
         return go()
-    return shared.once(("port", port.identity, shared.case_key(case), shared.digest(ref)), go)
+    return shared.once(("port", port.identity, shared.case_key(case), shared.digest(ref), controls.active()), go)
 
 
 def sides(case: Case, port: dict, ref: dict, plan: checks.Plan) -> dict:

@@ -21,7 +21,7 @@ CONVENTIONS = {
 def _np(a) -> np.ndarray:
     import mlx.core as mx
 
-    return np.array(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+    return np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
 
 
 def step_inputs(target_dir, prompt: np.ndarray, dtype: str, target=None) -> dict[str, np.ndarray]:

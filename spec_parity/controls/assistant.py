@@ -7,7 +7,8 @@ from . import LAYER_SCALE, control, one_layer_scaled
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
     "port.assistant:Attention.__init__", "port.assistant:Model.candidate_rows",
-    "port.assistant:draft_chain", "port.assistant:load", "port.assistant:sliding_view",
+    "port.assistant:draft_chain", "port.assistant:load", "port.assistant:norms_in_fp32",
+    "port.assistant:sliding_view",
     "port.fast.assistant:donor_buffers",
 )
 
@@ -133,3 +134,20 @@ def _layer_scale(case):
     from port import assistant
 
     return one_layer_scaled(assistant, "load", lambda m: m.model.layers, case)
+
+
+@control("assistant", "fp16_norms", "in float16 the norms compute in float16 (bfloat16 and float32 as they should)")
+def _fp16_norms(case):
+    """A dtype no built-in case runs: the fuzzer's to find (tests/test_fuzz.py)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from port import assistant
+
+    plain = assistant.norms_in_fp32
+
+    def skipped(model):
+        if not any(v.dtype == mx.float16 for _, v in tree_flatten(model.parameters())):
+            plain(model)
+
+    return {(assistant, "norms_in_fp32"): skipped}

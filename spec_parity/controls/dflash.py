@@ -9,7 +9,8 @@ from . import LAYER_SCALE, control, one_layer_scaled
 from .dspark import bucket_mask_off_by_one, chain_before_softcap, rejected_rows
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
-    "port.compiled:valid_rows", "port.dflash:Attention.block_heads",
+    "port.compiled:valid_rows", "port.dflash:Attention.__init__", "port.dflash:Attention.block_heads",
+    "port.dflash:Attention.mask",
     "port.dflash:DecoderLayer.__call__", "port.dflash:Model.head", "port.dflash:load",
     "port.fast.dflash:rows_as_heads", "port.heads:confidence_logits", "port.heads:markov_chain",
     "port.sources.dflash:DflashSource.extend", "port.sources.dflash:prune_length",
@@ -147,3 +148,39 @@ def _layer_scale(case):
     from port import dflash
 
     return one_layer_scaled(dflash, "load", lambda m: m.layers, case)
+
+
+# Bugs only a configuration off the built-in cases shows (every built-in DFlash drafter has
+# rope_theta 1e6, and its sliding window wider than its block): the fuzzer's to find
+# (tests/test_fuzz.py holds both halves: the matrix passes with each planted, a fuzz run fails).
+@control("dflash", "rope_theta_fixed", "RoPE at base 1e6 whatever rope_theta the config gives")
+def _rope_fixed(case):
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    from port import dflash
+
+    init = dflash.Attention.__init__
+
+    def fixed(self, a, layer, window):
+        init(self, a, layer, window)
+        self.rope = initialize_rope(a.head_dim, base=1e6, traditional=False, scaling_config=a.rope_scaling,
+                                    max_position_embeddings=a.max_position_embeddings)
+
+    return {(dflash.Attention, "__init__"): fixed}
+
+
+@control("dflash", "window_within_block", "a sliding layer no wider than the block sees its whole stored context")
+def _window_within_block(case):
+    import mlx.core as mx
+
+    from port import dflash
+
+    mask = dflash.Attention.mask
+
+    def wide(self, n_ctx, L):
+        m = mask(self, n_ctx, L)
+        if self.sliding and self.a.sliding_window <= L:
+            m = m | (mx.arange(n_ctx + L)[None] < n_ctx)
+        return m
+
+    return {(dflash.Attention, "mask"): wide}

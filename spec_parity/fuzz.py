@@ -1,0 +1,279 @@
+"""A differential fuzzer: configurations no built-in case uses, drawn by hypothesis from each
+family's config space, the port against the live reference at the pair's tier.
+
+A drawn configuration is plain JSON (`Config`): the built-in case it varies (its params, tier and
+reference), the target kind and overrides, and the drafter overrides. It becomes a Case like any
+other, so the harness judges it as it judges the matrix. Each example ends one of four ways:
+  invalid   the factory cannot build it (its own validation: e.g. a tap past the target's layers)
+  refused   the reference refuses it (an exception from the reference run): counted apart
+  declined  the port refuses the checkpoint in one line, or a plug-in port declines the case
+  delta     a plug-in port departs from the reference by a known reference delta (deltas as data)
+  failed    a verdict that is not PASS: hypothesis shrinks it to a minimal configuration, written
+            as a case folder (as `spec-parity export` writes) with the command that reproduces it.
+Shrinking moves every choice toward its first option, which is the built-in case's value, so a
+shrunk failure differs from a built-in case only where it must.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+import time
+from collections import Counter
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from . import controls, exchange, harness, ports
+from .case import Case
+from .compare import Result
+from .goldens import atomic_write
+
+SHRINK_S = 300.0     # shrinking stops after this long; the smallest failure found so far is kept
+
+
+@dataclass(frozen=True)
+class Config:
+    """One drawn configuration, as JSON: enough to rebuild its case anywhere."""
+
+    module: str
+    base: str                      # the built-in case whose params, tier and reference it keeps
+    target_kind: str
+    target: dict = field(default_factory=dict)     # target overrides
+    drafter: dict = field(default_factory=dict)    # drafter overrides (drafter pairs)
+    seed: int = 0                                  # the drawn checkpoint's seed
+
+    def to_json(self) -> str:
+        return json.dumps({"module": self.module, "base": self.base, "target_kind": self.target_kind,
+                           "target": self.target, "drafter": self.drafter, "seed": self.seed}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Config:
+        try:
+            d = json.loads(text)
+            return cls(d["module"], d["base"], d["target_kind"], d.get("target", {}), d.get("drafter", {}),
+                       int(d.get("seed", 0)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise FuzzError(f"not a fuzz configuration ({type(e).__name__}: {e}); pass the fuzz-config.json "
+                            f"a fuzz run wrote") from None
+
+    @property
+    def name(self) -> str:
+        return f"fuzz-{self.base}-{hashlib.sha256(self.to_json().encode()).hexdigest()[:10]}"
+
+
+class FuzzError(ValueError):
+    """Misuse of the fuzzer (unknown module or reference, a config file it cannot read)."""
+
+
+def _families():
+    from . import fuzz_spaces
+
+    return fuzz_spaces.FAMILIES
+
+
+def modules() -> tuple[str, ...]:
+    return tuple(_families())
+
+
+def case(config: Config) -> Case:
+    """The Case a configuration stands for: its base case with the drawn checkpoints."""
+    family = _families()[config.module]
+    bases = {c.name: c for c in harness.pair(config.module).cases() if not c.control}
+    if config.base not in bases:
+        raise FuzzError(f"no base case {config.base!r} in module {config.module}; known: {sorted(bases)}")
+    return family.build(replace(bases[config.base], name=config.name), config)
+
+
+@dataclass
+class Outcome:
+    config: Config
+    end: str                       # invalid | refused | declined | delta | passed | failed
+    detail: str = ""
+    result: Result | None = None
+
+
+def evaluate(config: Config, selection: ports.Selection = ports.OURS_ONLY) -> Outcome:
+    """One configuration through the harness, its end classified (module docstring)."""
+    try:
+        c = case(config)
+        c.checkpoint_dir()
+        if c.params.has_drafter:
+            c.drafter_dir()
+    except (ValueError, KeyError, AssertionError) as e:
+        return Outcome(config, "invalid", _line(e))
+    try:
+        harness.reference(c, "live")
+    except Exception as e:     # the reference's own refusal of a configuration it does not support
+        return Outcome(config, "refused", _line(e))
+    try:
+        result = harness.evaluate(c, "live", selection)
+    except Exception as e:
+        if _refusal(e):
+            return Outcome(config, "declined", _line(e))
+        result = Result(c.module, c.name, "-", c.tier, verdict="ERROR", reason=_line(e))
+    if result.verdict in ("DECLINED", "DELTA"):
+        return Outcome(config, result.verdict.lower(), result.reason, result)
+    return Outcome(config, "passed" if result.ok else "failed", result.reason, result)
+
+
+def _refusal(e: BaseException) -> bool:
+    """Our port's one-line refusal of a checkpoint it does not fully understand: a ValueError of a
+    class the port defines (port.checkpoint.CheckpointError, port.dflash.DFlashError, ...)."""
+    return isinstance(e, ValueError) and type(e).__module__.split(".")[0] == "port"
+
+
+def _line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+
+
+@dataclass
+class Run:
+    """What a fuzz run saw: every outcome, and the shrunk failure if one was found."""
+
+    module: str
+    seed: int
+    outcomes: list[Outcome] = field(default_factory=list)
+    failure: Outcome | None = None
+    seconds: float = 0.0
+
+    def counts(self) -> Counter:
+        return Counter(o.end for o in self.outcomes)
+
+
+class _Stop(Exception):
+    pass
+
+
+def fuzz(module: str, examples: int, seed: int, selection: ports.Selection = ports.OURS_ONLY,
+         reference: str | None = None, shrink_s: float = SHRINK_S) -> Run:
+    """Draw `examples` configurations of `module` (seeded), stop at the first failure and shrink it."""
+    from hypothesis import HealthCheck, Phase, assume, find, settings
+    from hypothesis.errors import NoSuchExample
+
+    family = _families().get(module)
+    if family is None:
+        raise FuzzError(f"no config space for module {module!r}; fuzzable: {', '.join(modules())}")
+    if reference is not None and reference not in family.references:
+        raise FuzzError(f"{module}: reference {reference!r} is not fuzzed; one of {', '.join(family.references)}")
+    refs = (reference,) if reference else family.references
+    unavailable = {r: harness.pair(module).oracle_status(r) for r in refs}
+    refs = tuple(r for r in refs if unavailable[r] is None)
+    if not refs:
+        raise FuzzError(f"{module}: no reference runs here: " + "; ".join(f"{r}: {s}" for r, s in unavailable.items()))
+    run, seen, t0 = Run(module, seed), {}, time.time()
+    state = {"generated": 0, "shrink_from": None, "last_failure": None}
+
+    def fails(config: Config) -> bool:
+        if config.to_json() not in seen:
+            seen[config.to_json()] = evaluate(config, selection)
+            run.outcomes.append(seen[config.to_json()])
+        outcome = seen[config.to_json()]
+        assume(outcome.end not in ("invalid", "refused", "declined", "delta"))
+        if outcome.end == "failed":
+            state["last_failure"] = outcome
+            state["shrink_from"] = state["shrink_from"] or time.time()
+        elif state["shrink_from"] and time.time() - state["shrink_from"] > shrink_s:
+            raise _Stop
+        return outcome.end == "failed"
+
+    opts = settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate, Phase.shrink],
+                    suppress_health_check=list(HealthCheck))
+    try:
+        found = find(family.strategy(module, refs), fails, settings=opts, random=random.Random(seed))
+        run.failure = seen[found.to_json()]
+    except NoSuchExample:
+        pass
+    except _Stop:
+        run.failure = state["last_failure"]
+    run.seconds = time.time() - t0
+    return run
+
+
+def write_failure(outcome: Outcome, out: Path) -> Path:
+    """The failing configuration as a case folder (`spec-parity export`'s layout: checkpoints,
+    request, the reference's inputs and our port's outputs) plus fuzz-config.json, the file the
+    reproducing command reads."""
+    c = case(outcome.config)
+    ref, _, _ = harness.reference(c, "live")
+    folder = Path(out) / c.module / re.sub(r"[^\w.+-]+", "-", c.name).strip("-")
+    expected = harness.port_run(c, ref)
+    exchange.write_case(harness.request(c, ref), folder, expected)
+    (folder / "fuzz-config.json").write_text(outcome.config.to_json() + "\n")
+    return folder
+
+
+def _generic(detail: str) -> str:
+    """A reason with the factory's cache paths cut to their kind, so equal reasons group."""
+    return re.sub(r"\S*/checkpoints/([\w-]+?)-s\d+-[0-9a-f]{12}/", r"<\1>/", detail)
+
+
+def summary(run: Run) -> str:
+    n = run.counts()
+    lines = [f"{run.module}: {len(run.outcomes)} configurations in {run.seconds:.0f} s (seed {run.seed}): "
+             + ", ".join(f"{n[k]} {k}" for k in ("passed", "failed", "delta", "refused", "declined", "invalid") if n[k])]
+    for end in ("refused", "declined", "delta"):
+        reasons = Counter(_generic(o.detail) for o in run.outcomes if o.end == end)
+        lines += [f"  {end} x{k}: {why}" for why, k in reasons.most_common(5)]
+    if run.failure:
+        r = run.failure.result
+        lines.append(f"  shrunk failure: {run.failure.config.to_json()}")
+        lines.append(f"  verdict: {r.verdict if r else '?'}: {(run.failure.detail or '')[:400]}")
+    return "\n".join(lines)
+
+
+def as_json(run: Run) -> dict:
+    """Every outcome of a run (fuzz.json): the configuration, how it ended and why."""
+    return {"module": run.module, "seed": run.seed, "seconds": round(run.seconds, 1), "counts": dict(run.counts()),
+            "failure": json.loads(run.failure.config.to_json()) if run.failure else None,
+            "outcomes": [{"config": json.loads(o.config.to_json()), "end": o.end, "detail": _generic(o.detail)}
+                         for o in run.outcomes]}
+
+
+def check_args(args) -> None:
+    """`spec-parity fuzz`'s options, refused (FuzzError: one line, exit 2) before anything runs."""
+    if args.module not in modules():
+        raise FuzzError(f"--module {args.module}: no config space to fuzz; one of {', '.join(modules())}")
+    if args.examples < 1:
+        raise FuzzError(f"--examples {args.examples}: draw at least 1")
+    if args.plant:
+        module, _, key = args.plant.partition(":")
+        try:
+            controls.get(module, key)
+        except controls.ControlError as e:
+            raise FuzzError(f"--plant {args.plant}: {e}; give MODULE:KEY") from e
+
+
+def command(args, selection: ports.Selection) -> int:
+    """`spec-parity fuzz`: draw (or run --config again) under --plant, print the summary, write the
+    shrunk failure's case folder and fuzz.json; 1 when a configuration failed."""
+    if args.plant and not selection.port(args.module).ours:
+        raise FuzzError(f"--plant {args.plant}: a control plants its bug in our own port; drop --port/--port-cmd "
+                        "or --plant")
+    with controls.planted(*args.plant.split(":", 1)) if args.plant else nullcontext():
+        if args.config:
+            config = _read_config(args.config, args.module)
+            run = Run(config.module, args.seed, [evaluate(config, selection)])
+            run.failure = run.outcomes[0] if run.outcomes[0].end == "failed" else None
+        else:
+            run = fuzz(args.module, args.examples, args.seed, selection, args.reference, args.shrink_s)
+        print(summary(run))
+        if run.failure:
+            folder = write_failure(run.failure, Path(args.out))
+            plant = f" --plant {args.plant}" if args.plant else ""
+            print(f"  case folder: {folder}\n  reproduce: spec-parity fuzz --module {args.module}{plant} "
+                  f"--config {folder / 'fuzz-config.json'}")
+    atomic_write(Path(args.out) / "fuzz.json", (json.dumps(as_json(run), indent=1, sort_keys=True) + "\n").encode())
+    return 1 if run.failure else 0
+
+
+def _read_config(path: str, module: str) -> Config:
+    try:
+        config = Config.from_json(Path(path).read_text())
+    except OSError as e:
+        raise FuzzError(f"--config {path}: {e.strerror or e}; pass a fuzz-config.json a fuzz run wrote") from e
+    if config.module != module:
+        raise FuzzError(f"--config {path}: a {config.module} configuration; run it with --module {config.module}")
+    return config
