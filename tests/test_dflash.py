@@ -19,7 +19,7 @@ from spec_parity import checkpoints, goldens, harness, shared
 from spec_parity.adapters import dflash as adapter
 from spec_parity.pairs import dflash as pair
 
-CASES = pair.cases()
+CASES = pair.PAIR.cases()
 
 
 def _case(name):

@@ -297,7 +297,7 @@ def test_markov_before_softcap_coincides_without_a_softcap():
 
 
 def _ext_case(name: str):
-    return next(c for c in pair.cases() if c.name == name)
+    return next(c for c in pair.PAIR.cases() if c.name == name)
 
 
 def test_ext_plan_holds_the_heads_only_where_deepspec_answered():
@@ -305,19 +305,19 @@ def test_ext_plan_holds_the_heads_only_where_deepspec_answered():
     (a real checkpoint where DeepSpec is not installed) it holds the gates alone, and the reference's
     label says the heads were not run."""
     case = _ext_case("ext-qwen3")
-    names = [c.name for c in pair.plan(case, {"heads.logits": 0, "heads.confidence": 0}).checks]
+    names = [c.name for c in pair.PAIR.plan(case, {"heads.logits": 0, "heads.confidence": 0}).checks]
     assert names[-2:] == ["markov_rows_vs_deepspec", "confidence_vs_deepspec"]
-    assert not {"markov_rows_vs_deepspec", "confidence_vs_deepspec"} & {c.name for c in pair.plan(case, {}).checks}
+    assert not {"markov_rows_vs_deepspec", "confidence_vs_deepspec"} & {c.name for c in pair.PAIR.plan(case, {}).checks}
 
 
 def test_ext_reference_without_deepspec(monkeypatch):
     """Not installed: the built-in case reads its golden; on a real checkpoint, or asked live, no
     arrays and a label naming why (the gates still run)."""
-    monkeypatch.setattr(pair, "oracle_status", lambda oracle=pair.ORACLE: "DEEPSPEC_SRC is not set: fetch it")
+    monkeypatch.setattr(pair.PAIR, "oracle_status", lambda oracle: "DEEPSPEC_SRC is not set: fetch it")
     case = _ext_case("ext-qwen3")
     ref, label, _ = harness.reference(case, "auto")
     assert label == f"{pair.HEADS} (golden)" and set(pair.HEAD_INPUTS) <= set(ref)
-    assert set(pair.feeds(case, ref)) == set(pair.HEAD_INPUTS)
+    assert set(pair.PAIR.feeds(case, ref)) == set(pair.HEAD_INPUTS)
     ref, label, _ = harness.reference(case, "live")
     assert ref == {} and label == f"{pair.HEADS}: not run (DEEPSPEC_SRC is not set)"
     real = case.on_path(str(_dirs("qwen3")[0]))

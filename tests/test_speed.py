@@ -298,7 +298,7 @@ def test_dflash_buffer_growth_bit_exact_vs_zlab_mlx(name, live_oracle):
     from spec_parity.pairs import dflash as pair
 
     live_oracle("dflash", pair.ORACLE)
-    case = next(c for c in pair.cases() if c.name == name)
+    case = next(c for c in pair.PAIR.cases() if c.name == name)
     harness.check(case, harness.evaluate(replace(case, params=replace(case.params, prompt_len=300)), "live"))
 
 

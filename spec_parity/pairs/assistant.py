@@ -19,7 +19,8 @@ from .. import controls, layers
 from ..adapters.assistant import CONVENTIONS, step_inputs
 from ..case import Case
 from ..checkpoints import GEMMA4_VARIANTS
-from ..checks import P, Plan, R, Round, Tensor, Tokens, drafter_layers, layer_feeds, serve_loop
+from ..checks import P, Plan, R, Round, Tensor, Tokens, drafter_layers, serve_loop
+from ..pair import Pair
 from ..params import AssistantLoop, AssistantSampled, AssistantStep
 from ..sampled import FAMILY_ALPHA, Distribution
 
@@ -116,60 +117,8 @@ def sampled_cases() -> list[Case]:
                              control=controls.case_control("sampling", bug, base.name)) for bug in SAMPLED_CONTROLS]
 
 
-def cases() -> list[Case]:
-    out = [step_case(t, h, o) for o in ("optiq", "transformers") for t, h in STEP_PAIRS]
-    out += [step_case("gemma4", "centroid", "transformers", convention=c) for c in ("hfpos", "hfwin")]
-    out += [step_case("gemma4", h, "optiq", dtype="bfloat16") for h in ("centroid", "tied")]
-    for o in ("optiq", "transformers"):
-        for bug in STEP_CONTROLS:
-            out.append(step_case("gemma4", "centroid", o, bug))
-        base = step_case("gemma4", "centroid", o)    # one drafter layer wrong: named at layer 2
-        out.append(replace(base, name=f"{base.name}-control-layer2",
-                           control=controls.case_control(NAME, "layer_scale", base.name, layer=2)))
-    head, oracle, bug = ROWS_CONTROL
-    out.append(step_case("gemma4", head, oracle, bug))
-    out += [loop_case(h, g) for h in ("centroid", "tied") for g in (1, 2, 3, 4)]
-    out += [loop_case(h, g, "agreeing") for h in ("centroid", "tied", "unified") for g in (1, 2, 3, 4)]
-    out.append(loop_case("centroid", 2, eos=EOS))
-    out.append(loop_case("centroid", 2, control="trim"))
-    out.append(loop_case("centroid", 3, "agreeing", control="trim"))
-    out.append(loop_case("centroid", 2, control="eos", eos=EOS))
-    out.append(loop_case("centroid", 3, "agreeing", control="bonus"))
-    out.append(loop_case("centroid", 2, control="scale"))
-    return out + sampled_cases()
-
-
-def oracle_status(oracle: str = ORACLE) -> str | None:
-    from oracles.assistant import status
-
-    return status(oracle)
-
-
 PROMPT = (11, 128)
 EOS = 1
-
-
-def run_oracle(case: Case):
-    from oracles import assistant as oracle
-
-    name, o = case.oracle, case.params
-    if isinstance(o, AssistantSampled):
-        arrays = oracle.optiq_sampled_statistics(case.checkpoint_dir(), case.drafter_dir(), np.array([o.prompt], np.int32),
-                                                 o.gamma, o.max_tokens, o.temperature,
-                                                 list(range(o.ref_seed0, o.ref_seed0 + o.runs)))
-        return arrays, {"reference": {"name": name, "versions": oracle.versions(name)}}
-    p = case.prompt(*PROMPT)
-    if isinstance(o, AssistantLoop):
-        arrays = oracle.optiq_spec_generate(case.checkpoint_dir(), case.drafter_dir(), p, o.gamma, o.max_tokens, o.eos)
-    elif name == "optiq":
-        arrays = oracle.optiq_draft_steps(case.checkpoint_dir(), case.drafter_dir(), p, o.gamma, case.dtype)
-    else:
-        inputs = step_inputs(case.checkpoint_dir(), p, case.dtype)
-        conv = CONVENTIONS[o.convention]
-        keep = None if conv["window"] == "hf" else _window(case) - 1
-        arrays = {**inputs, **oracle.hf_draft_steps(case.drafter_dir(), inputs, o.gamma, keep,
-                                                    conv["positions"])}
-    return arrays, {"reference": {"name": name, "versions": oracle.versions(name)}}
 
 
 def _window(case: Case) -> int:
@@ -178,61 +127,109 @@ def _window(case: Case) -> int:
     return json.loads((case.checkpoint_dir() / "config.json").read_text())["sliding_window"]
 
 
-def kind(case: Case) -> str:
-    return case.params.KIND
+class Assistant(Pair):
+    NAME, ORACLE, PROMPT = NAME, ORACLE, PROMPT
+
+    def cases(self) -> list[Case]:
+        out = [step_case(t, h, o) for o in ("optiq", "transformers") for t, h in STEP_PAIRS]
+        out += [step_case("gemma4", "centroid", "transformers", convention=c) for c in ("hfpos", "hfwin")]
+        out += [step_case("gemma4", h, "optiq", dtype="bfloat16") for h in ("centroid", "tied")]
+        for o in ("optiq", "transformers"):
+            for bug in STEP_CONTROLS:
+                out.append(step_case("gemma4", "centroid", o, bug))
+            base = step_case("gemma4", "centroid", o)    # one drafter layer wrong: named at layer 2
+            out.append(replace(base, name=f"{base.name}-control-layer2",
+                               control=controls.case_control(NAME, "layer_scale", base.name, layer=2)))
+        head, oracle, bug = ROWS_CONTROL
+        out.append(step_case("gemma4", head, oracle, bug))
+        out += [loop_case(h, g) for h in ("centroid", "tied") for g in (1, 2, 3, 4)]
+        out += [loop_case(h, g, "agreeing") for h in ("centroid", "tied", "unified") for g in (1, 2, 3, 4)]
+        out.append(loop_case("centroid", 2, eos=EOS))
+        out.append(loop_case("centroid", 2, control="trim"))
+        out.append(loop_case("centroid", 3, "agreeing", control="trim"))
+        out.append(loop_case("centroid", 2, control="eos", eos=EOS))
+        out.append(loop_case("centroid", 3, "agreeing", control="bonus"))
+        out.append(loop_case("centroid", 2, control="scale"))
+        return out + sampled_cases()
+
+    def oracle_status(self, oracle: str) -> str | None:
+        from oracles.assistant import status
+
+        return status(oracle)
+
+    def run_oracle(self, case: Case):
+        from oracles import assistant as oracle
+
+        name, o = case.oracle, case.params
+        if isinstance(o, AssistantSampled):
+            arrays = oracle.optiq_sampled_statistics(case.checkpoint_dir(), case.drafter_dir(), np.array([o.prompt], np.int32),
+                                                     o.gamma, o.max_tokens, o.temperature,
+                                                     list(range(o.ref_seed0, o.ref_seed0 + o.runs)))
+            return arrays, {"reference": {"name": name, "versions": oracle.versions(name)}}
+        p = case.prompt(*PROMPT)
+        if isinstance(o, AssistantLoop):
+            arrays = oracle.optiq_spec_generate(case.checkpoint_dir(), case.drafter_dir(), p, o.gamma, o.max_tokens, o.eos)
+        elif name == "optiq":
+            arrays = oracle.optiq_draft_steps(case.checkpoint_dir(), case.drafter_dir(), p, o.gamma, case.dtype)
+        else:
+            inputs = step_inputs(case.checkpoint_dir(), p, case.dtype)
+            conv = CONVENTIONS[o.convention]
+            keep = None if conv["window"] == "hf" else _window(case) - 1
+            arrays = {**inputs, **oracle.hf_draft_steps(case.drafter_dir(), inputs, o.gamma, keep,
+                                                        conv["positions"])}
+        return arrays, {"reference": {"name": name, "versions": oracle.versions(name)}}
+
+    def conventions(self, case: Case) -> dict:
+        """Which rows an untied centroid head scores its candidates on (port/assistant.py HEAD_ROWS):
+        optiq's embedding, or transformers' lm_head (deltas.py centroid-rows)."""
+        if not isinstance(case.params, AssistantStep):
+            return {}
+        return {"head_rows": "embed" if case.oracle == "optiq" else "lm_head"}
+
+    def feeds(self, case: Case, ref: dict) -> dict:
+        """transformers is fed our target's anchor, donors and embedding table; so is the port."""
+        inputs = {} if case.oracle == "optiq" else {k: v for k, v in ref.items() if k.startswith("in.")}
+        return {**inputs, **super().feeds(case, ref)}
+
+    def plan(self, case: Case, ref: dict) -> Plan:
+        if isinstance(case.params, AssistantSampled):
+            return Plan([Distribution(stat, P(f"sampled.{stat}"), R(f"sampled.{stat}"), FAMILY_ALPHA, max_bias=0.33)
+                         for stat in SAMPLED_STATS])
+        if isinstance(case.params, AssistantLoop):
+            eos = {case.params.eos}
+            return serve_loop("optiq", case.params.max_tokens, eos, ref_drop=eos, greedy_drop=eos,
+                              schedule=(P("stream.drafted"), P("stream.accepted"), P("stream.emitted")),
+                              ref_schedule=(R("stream.trace"),), draft_logits="loop_draft_logits",
+                              drafts=Round(R("stream.trace", col=0), R("stream.trace", col=2), R("stream.proposals"),
+                                           R("stream.draft_logits")))
+        gamma = case.params.gamma
+        checks = []
+        if case.oracle == "optiq":
+            checks += [Tensor(k, P(k), R(k), k) for k in ("anchor.token", "anchor.hidden", "donor.sliding_attention.k",
+                                                          "donor.sliding_attention.v", "donor.full_attention.k",
+                                                          "donor.full_attention.v")]
+        for i in range(gamma):
+            checks += [Tensor(f"step{i}.next_hidden", P(f"step{i}.next_hidden"), R(f"step{i}.next_hidden"), "next_hidden"),
+                       Tensor(f"step{i}.logits", P(f"step{i}.logits"), R(f"step{i}.logits"), "logits", candidates=True)]
+        steps = [f"step{i}" for i in range(gamma)]
+        checks.append(Tokens("draft_tokens", P(*[s + ".token" for s in steps]), R(*[s + ".token" for s in steps]),
+                             R(*[s + ".logits" for s in steps]), "draft token", finding="module"))
+        return Plan(checks + drafter_layers(ref))
+
+    def quantities(self, port: dict, ref: dict) -> dict[str, float]:
+        if "sampled.first" in port:
+            return {}
+        if "greedy.logits" in port:
+            n = min(len(port["stream.logits"]), len(port["greedy.logits"]))
+            return {"path_logits": float(np.abs(port["stream.logits"][:n] - port["greedy.logits"][:n]).max())}
+        out = {"logits": 0.0, "next_hidden": 0.0}
+        for k in ref:
+            if k.endswith(".next_hidden"):
+                out["next_hidden"] = max(out["next_hidden"], float(np.abs(port[k] - ref[k]).max()))
+            if k.endswith(".logits"):
+                m = (port[k] > -1e29) & (ref[k] > ref[k].min()) if (port[k] <= -1e29).any() else np.ones_like(port[k], bool)
+                out["logits"] = max(out["logits"], float(np.abs(port[k][m] - ref[k][m]).max()))
+        return {**out, **layers.quantities(port, ref)}
 
 
-def conventions(case: Case) -> dict:
-    """Which rows an untied centroid head scores its candidates on (port/assistant.py HEAD_ROWS):
-    optiq's embedding, or transformers' lm_head (deltas.py centroid-rows)."""
-    if not isinstance(case.params, AssistantStep):
-        return {}
-    return {"head_rows": "embed" if case.oracle == "optiq" else "lm_head"}
-
-
-def feeds(case: Case, ref: dict) -> dict:
-    """transformers is fed our target's anchor, donors and embedding table; so is the port."""
-    inputs = {} if case.oracle == "optiq" else {k: v for k, v in ref.items() if k.startswith("in.")}
-    return {**inputs, **layer_feeds(ref)}
-
-
-def plan(case: Case, ref: dict) -> Plan:
-    if isinstance(case.params, AssistantSampled):
-        return Plan([Distribution(stat, P(f"sampled.{stat}"), R(f"sampled.{stat}"), FAMILY_ALPHA, max_bias=0.33)
-                     for stat in SAMPLED_STATS])
-    if isinstance(case.params, AssistantLoop):
-        eos = {case.params.eos}
-        return serve_loop("optiq", case.params.max_tokens, eos, ref_drop=eos, greedy_drop=eos,
-                          schedule=(P("stream.drafted"), P("stream.accepted"), P("stream.emitted")),
-                          ref_schedule=(R("stream.trace"),), draft_logits="loop_draft_logits",
-                          drafts=Round(R("stream.trace", col=0), R("stream.trace", col=2), R("stream.proposals"),
-                                       R("stream.draft_logits")))
-    gamma = case.params.gamma
-    checks = []
-    if case.oracle == "optiq":
-        checks += [Tensor(k, P(k), R(k), k) for k in ("anchor.token", "anchor.hidden", "donor.sliding_attention.k",
-                                                      "donor.sliding_attention.v", "donor.full_attention.k",
-                                                      "donor.full_attention.v")]
-    for i in range(gamma):
-        checks += [Tensor(f"step{i}.next_hidden", P(f"step{i}.next_hidden"), R(f"step{i}.next_hidden"), "next_hidden"),
-                   Tensor(f"step{i}.logits", P(f"step{i}.logits"), R(f"step{i}.logits"), "logits", candidates=True)]
-    steps = [f"step{i}" for i in range(gamma)]
-    checks.append(Tokens("draft_tokens", P(*[s + ".token" for s in steps]), R(*[s + ".token" for s in steps]),
-                         R(*[s + ".logits" for s in steps]), "draft token", finding="module"))
-    return Plan(checks + drafter_layers(ref))
-
-
-def quantities(port: dict, ref: dict) -> dict[str, float]:
-    if "sampled.first" in port:
-        return {}
-    if "greedy.logits" in port:
-        n = min(len(port["stream.logits"]), len(port["greedy.logits"]))
-        return {"path_logits": float(np.abs(port["stream.logits"][:n] - port["greedy.logits"][:n]).max())}
-    out = {"logits": 0.0, "next_hidden": 0.0}
-    for k in ref:
-        if k.endswith(".next_hidden"):
-            out["next_hidden"] = max(out["next_hidden"], float(np.abs(port[k] - ref[k]).max()))
-        if k.endswith(".logits"):
-            m = (port[k] > -1e29) & (ref[k] > ref[k].min()) if (port[k] <= -1e29).any() else np.ones_like(port[k], bool)
-            out["logits"] = max(out["logits"], float(np.abs(port[k][m] - ref[k][m]).max()))
-    return {**out, **layers.quantities(port, ref)}
+PAIR = Assistant()

@@ -29,9 +29,9 @@ from ..checks import (
     Tensor,
     Tokens,
     drafter_layers,
-    layer_feeds,
     serve_loop,
 )
+from ..pair import Pair
 from ..params import DsparkLoop, DsparkRounds, DsparkSampled
 from ..sampled import FAMILY_ALPHA, Distribution
 
@@ -89,95 +89,85 @@ def _case(name: str, variant: str, params: DsparkRounds | DsparkLoop, agree_frac
     return Case(NAME, name, "L2", target, 0, ov.get("target_overrides", {}), replace(params, drafter=(kind, 0, ov)))
 
 
-def cases() -> list[Case]:
-    out = [_case(f"mod-{v}", v, DsparkRounds(prompt_len=12, thresholds=THRESHOLDS)) for v in VARIANTS]
-    out += [_case(f"loop-{v}-t{t}", v, DsparkLoop(prompt_len=12, max_new_tokens=24, threshold=t)) for v, t in LOOPS]
-    out += [_case(f"loop-agree{f}-{v}-t{t}", v, DsparkLoop(prompt_len=12, max_new_tokens=32, threshold=t), f)
-            for v, f, t in AGREEING]
-    sampled = _case(f"sampled-agree0.8-gemma4-T{SAMPLED.temperature}", "gemma4", SAMPLED, 0.8)
-    out += [sampled] + [replace(sampled, name=f"{sampled.name}-control-{bug}",
-                                control=controls.case_control("sampling", bug, sampled.name))
-                        for bug in SAMPLED_CONTROLS]
-    by_name = {c.name: c for c in out}
-    for bug, base in CONTROLS.items():
-        b = by_name[base]
-        out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, b.params,
-                        control=controls.case_control(NAME, bug, base)))
-    out.append(replace(by_name["mod-gemma4"], name="mod-gemma4-control-layer1",
-                       control=controls.case_control(NAME, "layer_scale", "mod-gemma4", layer=1)))
-    return out
-
-
-def oracle_status(oracle: str = ORACLE) -> str | None:
-    from oracles.dspark import status
-
-    return status()
-
-
 PROMPT = (13, 128)
-
-
-def run_oracle(case: Case):
-    from oracles import dspark as oracle
-
-    p, o = case.prompt(*PROMPT), case.params
-    if isinstance(o, DsparkSampled):
-        arrays = oracle.loop_sampled_statistics(case.checkpoint_dir(), case.drafter_dir(), p, o.max_new_tokens,
-                                                o.threshold, o.temperature,
-                                                list(range(o.ref_seed0, o.ref_seed0 + o.runs)))
-    elif isinstance(o, DsparkLoop):
-        arrays = oracle.loop(case.checkpoint_dir(), case.drafter_dir(), p, o.max_new_tokens, o.threshold)
-    else:
-        arrays = oracle.modules(case.checkpoint_dir(), case.drafter_dir(), p, o.thresholds)
-    return arrays, {"reference": {"name": ORACLE, "versions": oracle.versions()}}
-
-
-def kind(case: Case) -> str:
-    return case.params.KIND
-
-
-def conventions(case: Case) -> dict:
-    return {}
-
-
-def feeds(case: Case, ref: dict) -> dict:
-    return layer_feeds(ref)
 
 
 MODULE_TENSORS = [("taps", "taps"), ("context", "context"), ("block_hidden", "block_hidden"),
                   ("base_logits", "logits"), ("logits", "logits"), ("confidence", "confidence")]
 
 
-def plan(case: Case, ref: dict) -> Plan:
-    if isinstance(case.params, DsparkSampled):
-        return Plan([Distribution(stat, P(f"sampled.{stat}"), R(f"sampled.{stat}"), FAMILY_ALPHA)
-                     for stat in SAMPLED_STATS])
-    if isinstance(case.params, DsparkLoop):
-        # DeepSpec decodes while fewer than n + 1 tokens are committed, then trims to n.
-        return serve_loop("DeepSpec", case.params.max_new_tokens + 1, set(), greedy_prefix=True,
-                          schedule=(P("stream.drafted"), P("stream.accepted")),
-                          ref_schedule=(R("stream.proposed"), R("stream.accepted")),
-                          tau=R("stream.acceptance_lengths"),
-                          drafts=Round(R("stream.proposal_sizes"), R("stream.acceptance_lengths"), R("stream.proposals")))
-    checks = [Same("anchor", P("anchor"), R("anchor"), "anchor token")]
-    checks += [Tensor(key, P(key), R(key), quantity) for key, quantity in MODULE_TENSORS if key in ref]
-    checks += [Tensor(k, P(k), R(k), "context_kv") for k in sorted(k for k in ref if k.startswith("context_"))]
-    checks.append(Tokens("tokens", P("tokens"), R("tokens"), R("logits"), "draft token", finding="module"))
-    for t in case.params.thresholds:
-        checks += [Same(f"prefix@{t}", P(f"prefix@{t}"), R(f"prefix@{t}"), f"prefix length at threshold {t}"),
-                   Same(f"proposal@{t}", P(f"proposal@{t}"), R(f"proposal@{t}"), f"proposal at threshold {t}")]
-    return Plan(checks + drafter_layers(ref))
+class DSpark(Pair):
+    NAME, ORACLE, PROMPT = NAME, ORACLE, PROMPT
+
+    def cases(self) -> list[Case]:
+        out = [_case(f"mod-{v}", v, DsparkRounds(prompt_len=12, thresholds=THRESHOLDS)) for v in VARIANTS]
+        out += [_case(f"loop-{v}-t{t}", v, DsparkLoop(prompt_len=12, max_new_tokens=24, threshold=t)) for v, t in LOOPS]
+        out += [_case(f"loop-agree{f}-{v}-t{t}", v, DsparkLoop(prompt_len=12, max_new_tokens=32, threshold=t), f)
+                for v, f, t in AGREEING]
+        sampled = _case(f"sampled-agree0.8-gemma4-T{SAMPLED.temperature}", "gemma4", SAMPLED, 0.8)
+        out += [sampled] + [replace(sampled, name=f"{sampled.name}-control-{bug}",
+                                    control=controls.case_control("sampling", bug, sampled.name))
+                            for bug in SAMPLED_CONTROLS]
+        by_name = {c.name: c for c in out}
+        for bug, base in CONTROLS.items():
+            b = by_name[base]
+            out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, b.params,
+                            control=controls.case_control(NAME, bug, base)))
+        out.append(replace(by_name["mod-gemma4"], name="mod-gemma4-control-layer1",
+                           control=controls.case_control(NAME, "layer_scale", "mod-gemma4", layer=1)))
+        return out
+
+    def oracle_status(self, oracle: str) -> str | None:
+        from oracles.dspark import status
+
+        return status()
+
+    def run_oracle(self, case: Case):
+        from oracles import dspark as oracle
+
+        p, o = case.prompt(*PROMPT), case.params
+        if isinstance(o, DsparkSampled):
+            arrays = oracle.loop_sampled_statistics(case.checkpoint_dir(), case.drafter_dir(), p, o.max_new_tokens,
+                                                    o.threshold, o.temperature,
+                                                    list(range(o.ref_seed0, o.ref_seed0 + o.runs)))
+        elif isinstance(o, DsparkLoop):
+            arrays = oracle.loop(case.checkpoint_dir(), case.drafter_dir(), p, o.max_new_tokens, o.threshold)
+        else:
+            arrays = oracle.modules(case.checkpoint_dir(), case.drafter_dir(), p, o.thresholds)
+        return arrays, {"reference": {"name": ORACLE, "versions": oracle.versions()}}
+
+    def plan(self, case: Case, ref: dict) -> Plan:
+        if isinstance(case.params, DsparkSampled):
+            return Plan([Distribution(stat, P(f"sampled.{stat}"), R(f"sampled.{stat}"), FAMILY_ALPHA)
+                         for stat in SAMPLED_STATS])
+        if isinstance(case.params, DsparkLoop):
+            # DeepSpec decodes while fewer than n + 1 tokens are committed, then trims to n.
+            return serve_loop("DeepSpec", case.params.max_new_tokens + 1, set(), greedy_prefix=True,
+                              schedule=(P("stream.drafted"), P("stream.accepted")),
+                              ref_schedule=(R("stream.proposed"), R("stream.accepted")),
+                              tau=R("stream.acceptance_lengths"),
+                              drafts=Round(R("stream.proposal_sizes"), R("stream.acceptance_lengths"), R("stream.proposals")))
+        checks = [Same("anchor", P("anchor"), R("anchor"), "anchor token")]
+        checks += [Tensor(key, P(key), R(key), quantity) for key, quantity in MODULE_TENSORS if key in ref]
+        checks += [Tensor(k, P(k), R(k), "context_kv") for k in sorted(k for k in ref if k.startswith("context_"))]
+        checks.append(Tokens("tokens", P("tokens"), R("tokens"), R("logits"), "draft token", finding="module"))
+        for t in case.params.thresholds:
+            checks += [Same(f"prefix@{t}", P(f"prefix@{t}"), R(f"prefix@{t}"), f"prefix length at threshold {t}"),
+                       Same(f"proposal@{t}", P(f"proposal@{t}"), R(f"proposal@{t}"), f"proposal at threshold {t}")]
+        return Plan(checks + drafter_layers(ref))
+
+    def quantities(self, port: dict, ref: dict) -> dict[str, float]:
+        if "sampled.first" in port:
+            return {}
+        if "greedy.logits" in port:
+            m = min(len(port["stream.logits"]), len(port["greedy.logits"]))
+            return {"path_logits": float(np.abs(port["stream.logits"][:m] - port["greedy.logits"][:m]).max())}
+        out = {}
+        for key, quantity in MODULE_TENSORS:
+            if key in ref:
+                out[quantity] = max(out.get(quantity, 0.0), float(np.abs(port[key] - ref[key]).max()))
+        out["context_kv"] = max(float(np.abs(port[k] - ref[k]).max()) for k in ref if k.startswith("context_"))
+        return {**out, **layers.quantities(port, ref)}
 
 
-def quantities(port: dict, ref: dict) -> dict[str, float]:
-    if "sampled.first" in port:
-        return {}
-    if "greedy.logits" in port:
-        m = min(len(port["stream.logits"]), len(port["greedy.logits"]))
-        return {"path_logits": float(np.abs(port["stream.logits"][:m] - port["greedy.logits"][:m]).max())}
-    out = {}
-    for key, quantity in MODULE_TENSORS:
-        if key in ref:
-            out[quantity] = max(out.get(quantity, 0.0), float(np.abs(port[key] - ref[key]).max()))
-    out["context_kv"] = max(float(np.abs(port[k] - ref[k]).max()) for k in ref if k.startswith("context_"))
-    return {**out, **layers.quantities(port, ref)}
+PAIR = DSpark()
