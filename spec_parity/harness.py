@@ -1,7 +1,8 @@
 """The one path every module takes: Case -> run(oracle) / run(port) -> judge(plan) -> record.
 
-A pair (spec_parity.pair.Pair: what the harness reads of one, with the defaults) is registered
-in PAIRS below; a pair never compares: its plan says what to check, judge() here checks it.
+A pair (spec_parity.pair.Pair: what the harness reads of one, with the defaults) is each
+drafter's (spec_parity.drafters: DRAFTERS names them, PAIRS below holds their pairs); a pair never
+compares: its plan says what to check, judge() here checks it.
 
 The port is the one a `ports.Selection` names for the module (ours by default), handed to
 all_cases() and evaluate() by whoever built it (the CLI, pytest's conftest.py, a test).
@@ -17,9 +18,10 @@ import numpy as np
 from . import checks, controls, deltas, goldens, ports, protocol, shared
 from .case import Case
 from .compare import PARTIAL, Result, as_expected
-from .pairs import assistant, dflash, dspark, targets
+from .drafters import DRAFTERS, piece
+from .drafters.dflash.pair import HEADS
 
-PAIRS = {p.NAME: p for p in (targets.PAIR, assistant.PAIR, dspark.PAIR, dflash.PAIR)}
+PAIRS = {d: piece(d, "pair").PAIR for d in DRAFTERS}
 
 
 def pair(module: str):
@@ -177,7 +179,7 @@ def slow_except(values, *keep) -> list:
 def runs_live(case: Case) -> bool:
     """A case with a reference to run live: every L1/L2 case, and an L3 case only where one of its
     components has one (the DSpark-on-DFlash extension's heads: DeepSpec's)."""
-    return case.tier != "L3" or case.oracle == dflash.HEADS
+    return case.tier != "L3" or case.oracle == HEADS
 
 
 def oracle_name(case: Case) -> str:

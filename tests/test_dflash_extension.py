@@ -27,7 +27,7 @@ import pytest
 from port import ab, calibration, dflash, serve, targets
 from port.sources.dflash import DflashProvider
 from spec_parity import checkpoints, controls, harness, shared
-from spec_parity.pairs import dflash as pair
+from spec_parity.drafters.dflash import pair
 
 EXTRAS = {"markov_rank": 8, "markov_head_type": "vanilla", "confidence": True}
 MAX_TOKENS = 40
@@ -68,7 +68,7 @@ def _run(target, prompt, provider):
 @functools.cache
 def _unpruned(t_dir, ck, control=None):
     """One request with extras on and pruning off (read by the KL report and the softcap controls:
-    `control`, a key of spec_parity/controls/dflash.py)."""
+    `control`, a key of spec_parity/drafters/dflash/controls.py)."""
     with controls.planted("dflash", control) if control else contextlib.nullcontext():
         return _run(targets.load(t_dir), _prompts(1)[0], DflashProvider(ck, extras=True, thresholds=[]))
 
@@ -352,7 +352,7 @@ def test_heads_match_deepspec_teacher_forced(markov, live_oracle):
     budgets; DeepSpec's chain is the port's own greedy one."""
     from oracles import dspark as oracle
     from spec_parity import compare
-    from spec_parity.adapters.dflash import fed_heads
+    from spec_parity.drafters.dflash.adapter import fed_heads
 
     live_oracle("dspark")
     ov = pair.VARIANTS["qwen3"]

@@ -1,7 +1,7 @@
 """The factory's core: the kind registry, the per-tensor draws, the cache and the file format.
 
-A kind is a function `(seed, overrides) -> (config, tensors)` registered with `@kind(name)` in one
-of the kind modules of this package (targets, assistant, dspark, dflash); this module imports none
+A kind is a function `(seed, overrides) -> (config, tensors)` registered with `@kind(name)` in a
+drafter's checkpoints module (spec_parity/drafters/<name>/checkpoints.py); this module imports none
 of them, and the package's __init__ imports them all.
 """
 

@@ -9,12 +9,12 @@ import importlib.util
 
 import numpy as np
 
-from .. import controls
-from ..case import Case
-from ..checkpoints import GEMMA4_VARIANTS
-from ..checks import Layers, P, Plan, R, Scored, Tensor, Tokens
-from ..pair import Pair
-from ..params import TargetForward
+from ... import controls
+from ...case import Case
+from ...checks import Layers, P, Plan, R, Scored, Tensor, Tokens
+from ...pair import Pair
+from ...params import TargetForward
+from .checkpoints import GEMMA4_VARIANTS
 
 NAME = "targets"
 ORACLE = "transformers"

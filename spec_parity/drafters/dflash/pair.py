@@ -38,11 +38,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import controls, layers
-from ..budgets import L3_GATES
-from ..case import Case
-from ..checkpoints import GEMMA4_VARIANTS
-from ..checks import (
+from ... import controls, layers
+from ...budgets import L3_GATES
+from ...case import Case
+from ...checks import (
     FirstRound,
     G,
     P,
@@ -59,8 +58,9 @@ from ..checks import (
     drafter_layers,
     serve_loop,
 )
-from ..pair import Pair
-from ..params import DflashExtension, DflashLoop, DflashRounds
+from ...pair import Pair
+from ...params import DflashExtension, DflashLoop, DflashRounds
+from ..targets.checkpoints import GEMMA4_VARIANTS
 
 NAME = "dflash"
 ORACLE = "zlab-mlx"
@@ -81,7 +81,7 @@ ACCEPTS_BS16 = [3, 0, 0, 15, 0, 1, 0, 9]
 LOOPS = [("qwen3", []), ("qwen3", [4]),  # token 4 is 13th in the seed-0 stream: the stop path runs
          ("qwen3-swa", []), ("qwen3-bs16", []), ("gemma4", []), ("gemma4-keqv", [])]
 MAX_TOKENS = 40
-# Agreeing loops ("dflash-drafter-agreeing", spec_parity/checkpoints/dflash.py, on an agreeing target): drafts
+# Agreeing loops ("dflash-drafter-agreeing", spec_parity/drafters/dflash/checkpoints.py, on an agreeing target): drafts
 # follow h along the chain, so long, partial and empty accepts all occur (every length 0..bs-1
 # within max_tokens). (name, target kind, target overrides, drafter overrides, max_tokens); the
 # slot maps are exact for hidden_size >= vocab_size.
@@ -97,7 +97,7 @@ AGREEING = [
 TORCH_MODULES = list(VARIANTS)
 TORCH_LOOPS = ["qwen3", "qwen3-swa", "qwen3-bs16", "gemma4", "gemma4-keqv"]
 
-# Planted bugs (spec_parity/controls/dflash.py) and the cases that must catch each.
+# Planted bugs (spec_parity/drafters/dflash/controls.py) and the cases that must catch each.
 CONTROLS = [
     ("own_head", "mod-qwen3"), ("own_head", "mod-gemma4"),
     ("ctx_input_layernorm", "mod-qwen3"), ("ctx_input_layernorm", "mod-gemma4"),

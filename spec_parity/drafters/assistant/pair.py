@@ -15,14 +15,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import controls, layers
-from ..adapters.assistant import CONVENTIONS, step_inputs
-from ..case import Case
-from ..checkpoints import GEMMA4_VARIANTS
-from ..checks import P, Plan, R, Round, Tensor, Tokens, drafter_layers, serve_loop
-from ..pair import Pair
-from ..params import AssistantLoop, AssistantSampled, AssistantStep
-from ..sampled import FAMILY_ALPHA, Distribution
+from ... import controls, layers
+from ...case import Case
+from ...checks import P, Plan, R, Round, Tensor, Tokens, drafter_layers, serve_loop
+from ...pair import Pair
+from ...params import AssistantLoop, AssistantSampled, AssistantStep
+from ...sampled import FAMILY_ALPHA, Distribution
+from ..targets.checkpoints import GEMMA4_VARIANTS
+from .adapter import CONVENTIONS, step_inputs
 
 NAME = "assistant"
 ORACLE = "optiq"
@@ -39,7 +39,7 @@ STEP_PAIRS = [("gemma4", "centroid"), ("gemma4", "tied"), ("gemma4", "unified"),
 TIER = {"optiq": "L1", "transformers": "L2"}
 
 # Planted bugs the step comparisons must catch (each against both oracles' goldens), from
-# spec_parity/controls/assistant.py.
+# spec_parity/drafters/assistant/controls.py.
 STEP_CONTROLS = ("scale", "position", "window", "donor", "ordering")
 # The untied centroid head's candidates scored on the embedding (optiq's rows), caught against
 # transformers, which scores them on lm_head.
@@ -56,7 +56,7 @@ def drafter_overrides(target: str, head: str) -> dict:
 
 
 # Where the references differ (docs/references.md), the port offers transformers' convention as an
-# option (adapters/assistant.py CONVENTIONS); the hfpos/hfwin cases hold it to transformers under it.
+# option (drafters/assistant/adapter.py CONVENTIONS); the hfpos/hfwin cases hold it to transformers under it.
 
 
 def step_case(target: str, head: str, oracle: str, control: str | None = None, convention: str = "optiq",

@@ -17,10 +17,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import controls, layers
-from ..case import Case
-from ..checkpoints import GEMMA4_VARIANTS
-from ..checks import (
+from ... import controls, layers
+from ...case import Case
+from ...checks import (
     P,
     Plan,
     R,
@@ -31,9 +30,10 @@ from ..checks import (
     drafter_layers,
     serve_loop,
 )
-from ..pair import Pair
-from ..params import DsparkLoop, DsparkRounds, DsparkSampled
-from ..sampled import FAMILY_ALPHA, Distribution
+from ...pair import Pair
+from ...params import DsparkLoop, DsparkRounds, DsparkSampled
+from ...sampled import FAMILY_ALPHA, Distribution
+from ..targets.checkpoints import GEMMA4_VARIANTS
 
 NAME = "dspark"
 ORACLE = "deepspec"
@@ -51,7 +51,7 @@ VARIANTS = {
 }
 LOOPS = [("gemma4", 0.0), ("gemma4", 0.5), ("gemma4-keqv", 0.5), ("qwen3", 0.0), ("qwen3", 0.3),
          ("gemma4-rnn", 0.0), ("gemma4-dflash", 0.0), ("qwen3-dflash", 0.0)]
-# Agreeing pairs ("dspark-drafter-agreeing", spec_parity/checkpoints/dspark.py): the Markov head carries the target's successor on a
+# Agreeing pairs ("dspark-drafter-agreeing", spec_parity/drafters/dspark/checkpoints.py): the Markov head carries the target's successor on a
 # share `agree_frac` of the vocabulary; 1.0 accepts every draft (tau = block size + 1 = 8).
 AGREEING = [("gemma4", 1.0, 0.0), ("gemma4", 0.8, 0.0), ("gemma4-keqv", 0.8, 0.5), ("qwen3", 0.8, 0.0),
             ("qwen3", 0.6, 0.5), ("gemma4-rnn", 0.8, 0.0)]
@@ -66,7 +66,7 @@ SAMPLED_STATS = ("first", "rounds", "end")
 SAMPLED_CONTROLS = ("residual_skipped", "residual_unnormalized", "bonus_wrong_row", "accept_inverted",
                     "target_no_temperature")
 
-# Planted bugs (spec_parity/controls/dspark.py) and the case that must catch each.
+# Planted bugs (spec_parity/drafters/dspark/controls.py) and the case that must catch each.
 CONTROLS = {
     "markov_before_softcap": "mod-gemma4",
     "cumulative_truncation": "mod-qwen3",
