@@ -16,8 +16,7 @@ import pytest
 from port import dflash, serve, targets
 from port.sources.dflash import DflashProvider, DflashSource
 from spec_parity import checkpoints, goldens, harness, shared
-from spec_parity.adapters import dflash as adapter
-from spec_parity.drafters.dflash import pair
+from spec_parity.drafters.dflash import adapter, pair
 
 CASES = pair.PAIR.cases()
 
