@@ -147,8 +147,8 @@ def _assistant_steps(req) -> dict:
 
     from oracles.layers import as_numpy, mlx_recorded
     from port import targets
-    from spec_parity.adapters.assistant import step_inputs
     from spec_parity.checks import layer_feeds
+    from spec_parity.drafters.assistant.adapter import step_inputs
 
     dtype = getattr(mx, req.dtype)
     target = targets.load(req.target, dtype)

@@ -41,7 +41,7 @@ port/calibration.py. `load` alone reads such a checkpoint as z-lab's DFlash does
 Fast paths (the compiled pieces, the bucketed block) are subclasses of Model in
 port/fast/dflash.py; the serve-loop source and provider are in port/sources/dflash.py.
 
-The negative controls (planted bugs) live outside the port, in spec_parity/controls/dflash.py.
+The negative controls (planted bugs) live outside the port, in spec_parity/drafters/dflash/controls.py.
 """
 
 from __future__ import annotations

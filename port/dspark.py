@@ -16,7 +16,7 @@ One draft round, from the target's hidden states:
 Fast paths (the compiled pieces, the bucketed block) are subclasses of Model in
 port/fast/dspark.py; the serve-loop source and provider are in port/sources/dspark.py.
 
-The negative controls (planted bugs) live outside the port, in spec_parity/controls/dspark.py.
+The negative controls (planted bugs) live outside the port, in spec_parity/drafters/dspark/controls.py.
 """
 
 from __future__ import annotations

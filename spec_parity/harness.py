@@ -1,15 +1,8 @@
 """The one path every module takes: Case -> run(oracle) / run(port) -> judge(plan) -> record.
 
-A pair is a module in `spec_parity.pairs`, registered in PAIRS below, exposing:
-  NAME, ORACLE             the module name and its default reference (a case may name another)
-  PROMPT                   (seed salt, id bound) of its prompts (Case.prompt)
-  cases() -> list[Case]    its built-in cases (controls included)
-  oracle_status(oracle) -> str|None   None if that reference runs here, else what to install/set
-  run_oracle(case) -> (arrays, provenance)
-  kind(case) -> str        the protocol the case's port run follows (spec_parity.protocol)
-  conventions(case) -> dict  the reference's conventions the port is told (port options no case param sets)
-  feeds(case, ref) -> dict the reference arrays the port is given (teacher-forced inputs)
-  plan(case, ref) -> Plan  what to check (spec_parity.checks); a pair never compares
+A pair (spec_parity.pair.Pair: what the harness reads of one, with the defaults) is each
+drafter's (spec_parity.drafters: DRAFTERS names them, PAIRS below holds their pairs); a pair never
+compares: its plan says what to check, judge() here checks it.
 
 The port is the one a `ports.Selection` names for the module (ours by default), handed to
 all_cases() and evaluate() by whoever built it (the CLI, pytest's conftest.py, a test).
@@ -25,9 +18,10 @@ import numpy as np
 from . import checks, controls, deltas, goldens, ports, protocol, shared
 from .case import Case
 from .compare import PARTIAL, Result, as_expected
-from .pairs import assistant, dflash, dspark, targets
+from .drafters import DRAFTERS, piece
+from .drafters.dflash.pair import HEADS
 
-PAIRS = {p.NAME: p for p in (targets, assistant, dspark, dflash)}
+PAIRS = {d: piece(d, "pair").PAIR for d in DRAFTERS}
 
 
 def pair(module: str):
@@ -185,7 +179,7 @@ def slow_except(values, *keep) -> list:
 def runs_live(case: Case) -> bool:
     """A case with a reference to run live: every L1/L2 case, and an L3 case only where one of its
     components has one (the DSpark-on-DFlash extension's heads: DeepSpec's)."""
-    return case.tier != "L3" or case.oracle == dflash.HEADS
+    return case.tier != "L3" or case.oracle == HEADS
 
 
 def oracle_name(case: Case) -> str:

@@ -71,7 +71,7 @@ class TargetForward(Params, kind="forward"):
 @dataclass(frozen=True, kw_only=True)
 class AssistantStep(Params, kind="step"):
     """assistant: `gamma` chained draft steps after prefill, in a reference's `convention`
-    (adapters/assistant.py CONVENTIONS); `head_rows` None: the reference's (pairs/assistant.py)."""
+    (drafters/assistant/adapter.py CONVENTIONS); `head_rows` None: the reference's (drafters/assistant/pair.py)."""
 
     prompt_len: int = 20
     gamma: int = 4
@@ -92,7 +92,7 @@ class AssistantLoop(Params, kind="loop"):
 @dataclass(frozen=True, kw_only=True)
 class DflashConventions(Params):
     """dflash: the reference's conventions the port follows (deltas.py: window-ring,
-    block-embed-scale, prefill-split, scale-keys); `scales` None: the pair's (pairs/dflash.py)."""
+    block-embed-scale, prefill-split, scale-keys); `scales` None: the pair's (drafters/dflash/pair.py)."""
 
     window: str = "positional"
     embed: str = "scaled"

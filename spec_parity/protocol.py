@@ -192,7 +192,7 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
               Quantity("tf.logits", "[N, V]", "float32", "logits on the reference's stream (teacher-forced)"))),
     Protocol("assistant", "step", "the assistant drafter's chained draft steps from the first anchor",
              {**PROMPT_LEN, "gamma": "draft steps to chain", "convention": choice(
-                 "the reference's draft-step convention (spec_parity/adapters/assistant.py CONVENTIONS)", {
+                 "the reference's draft-step convention (spec_parity/drafters/assistant/adapter.py CONVENTIONS)", {
                      "optiq": "step k at position P+k, the donor sliding view the newest W-1 entries (optiq)",
                      "hfpos": "every step at position P (transformers), the donor view as optiq's",
                      "hfwin": "positions as optiq's, the donor sliding view transformers' own mask: the newest "

@@ -105,7 +105,7 @@ def _dtype_note(target, drafter, run: str) -> str:
 
 
 def _dflash_window(drafter, base: Case) -> str:
-    """z-lab MLX's window convention where the drafter has sliding layers (pairs/dflash.py window)."""
+    """z-lab MLX's window convention where the drafter has sliding layers (drafters/dflash/pair.py window)."""
     if base.params.window == "positional" and base.oracle != "zlab-mlx":
         return "positional"
     cfg = _config(drafter, "drafter")

@@ -12,7 +12,7 @@
   run as they share one golden.
 - A port run is keyed by the whole case and the bytes of the reference it is given, so the golden
   and the live test of one case share it when the two references are the same bytes. A pair may
-  key a run more finely by what it reads (pairs/dflash.py: a serve-loop run, shared by the z-lab
+  key a run more finely by what it reads (drafters/dflash/pair.py: a serve-loop run, shared by the z-lab
   MLX and torch twins of a Qwen3 loop).
 
 Arrays in a stored result are made read-only and dicts are handed out as copies: no reader can

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from spec_parity import harness
-from spec_parity.adapters.assistant import step_inputs
-from spec_parity.pairs import assistant as pair
+from spec_parity.drafters.assistant import pair
+from spec_parity.drafters.assistant.adapter import step_inputs
 
 BASE = pair.step_case("gemma4", "centroid", "transformers")
 

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from spec_parity import checkpoints
+from spec_parity.drafters.targets.checkpoints import GEMMA4_VARIANTS
 
-VARIANTS = [("gemma4-target", ov) for ov in checkpoints.GEMMA4_VARIANTS.values()] + [("qwen3-target", {})]
+VARIANTS = [("gemma4-target", ov) for ov in GEMMA4_VARIANTS.values()] + [("qwen3-target", {})]
 TARGETS = VARIANTS + [("gemma4-target-agreeing", {})]
 DRAFTERS = [("gemma4-assistant", {}), ("gemma4-assistant", {"use_ordered_embeddings": False}),
             ("gemma4-assistant", {"model_type": "gemma4_unified_assistant", "use_ordered_embeddings": False}),

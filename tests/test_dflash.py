@@ -16,10 +16,9 @@ import pytest
 from port import dflash, serve, targets
 from port.sources.dflash import DflashProvider, DflashSource
 from spec_parity import checkpoints, goldens, harness, shared
-from spec_parity.adapters import dflash as adapter
-from spec_parity.pairs import dflash as pair
+from spec_parity.drafters.dflash import adapter, pair
 
-CASES = pair.cases()
+CASES = pair.PAIR.cases()
 
 
 def _case(name):
@@ -254,7 +253,7 @@ def test_zero_draft_rounds_keep_the_context():
 
 @pytest.mark.slow
 def test_qwen3_loop_twins_share_a_run_that_is_each_twins_own():
-    """The z-lab MLX and torch twins of a Qwen3 loop share one serve-loop run (adapters/dflash.py
+    """The z-lab MLX and torch twins of a Qwen3 loop share one serve-loop run (drafters/dflash/adapter.py
     `run_loop`): it is, bit for bit, the torch twin's own embed="raw" run. On Gemma-4 (embed scale
     sqrt(H)) the twins' runs differ, and they are not shared."""
     mlx_case, torch_case = _case("loop-qwen3"), _case("loop-qwen3-torch")

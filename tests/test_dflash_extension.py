@@ -27,7 +27,7 @@ import pytest
 from port import ab, calibration, dflash, serve, targets
 from port.sources.dflash import DflashProvider
 from spec_parity import checkpoints, controls, harness, shared
-from spec_parity.pairs import dflash as pair
+from spec_parity.drafters.dflash import pair
 
 EXTRAS = {"markov_rank": 8, "markov_head_type": "vanilla", "confidence": True}
 MAX_TOKENS = 40
@@ -68,7 +68,7 @@ def _run(target, prompt, provider):
 @functools.cache
 def _unpruned(t_dir, ck, control=None):
     """One request with extras on and pruning off (read by the KL report and the softcap controls:
-    `control`, a key of spec_parity/controls/dflash.py)."""
+    `control`, a key of spec_parity/drafters/dflash/controls.py)."""
     with controls.planted("dflash", control) if control else contextlib.nullcontext():
         return _run(targets.load(t_dir), _prompts(1)[0], DflashProvider(ck, extras=True, thresholds=[]))
 
@@ -297,7 +297,7 @@ def test_markov_before_softcap_coincides_without_a_softcap():
 
 
 def _ext_case(name: str):
-    return next(c for c in pair.cases() if c.name == name)
+    return next(c for c in pair.PAIR.cases() if c.name == name)
 
 
 def test_ext_plan_holds_the_heads_only_where_deepspec_answered():
@@ -305,19 +305,19 @@ def test_ext_plan_holds_the_heads_only_where_deepspec_answered():
     (a real checkpoint where DeepSpec is not installed) it holds the gates alone, and the reference's
     label says the heads were not run."""
     case = _ext_case("ext-qwen3")
-    names = [c.name for c in pair.plan(case, {"heads.logits": 0, "heads.confidence": 0}).checks]
+    names = [c.name for c in pair.PAIR.plan(case, {"heads.logits": 0, "heads.confidence": 0}).checks]
     assert names[-2:] == ["markov_rows_vs_deepspec", "confidence_vs_deepspec"]
-    assert not {"markov_rows_vs_deepspec", "confidence_vs_deepspec"} & {c.name for c in pair.plan(case, {}).checks}
+    assert not {"markov_rows_vs_deepspec", "confidence_vs_deepspec"} & {c.name for c in pair.PAIR.plan(case, {}).checks}
 
 
 def test_ext_reference_without_deepspec(monkeypatch):
     """Not installed: the built-in case reads its golden; on a real checkpoint, or asked live, no
     arrays and a label naming why (the gates still run)."""
-    monkeypatch.setattr(pair, "oracle_status", lambda oracle=pair.ORACLE: "DEEPSPEC_SRC is not set: fetch it")
+    monkeypatch.setattr(pair.PAIR, "oracle_status", lambda oracle: "DEEPSPEC_SRC is not set: fetch it")
     case = _ext_case("ext-qwen3")
     ref, label, _ = harness.reference(case, "auto")
     assert label == f"{pair.HEADS} (golden)" and set(pair.HEAD_INPUTS) <= set(ref)
-    assert set(pair.feeds(case, ref)) == set(pair.HEAD_INPUTS)
+    assert set(pair.PAIR.feeds(case, ref)) == set(pair.HEAD_INPUTS)
     ref, label, _ = harness.reference(case, "live")
     assert ref == {} and label == f"{pair.HEADS}: not run (DEEPSPEC_SRC is not set)"
     real = case.on_path(str(_dirs("qwen3")[0]))
@@ -352,7 +352,7 @@ def test_heads_match_deepspec_teacher_forced(markov, live_oracle):
     budgets; DeepSpec's chain is the port's own greedy one."""
     from oracles import dspark as oracle
     from spec_parity import compare
-    from spec_parity.adapters.dflash import fed_heads
+    from spec_parity.drafters.dflash.adapter import fed_heads
 
     live_oracle("dspark")
     ov = pair.VARIANTS["qwen3"]

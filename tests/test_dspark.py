@@ -10,7 +10,8 @@ import pytest
 from port import dspark, targets
 from port.sources.dspark import DeepspecProvider
 from spec_parity import checkpoints, shared
-from spec_parity.pairs import dspark as pair
+from spec_parity.drafters.dspark import pair
+from spec_parity.drafters.dspark.checkpoints import DSPARK
 
 
 @pytest.mark.oracle
@@ -22,7 +23,7 @@ def test_factory_config_is_deepspecs_own_config_path(variant, live_oracle):
     from oracles import dspark as oracle
 
     ov = pair.VARIANTS[variant]
-    args = {**checkpoints.DSPARK, **ov}
+    args = {**DSPARK, **ov}
     tdir = checkpoints.build(args["target_kind"], 0, args["target_overrides"])
     ours = json.loads((checkpoints.build("dspark-drafter", 0, ov) / "config.json").read_text())
     theirs = oracle.draft_config(tdir, {k: v for k, v in args.items() if k not in ("target_kind", "target_overrides")})
@@ -91,7 +92,7 @@ def test_port_loads_what_deepspec_saves(variant, tmp_path, live_oracle):
     from oracles import dspark as oracle
 
     ov = pair.VARIANTS[variant]
-    args = {**checkpoints.DSPARK, **ov}
+    args = {**DSPARK, **ov}
     tdir = checkpoints.build(args["target_kind"], 0, args["target_overrides"])
     ddir = checkpoints.build("dspark-drafter", 0, ov)
     saved = oracle.save_via_deepspec(tdir, ddir, {k: v for k, v in args.items()

@@ -15,7 +15,7 @@ fixture) runs every case of its modules but their negative controls, golden and 
 import pytest
 
 from spec_parity import harness
-from spec_parity.pairs import dflash
+from spec_parity.drafters.dflash import pair as dflash
 
 
 def _params(group, extra_marks=lambda case: (), keep=lambda case: True) -> list:

@@ -137,7 +137,7 @@ def test_the_published_assistant_drafts_like_the_references(live_oracle, oracle,
 @pytest.mark.parametrize("bug", ["", "tap_index", "anchor_not_predicting", "rope_on_v"])
 def test_the_published_dspark_drafts_like_deepspec(live_oracle, bug):
     """The DeepSpec-derived DSpark Qwen3-4B config on the Qwen3-4B config: port == DeepSpec (L2);
-    planted bugs of spec_parity/controls/dspark.py on the same checkpoints must fail."""
+    planted bugs of spec_parity/drafters/dspark/controls.py on the same checkpoints must fail."""
     from dataclasses import replace
 
     from spec_parity import controls, harness

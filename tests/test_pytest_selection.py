@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from spec_parity import harness
-from spec_parity.pairs import dflash
+from spec_parity.drafters.dflash import pair as dflash
 
 ROOT = Path(__file__).resolve().parent.parent
 PARITY = "tests/test_parity.py"
@@ -38,10 +38,10 @@ def _ids(test: str, cases) -> set[str]:
 
 def test_a_third_party_port_runs_every_case_of_its_module_and_no_other():
     selected, out = _collect(PARITY, "--port", "dflash=tests.wrapped_port:make_port")
-    cases = [c for c in dflash.cases() if not c.control]      # the controls plant bugs in our port only
+    cases = [c for c in dflash.PAIR.cases() if not c.control]      # the controls plant bugs in our port only
     expected = _ids("test_vs_golden", cases) | _ids("test_vs_live", filter(harness.runs_live, cases))
     assert sorted(selected) == sorted(expected)
-    slow = [p.values[0] for p in harness.params(dflash.cases()) if p.marks and not p.values[0].control]
+    slow = [p.values[0] for p in harness.params(dflash.PAIR.cases()) if p.marks and not p.values[0].control]
     assert slow and _ids("test_vs_golden", slow) <= set(selected)    # the ones --slow used to need
     assert "every parity case of dflash run" in out
     assert "those of targets, assistant, dspark deselected (our port answers them)" in out

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from spec_parity import checkpoints, harness, real
+from spec_parity.drafters.dspark.checkpoints import DSPARK
 
 TARGET, DRAFTER = os.environ.get("SPEC_PARITY_TARGET"), os.environ.get("SPEC_PARITY_DRAFTER")
 
@@ -76,7 +77,7 @@ def test_checkpoints_the_references_saved(tmp_path, live_oracle):
     live_oracle("dspark")
     target, drafter = _pair("dspark")
     hf.load(target).save_pretrained(tmp_path / "target")
-    args = {k: v for k, v in checkpoints.DSPARK.items() if k not in ("target_kind", "target_overrides")}
+    args = {k: v for k, v in DSPARK.items() if k not in ("target_kind", "target_overrides")}
     saved = deepspec.save_via_deepspec(target, drafter, args, tmp_path / "drafter")
     for _, r in _run(tmp_path / "target", saved):
         assert r.ok, r.message()

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from spec_parity import checkpoints, cli, harness
-from spec_parity.checkpoints.targets import GEMMA4_TARGET
+from spec_parity.drafters.targets.checkpoints import GEMMA4_TARGET
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "robustness.md"

@@ -53,10 +53,10 @@ def test_a_stored_result_cannot_be_changed_by_a_reader():
 @pytest.mark.slow
 def test_port_runs_are_shared_only_for_the_same_case_and_reference_bytes(monkeypatch):
     from spec_parity import goldens, harness
-    from spec_parity.pairs import targets as pair
+    from spec_parity.drafters.targets import pair
 
-    case = next(c for c in pair.cases() if not c.control)
-    control = next(c for c in pair.cases() if c.control and c.control["base"] == case.name)
+    case = next(c for c in pair.PAIR.cases() if not c.control)
+    control = next(c for c in pair.PAIR.cases() if c.control and c.control["base"] == case.name)
     ref, _ = goldens.load(case)
     monkeypatch.setattr(shared, "_STORE", {})   # an empty store, whatever ran before in this process
     runs = []

@@ -20,7 +20,7 @@ from port.sources.assistant import AssistantProvider, AssistantSource
 from port.sources.dflash import DflashProvider
 from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import bench, budgets, checkpoints, compare, controls, harness
-from spec_parity.pairs import dspark as dspark_pair
+from spec_parity.drafters.dspark import pair as dspark_pair
 
 PROMPT = list(range(3, 15))
 
@@ -295,10 +295,10 @@ def test_dflash_buffer_growth_bit_exact_vs_zlab_mlx(name, live_oracle):
     from dataclasses import replace
 
     from spec_parity import harness
-    from spec_parity.pairs import dflash as pair
+    from spec_parity.drafters.dflash import pair
 
     live_oracle("dflash", pair.ORACLE)
-    case = next(c for c in pair.cases() if c.name == name)
+    case = next(c for c in pair.PAIR.cases() if c.name == name)
     harness.check(case, harness.evaluate(replace(case, params=replace(case.params, prompt_len=300)), "live"))
 
 

@@ -12,9 +12,9 @@ import pytest
 from port import targets as port
 from spec_parity import checkpoints, controls, goldens, harness
 from spec_parity.budgets import budget_for
-from spec_parity.pairs import targets as pair
+from spec_parity.drafters.targets import pair
 
-CASES = pair.cases()
+CASES = pair.PAIR.cases()
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.control], ids=lambda c: c.name)

@@ -83,7 +83,7 @@ class Options:
 
 def agreeing_cases(agree_frac: float, gamma: int, ctx: int) -> list[Case]:
     """The agreeing pair of each source at the factory's shapes (the pairs' own agreeing loops:
-    spec_parity/pairs/*.py), all on agreeing targets, float32; DFlash at block 16 like the real case."""
+    spec_parity/drafters/*/pair.py), all on agreeing targets, float32; DFlash at block 16 like the real case."""
     f = {"agree_frac": agree_frac}
     shape = "factory agreeing shapes (vocab {v}, hidden {h}), float32"
     rows = [

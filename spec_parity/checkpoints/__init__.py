@@ -7,12 +7,14 @@ are created atomically in a cache (SPEC_PARITY_CACHE, default ~/.cache/spec-pari
 test workers can race safely.
 
 The package: `core` (registry, draws, cache, file format), `agreeing` (what the agreeing kinds
-share) and one module per drafter family with its random and agreeing kinds side by side:
-`targets`, `assistant`, `dspark`, `dflash`. A kind is a function `(seed, overrides) -> (config,
-tensors)` registered with `@kind(name)`; the imports below register every kind.
+share) and `published` (shrunk published configs). Each drafter's random and agreeing kinds sit
+side by side in its folder (spec_parity/drafters/<name>/checkpoints.py). A kind is a function
+`(seed, overrides) -> (config, tensors)` registered with `@kind(name)`; importing every drafter's
+checkpoints module below registers every kind.
 """
 
-from . import agreeing, assistant, dflash, dspark, published, targets
+from ..drafters import DRAFTERS, piece
+from . import agreeing, published
 from .core import (
            FILES,
            KINDS,
@@ -24,9 +26,9 @@ from .core import (
            kind,
            write_checkpoint,
 )
-from .dspark import DSPARK
-from .targets import GEMMA4_VARIANTS
 
-__all__ = ["DSPARK", "FILES", "GEMMA4_VARIANTS", "KINDS", "Draw", "agreeing", "assistant", "build",
-           "cache_root", "checkpoint_hash", "dflash", "drawing_with", "dspark", "kind", "published", "targets",
-           "write_checkpoint"]
+for _drafter in DRAFTERS:
+    piece(_drafter, "checkpoints")
+
+__all__ = ["FILES", "KINDS", "Draw", "agreeing", "build", "cache_root", "checkpoint_hash", "drawing_with",
+           "kind", "published", "write_checkpoint"]

@@ -1,7 +1,7 @@
 """The factory's core: the kind registry, the per-tensor draws, the cache and the file format.
 
-A kind is a function `(seed, overrides) -> (config, tensors)` registered with `@kind(name)` in one
-of the kind modules of this package (targets, assistant, dspark, dflash); this module imports none
+A kind is a function `(seed, overrides) -> (config, tensors)` registered with `@kind(name)` in a
+drafter's checkpoints module (spec_parity/drafters/<name>/checkpoints.py); this module imports none
 of them, and the package's __init__ imports them all.
 """
 
@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 import zlib
 from collections.abc import Callable
@@ -40,10 +41,14 @@ def cache_root() -> Path:
 
 @functools.cache
 def _factory_digest() -> str:
-    """The factory's own source, every module of this package: a changed kind must not be served
-    from a stale cache entry."""
-    files = sorted(Path(__file__).parent.glob("*.py"))
-    return hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()
+    """The factory's own source, every module of this package and every module a registered kind
+    is written in (each drafter's checkpoints.py): a changed kind must not be served from a stale
+    cache entry."""
+    here = Path(__file__).parent
+    files = set(here.glob("*.py")) | {Path(sys.modules[fn.__module__].__file__) for fn in KINDS.values()}
+    root = here.parent
+    return hashlib.sha256(b"".join(str(f.relative_to(root)).encode() + f.read_bytes()
+                                   for f in sorted(files))).hexdigest()
 
 
 def _key(kind_name: str, seed: int, overrides: dict) -> str:

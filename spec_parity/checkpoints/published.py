@@ -73,7 +73,7 @@ def _qwen3_target(c: dict, d) -> None:
 def _dspark(c: dict, d) -> None:
     """DeepSpec's DSpark state dict (Qwen3 or Gemma-4 family); the embedding and lm head, which
     DeepSpec copies from the target, are drawn here."""
-    from .dspark import draw_dspark
+    from ..drafters.dspark.checkpoints import draw_dspark
 
     H, V = c["hidden_size"], c["vocab_size"]
     d.normal("embed_tokens.weight", (V, H), 1.0)
@@ -82,7 +82,7 @@ def _dspark(c: dict, d) -> None:
 
 
 def _assistant(c: dict, d, seed: int) -> None:
-    from .assistant import draw_assistant
+    from ..drafters.assistant.checkpoints import draw_assistant
 
     draw_assistant(c, d, seed)
 

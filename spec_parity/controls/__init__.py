@@ -2,8 +2,10 @@
 
 One mechanism for every module. A control is a named set of swaps: attributes of port classes or
 modules (a method, a function) replaced by a buggy variant for the duration of a `with` block and
-restored after; the port has no switch for any of them. Each module's controls are written in
-spec_parity/controls/<module>.py and registered there by key with their one-line description:
+restored after; the port has no switch for any of them. A drafter's controls are written in its
+folder, spec_parity/drafters/<module>/controls.py, the serve loop's, the sampler's, the bench's and
+the A/B's in spec_parity/controls/<module>.py; each registers its own by key with a one-line
+description:
 
     @control("dspark", "no_embed_scale", "the sqrt(H) embedding scale missing")
     def _(case):
@@ -25,8 +27,11 @@ import importlib
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from types import ModuleType
 
-MODULES = ("targets", "assistant", "dspark", "dflash", "serve", "sampling", "bench", "ab")
+from .. import drafters
+
+MODULES = (*drafters.DRAFTERS, "serve", "sampling", "bench", "ab")
 
 
 class ControlError(ValueError):
@@ -52,25 +57,36 @@ def control(module: str, key: str, what: str):
     return register
 
 
-def registry(module: str) -> dict[str, Control]:
-    """The controls of `module` by key."""
+def source(module: str) -> ModuleType:
+    """The controls module of `module` (a drafter's in its folder), imported: its controls registered."""
     if module not in MODULES:
         raise ControlError(f"unknown control module {module!r}; known: {list(MODULES)}")
-    importlib.import_module(f"{__name__}.{module}")
+    if module in drafters.DRAFTERS:
+        return drafters.piece(module, "controls")
+    return importlib.import_module(f"{__name__}.{module}")
+
+
+def path(module: str) -> str:
+    """Where `module`'s controls are written, as messages name it."""
+    return drafters.path(module, "controls") if module in drafters.DRAFTERS else f"spec_parity/controls/{module}.py"
+
+
+def registry(module: str) -> dict[str, Control]:
+    """The controls of `module` by key."""
+    source(module)
     return {k: c for (m, k), c in _REGISTRY.items() if m == module}
 
 
 def get(module: str, key: str) -> Control:
     known = registry(module)
     if key not in known:
-        raise ControlError(f"no control {key!r} in spec_parity/controls/{module}.py; known: {sorted(known)}")
+        raise ControlError(f"no control {key!r} in {path(module)}; known: {sorted(known)}")
     return known[key]
 
 
 def seams(module: str) -> tuple[str, ...]:
     """The port names `module`'s controls may swap: its SEAMS."""
-    registry(module)
-    return importlib.import_module(f"{__name__}.{module}").SEAMS
+    return source(module).SEAMS
 
 
 def seam_name(owner, attribute: str) -> str:
@@ -154,7 +170,7 @@ def planted(module: str, key: str, case=None):
     swaps = get(module, key).swaps(case)
     if undeclared(module, swaps):
         raise ControlError(f"control {module}/{key} swaps {', '.join(undeclared(module, swaps))}, not in "
-                           f"SEAMS of spec_parity/controls/{module}.py; declare it there")
+                           f"SEAMS of {path(module)}; declare it there")
     with swapped(swaps):
         _ACTIVE.append((module, key))
         try:
@@ -165,7 +181,7 @@ def planted(module: str, key: str, case=None):
 
 def active() -> tuple:
     """The (module, key) of every control planted now: part of the key of a run that is shared
-    across cases (adapters/dflash.py), so no normal case reads a planted run or the reverse."""
+    across cases (drafters/dflash/adapter.py), so no normal case reads a planted run or the reverse."""
     return tuple(_ACTIVE)
 
 

@@ -9,10 +9,10 @@ import numpy as np
 
 from oracles.layers import as_numpy, mlx_recorded
 
-from .. import controls, shared
-from ..checks import layer_feeds
-from ..protocol import Request
-from . import loop
+from ... import controls, shared
+from ...adapters import loop
+from ...checks import layer_feeds
+from ...protocol import Request
 
 
 def run(req: Request) -> dict:

@@ -6,10 +6,10 @@ import numpy as np
 
 from oracles.layers import as_numpy, mlx_recorded
 
-from ..checks import layer_feeds
-from ..protocol import Request
-from ..sampled import first_and_rounds, first_round_end
-from . import loop
+from ...adapters import loop
+from ...checks import layer_feeds
+from ...protocol import Request
+from ...sampled import first_and_rounds, first_round_end
 
 
 def run(req: Request) -> dict:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import functools
 
-from . import LAYER_SCALE, control, one_layer_scaled
-from .dspark import bucket_mask_off_by_one, chain_before_softcap, rejected_rows
+from ...controls import LAYER_SCALE, control, one_layer_scaled
+from ..dspark.controls import bucket_mask_off_by_one, chain_before_softcap, rejected_rows
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
     "port.compiled:valid_rows", "port.dflash:Attention.__init__", "port.dflash:Attention.block_heads",

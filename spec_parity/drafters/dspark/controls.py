@@ -1,10 +1,10 @@
 """Negative controls of DeepSpec's DSpark drafter (port/dspark.py). The context, mask and Markov
-controls are shared with DFlash (spec_parity/controls/dflash.py), whose source and extension do
+controls are shared with DFlash (spec_parity/drafters/dflash/controls.py), whose source and extension do
 the same there."""
 
 from __future__ import annotations
 
-from . import LAYER_SCALE, control, one_layer_scaled, swapped
+from ...controls import LAYER_SCALE, control, one_layer_scaled, swapped
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
     "port.compiled:valid_rows", "port.dspark:Attention.kv", "port.dspark:Model.embed",

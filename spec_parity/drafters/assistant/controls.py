@@ -3,7 +3,7 @@ comparisons against both oracles' goldens."""
 
 from __future__ import annotations
 
-from . import LAYER_SCALE, control, one_layer_scaled
+from ...controls import LAYER_SCALE, control, one_layer_scaled
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
     "port.assistant:Attention.__init__", "port.assistant:Model.candidate_rows",
@@ -70,7 +70,7 @@ def _second_to_last_sliding(case, target):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..harness import prompt
+    from ...harness import prompt
 
     caches = make_prompt_cache(target.model)
     target.model(mx.array(prompt(case)), cache=caches)

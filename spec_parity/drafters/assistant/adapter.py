@@ -6,10 +6,10 @@ import numpy as np
 
 from oracles.layers import as_numpy, mlx_recorded
 
-from ..checks import layer_feeds
-from ..protocol import Request
-from ..sampled import first_round_end, match_statistics
-from . import loop
+from ...adapters import loop
+from ...checks import layer_feeds
+from ...protocol import Request
+from ...sampled import first_round_end, match_statistics
 
 CONVENTIONS = {
     "optiq": {"positions": "optiq", "window": "optiq"},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..protocol import Request
+from ...protocol import Request
 
 
 def run(req: Request) -> dict:

@@ -23,8 +23,8 @@ import zlib
 
 import numpy as np
 
-from .agreeing import SPECIALS, _orthogonal, _rng, _stable, agreement, frequencies
-from .core import GEMMA4_TEXT, GEMMA_NORMS, _merge, draw, kind
+from ...checkpoints.agreeing import SPECIALS, _orthogonal, _rng, _stable, agreement, frequencies
+from ...checkpoints.core import GEMMA4_TEXT, GEMMA_NORMS, _merge, draw, kind
 
 ASSISTANT_TEXT = {
     **GEMMA4_TEXT,

@@ -38,11 +38,10 @@ from dataclasses import replace
 
 import numpy as np
 
-from .. import controls, layers
-from ..budgets import L3_GATES
-from ..case import Case
-from ..checkpoints import GEMMA4_VARIANTS
-from ..checks import (
+from ... import controls, layers
+from ...budgets import L3_GATES
+from ...case import Case
+from ...checks import (
     FirstRound,
     G,
     P,
@@ -57,10 +56,11 @@ from ..checks import (
     Tokens,
     Window,
     drafter_layers,
-    layer_feeds,
     serve_loop,
 )
-from ..params import DflashExtension, DflashLoop, DflashRounds
+from ...pair import Pair
+from ...params import DflashExtension, DflashLoop, DflashRounds
+from ..targets.checkpoints import GEMMA4_VARIANTS
 
 NAME = "dflash"
 ORACLE = "zlab-mlx"
@@ -81,7 +81,7 @@ ACCEPTS_BS16 = [3, 0, 0, 15, 0, 1, 0, 9]
 LOOPS = [("qwen3", []), ("qwen3", [4]),  # token 4 is 13th in the seed-0 stream: the stop path runs
          ("qwen3-swa", []), ("qwen3-bs16", []), ("gemma4", []), ("gemma4-keqv", [])]
 MAX_TOKENS = 40
-# Agreeing loops ("dflash-drafter-agreeing", spec_parity/checkpoints/dflash.py, on an agreeing target): drafts
+# Agreeing loops ("dflash-drafter-agreeing", spec_parity/drafters/dflash/checkpoints.py, on an agreeing target): drafts
 # follow h along the chain, so long, partial and empty accepts all occur (every length 0..bs-1
 # within max_tokens). (name, target kind, target overrides, drafter overrides, max_tokens); the
 # slot maps are exact for hidden_size >= vocab_size.
@@ -97,7 +97,7 @@ AGREEING = [
 TORCH_MODULES = list(VARIANTS)
 TORCH_LOOPS = ["qwen3", "qwen3-swa", "qwen3-bs16", "gemma4", "gemma4-keqv"]
 
-# Planted bugs (spec_parity/controls/dflash.py) and the cases that must catch each.
+# Planted bugs (spec_parity/drafters/dflash/controls.py) and the cases that must catch each.
 CONTROLS = [
     ("own_head", "mod-qwen3"), ("own_head", "mod-gemma4"),
     ("ctx_input_layernorm", "mod-qwen3"), ("ctx_input_layernorm", "mod-gemma4"),
@@ -146,59 +146,7 @@ def _agreeing(name: str, tk: str, tov: dict, ov: dict, n: int, oracle: str, embe
                            drafter=("dflash-drafter-agreeing", 0, ov)), oracle=oracle)
 
 
-def cases() -> list[Case]:
-    out = [_case(f"mod-{v}", v, _module_params(v), "L1") for v in VARIANTS]
-    out += [_case(f"loop-{v}" + ("-eos" if eos else ""), v, DflashLoop(prompt_len=12, max_tokens=MAX_TOKENS, eos=eos),
-                  "L2") for v, eos in LOOPS]
-    out += [_agreeing(f"loop-{name}", tk, tov, ov, n, ORACLE, "scaled", "split") for name, tk, tov, ov, n in AGREEING]
-    # The Qwen3 agreeing loops against z-lab's torch loop too (Qwen3 has no embedding scale, so the
-    # torch model's raw block embedding is the same construction).
-    out += [_agreeing(f"loop-{name}-torch", tk, tov, ov, n, TORCH, "raw", "whole")
-            for name, tk, tov, ov, n in AGREEING if tk.startswith("qwen3")]
-    out += [_case(f"mod-{v}-torch", v, _module_params(v), "L2", TORCH) for v in TORCH_MODULES]
-    out += [_case(f"loop-{v}-torch", v, DflashLoop(prompt_len=12, max_tokens=MAX_TOKENS, eos=()), "L2", TORCH)
-            for v in TORCH_LOOPS]
-    out += [Case(NAME, f"ext-{v}", "L3", VARIANTS[v].get("target_kind", "qwen3-target"), 0, {},
-                 DflashExtension(prompt_len=12, max_tokens=MAX_TOKENS, thresholds=EXT_THRESHOLDS,
-                                 drafter=("dflash-drafter", 0, {**VARIANTS[v], "dspark_extras": EXT_EXTRAS})),
-                 oracle=HEADS)
-            for v in ("qwen3", "gemma4")]
-    by_name = {c.name: c for c in out}
-    for bug, base in CONTROLS:
-        b = by_name[base]
-        out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, b.params,
-                        control=controls.case_control(NAME, bug, base), oracle=b.oracle))
-    out += [replace(by_name[base], name=f"{base}-control-layer1",
-                    control=controls.case_control(NAME, "layer_scale", base, layer=1))
-            for base in LAYER_CONTROLS]
-    return out
-
-
-def oracle_status(oracle: str = ORACLE) -> str | None:
-    from oracles import dflash as o
-
-    if oracle == HEADS:
-        from oracles import dspark
-
-        return dspark.status()
-    return o.torch_status() if oracle == TORCH else o.status()
-
-
 PROMPT = (17, 120)
-
-
-def run_oracle(case: Case):
-    from oracles import dflash as oracle
-
-    t, d, p, o = case.checkpoint_dir(), case.drafter_dir(), case.prompt(*PROMPT), case.params
-    if isinstance(o, DflashExtension):
-        return _heads_reference(case)
-    loop = isinstance(o, DflashLoop)
-    if case.oracle == TORCH:
-        arrays = oracle.torch_loop(t, d, p, o.max_tokens) if loop else oracle.torch_modules(t, d, p, o.accepts)
-        return arrays, {"reference": {"name": "z-lab dflash.model (torch)", "versions": oracle.torch_versions()}}
-    arrays = oracle.loop(t, d, p, o.max_tokens, o.eos) if loop else oracle.modules(t, d, p, o.accepts)
-    return arrays, {"reference": {"name": "z-lab dflash.model_mlx", "versions": oracle.versions()}}
 
 
 def _heads_reference(case: Case):
@@ -227,61 +175,6 @@ def _head_inputs(case: Case) -> dict:
             "heads.anchor": anchors.astype(np.int32)}
 
 
-def kind(case: Case) -> str:
-    return case.params.KIND
-
-
-def conventions(case: Case) -> dict:
-    """Where the drafter's scales are read (port/dflash.py SCALES): as z-lab MLX, or as z-lab torch."""
-    return {"scales": "nested" if case.oracle == ORACLE else "either"}
-
-
-def feeds(case: Case, ref: dict) -> dict:
-    """Module rounds: the reference's layer outputs; the extension: the rows and tokens its heads
-    are fed (teacher-forced)."""
-    if isinstance(case.params, DflashExtension):
-        return {k: ref[k] for k in HEAD_INPUTS if k in ref}
-    return layer_feeds(ref)
-
-
-def plan(case: Case, ref: dict) -> Plan:
-    if isinstance(case.params, DflashExtension):
-        return Plan([Tokens("lossless_vs_greedy", P("stream.tokens"), G("greedy.tokens"), G("greedy.logits"),
-                            "not lossless: the stream vs the target's greedy one", "lossless"),
-                     Pruning("pruning", P("ext.confidence"), P("ext.block_len"), P("ext.proposed"),
-                             case.params.thresholds),
-                     Shift("shift", P("unpruned.base_logits"), P("unpruned.logits"), L3_GATES[(NAME, "extension")]),
-                     Scored("acceptance", "acceptance", (P("stream.drafted"), P("stream.accepted"), P("tau")))]
-                    + [Tensor(name, P(key), R(key), q, "heads") for name, key, q in HEAD_CHECKS if key in ref],
-                    greedy=(case.params.max_tokens, frozenset()))
-    if isinstance(case.params, DflashLoop):
-        eos = set(case.params.eos)
-        cols = ("stream.drafted", "stream.accepted", "stream.emitted")
-        return serve_loop("z-lab", case.params.max_tokens, eos, ref_drop=eos, greedy_prefix=True,
-                          schedule=tuple(P(c) for c in cols), ref_schedule=tuple(R(c) for c in cols),
-                          drafts=Round(R(cols[0]), R(cols[2]), R("stream.proposals"), R("stream.draft_logits")),
-                          draft_logits="loop_draft_logits_torch" if case.oracle == TORCH else "loop_draft_logits")
-    rounds, (sliding, W) = len(case.params.accepts), _sliding(case)
-
-    def taps(k):  # an all-sliding drafter attends no context row older than the newest W-1
-        return Window(k, Rows(P(k)), Rows(R(k)), "taps", W - 1) if all(sliding) else Tensor(k, P(k), R(k), "taps")
-    checks = [taps("taps.0")]
-    for r in range(rounds):  # in the order they are computed, so the reason names the first one off
-        checks += [Tensor(f"{k}.{r}", P(f"{k}.{r}"), R(f"{k}.{r}"), k) for k in ("hidden", "logits")]
-        checks.append(Tensor(f"tokens.{r}", P(f"tokens.{r}"), R(f"tokens.{r}"), "tokens") if case.tier == "L1" else
-                      Tokens(f"tokens.{r}", P(f"tokens.{r}"), R(f"tokens.{r}"), R(f"logits.{r}"), f"round {r}'s draft",
-                             finding="module"))
-        checks.append(taps(f"taps.{r + 1}"))
-    checks.append(Tensor("anchors", P("anchors"), R("anchors"), "anchors"))
-    for k in sorted(k for k in ref if k.startswith(("ctx_k.", "ctx_v."))):
-        i = int(k.split(".")[1])
-        pos = f"ctx_pos.{i}"
-        known = None if pos in ref else _stored_positions(case, ref, k, sliding[i], W)
-        checks.append(Window(k, Rows(P(k), pos), Rows(R(k), pos, known), "context_kv", W - 1 if sliding[i] else None))
-    checks.append(FirstRound("rounds", tuple(f"logits.{r}" for r in range(rounds))))
-    return Plan(checks + drafter_layers(ref))
-
-
 def _sliding(case: Case) -> tuple[list[bool], int | None]:
     """Which drafter layers are sliding, and the window W, as the drafter's config.json says."""
     cfg = json.loads((case.drafter_dir() / "config.json").read_text())
@@ -307,23 +200,126 @@ def _stored_positions(case: Case, ref: dict, key: str, sliding: bool, W: int | N
     return tuple(range(n - ref[key].shape[-2], n))
 
 
-def quantities(port: dict, ref: dict) -> dict[str, float]:
-    def gap(a, b):
-        m = min(len(a), len(b))
-        return float(np.abs(a[:m].astype(np.float64) - b[:m].astype(np.float64)).max()) if m else 0.0
+class DFlash(Pair):
+    NAME, ORACLE, PROMPT = NAME, ORACLE, PROMPT
 
-    torch = bool(port.get("meta.torch", [False])[0])
-    if "ext.confidence" in port:
-        return {q: gap(port[k], ref[k]) for _, k, q in HEAD_CHECKS if k in port and k in ref}
-    if "greedy.logits" in port:
-        return {"path_logits": gap(port["stream.logits"], port["greedy.logits"]),
-                "loop_draft_logits" + ("_torch" if torch else ""): gap(port["stream.draft_logits"],
-                                                                        ref["stream.draft_logits"])}
-    out: dict[str, float] = {}
-    for key in ref:
-        q = {"ctx_k": "context_kv", "ctx_v": "context_kv"}.get(key.split(".")[0], key.split(".")[0])
-        if q in ("tokens", "anchors", "layer"):
-            continue
-        if key in port and port[key].shape == ref[key].shape:
-            out[q] = max(out.get(q, 0.0), gap(port[key], ref[key]))
-    return {**out, **layers.quantities(port, ref)}
+    def cases(self) -> list[Case]:
+        out = [_case(f"mod-{v}", v, _module_params(v), "L1") for v in VARIANTS]
+        out += [_case(f"loop-{v}" + ("-eos" if eos else ""), v, DflashLoop(prompt_len=12, max_tokens=MAX_TOKENS, eos=eos),
+                      "L2") for v, eos in LOOPS]
+        out += [_agreeing(f"loop-{name}", tk, tov, ov, n, ORACLE, "scaled", "split") for name, tk, tov, ov, n in AGREEING]
+        # The Qwen3 agreeing loops against z-lab's torch loop too (Qwen3 has no embedding scale, so the
+        # torch model's raw block embedding is the same construction).
+        out += [_agreeing(f"loop-{name}-torch", tk, tov, ov, n, TORCH, "raw", "whole")
+                for name, tk, tov, ov, n in AGREEING if tk.startswith("qwen3")]
+        out += [_case(f"mod-{v}-torch", v, _module_params(v), "L2", TORCH) for v in TORCH_MODULES]
+        out += [_case(f"loop-{v}-torch", v, DflashLoop(prompt_len=12, max_tokens=MAX_TOKENS, eos=()), "L2", TORCH)
+                for v in TORCH_LOOPS]
+        out += [Case(NAME, f"ext-{v}", "L3", VARIANTS[v].get("target_kind", "qwen3-target"), 0, {},
+                     DflashExtension(prompt_len=12, max_tokens=MAX_TOKENS, thresholds=EXT_THRESHOLDS,
+                                     drafter=("dflash-drafter", 0, {**VARIANTS[v], "dspark_extras": EXT_EXTRAS})),
+                     oracle=HEADS)
+                for v in ("qwen3", "gemma4")]
+        by_name = {c.name: c for c in out}
+        for bug, base in CONTROLS:
+            b = by_name[base]
+            out.append(Case(NAME, f"{base}-control-{bug}", b.tier, b.kind, b.seed, b.overrides, b.params,
+                            control=controls.case_control(NAME, bug, base), oracle=b.oracle))
+        out += [replace(by_name[base], name=f"{base}-control-layer1",
+                        control=controls.case_control(NAME, "layer_scale", base, layer=1))
+                for base in LAYER_CONTROLS]
+        return out
+
+    def oracle_status(self, oracle: str) -> str | None:
+        from oracles import dflash as o
+
+        if oracle == HEADS:
+            from oracles import dspark
+
+            return dspark.status()
+        return o.torch_status() if oracle == TORCH else o.status()
+
+    def run_oracle(self, case: Case):
+        from oracles import dflash as oracle
+
+        t, d, p, o = case.checkpoint_dir(), case.drafter_dir(), case.prompt(*PROMPT), case.params
+        if isinstance(o, DflashExtension):
+            return _heads_reference(case)
+        loop = isinstance(o, DflashLoop)
+        if case.oracle == TORCH:
+            arrays = oracle.torch_loop(t, d, p, o.max_tokens) if loop else oracle.torch_modules(t, d, p, o.accepts)
+            return arrays, {"reference": {"name": "z-lab dflash.model (torch)", "versions": oracle.torch_versions()}}
+        arrays = oracle.loop(t, d, p, o.max_tokens, o.eos) if loop else oracle.modules(t, d, p, o.accepts)
+        return arrays, {"reference": {"name": "z-lab dflash.model_mlx", "versions": oracle.versions()}}
+
+    def conventions(self, case: Case) -> dict:
+        """Where the drafter's scales are read (port/dflash.py SCALES): as z-lab MLX, or as z-lab torch."""
+        return {"scales": "nested" if case.oracle == ORACLE else "either"}
+
+    def feeds(self, case: Case, ref: dict) -> dict:
+        """Module rounds: the reference's layer outputs; the extension: the rows and tokens its heads
+        are fed (teacher-forced)."""
+        if isinstance(case.params, DflashExtension):
+            return {k: ref[k] for k in HEAD_INPUTS if k in ref}
+        return super().feeds(case, ref)
+
+    def plan(self, case: Case, ref: dict) -> Plan:
+        if isinstance(case.params, DflashExtension):
+            return Plan([Tokens("lossless_vs_greedy", P("stream.tokens"), G("greedy.tokens"), G("greedy.logits"),
+                                "not lossless: the stream vs the target's greedy one", "lossless"),
+                         Pruning("pruning", P("ext.confidence"), P("ext.block_len"), P("ext.proposed"),
+                                 case.params.thresholds),
+                         Shift("shift", P("unpruned.base_logits"), P("unpruned.logits"), L3_GATES[(NAME, "extension")]),
+                         Scored("acceptance", "acceptance", (P("stream.drafted"), P("stream.accepted"), P("tau")))]
+                        + [Tensor(name, P(key), R(key), q, "heads") for name, key, q in HEAD_CHECKS if key in ref],
+                        greedy=(case.params.max_tokens, frozenset()))
+        if isinstance(case.params, DflashLoop):
+            eos = set(case.params.eos)
+            cols = ("stream.drafted", "stream.accepted", "stream.emitted")
+            return serve_loop("z-lab", case.params.max_tokens, eos, ref_drop=eos, greedy_prefix=True,
+                              schedule=tuple(P(c) for c in cols), ref_schedule=tuple(R(c) for c in cols),
+                              drafts=Round(R(cols[0]), R(cols[2]), R("stream.proposals"), R("stream.draft_logits")),
+                              draft_logits="loop_draft_logits_torch" if case.oracle == TORCH else "loop_draft_logits")
+        rounds, (sliding, W) = len(case.params.accepts), _sliding(case)
+
+        def taps(k):  # an all-sliding drafter attends no context row older than the newest W-1
+            return Window(k, Rows(P(k)), Rows(R(k)), "taps", W - 1) if all(sliding) else Tensor(k, P(k), R(k), "taps")
+        checks = [taps("taps.0")]
+        for r in range(rounds):  # in the order they are computed, so the reason names the first one off
+            checks += [Tensor(f"{k}.{r}", P(f"{k}.{r}"), R(f"{k}.{r}"), k) for k in ("hidden", "logits")]
+            checks.append(Tensor(f"tokens.{r}", P(f"tokens.{r}"), R(f"tokens.{r}"), "tokens") if case.tier == "L1" else
+                          Tokens(f"tokens.{r}", P(f"tokens.{r}"), R(f"tokens.{r}"), R(f"logits.{r}"), f"round {r}'s draft",
+                                 finding="module"))
+            checks.append(taps(f"taps.{r + 1}"))
+        checks.append(Tensor("anchors", P("anchors"), R("anchors"), "anchors"))
+        for k in sorted(k for k in ref if k.startswith(("ctx_k.", "ctx_v."))):
+            i = int(k.split(".")[1])
+            pos = f"ctx_pos.{i}"
+            known = None if pos in ref else _stored_positions(case, ref, k, sliding[i], W)
+            checks.append(Window(k, Rows(P(k), pos), Rows(R(k), pos, known), "context_kv", W - 1 if sliding[i] else None))
+        checks.append(FirstRound("rounds", tuple(f"logits.{r}" for r in range(rounds))))
+        return Plan(checks + drafter_layers(ref))
+
+    def quantities(self, port: dict, ref: dict) -> dict[str, float]:
+        def gap(a, b):
+            m = min(len(a), len(b))
+            return float(np.abs(a[:m].astype(np.float64) - b[:m].astype(np.float64)).max()) if m else 0.0
+
+        torch = bool(port.get("meta.torch", [False])[0])
+        if "ext.confidence" in port:
+            return {q: gap(port[k], ref[k]) for _, k, q in HEAD_CHECKS if k in port and k in ref}
+        if "greedy.logits" in port:
+            return {"path_logits": gap(port["stream.logits"], port["greedy.logits"]),
+                    "loop_draft_logits" + ("_torch" if torch else ""): gap(port["stream.draft_logits"],
+                                                                            ref["stream.draft_logits"])}
+        out: dict[str, float] = {}
+        for key in ref:
+            q = {"ctx_k": "context_kv", "ctx_v": "context_kv"}.get(key.split(".")[0], key.split(".")[0])
+            if q in ("tokens", "anchors", "layer"):
+                continue
+            if key in port and port[key].shape == ref[key].shape:
+                out[q] = max(out.get(q, 0.0), gap(port[key], ref[key]))
+        return {**out, **layers.quantities(port, ref)}
+
+
+PAIR = DFlash()

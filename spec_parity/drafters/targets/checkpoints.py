@@ -37,8 +37,16 @@ import math
 
 import numpy as np
 
-from .agreeing import ALPHA2, EMBED_NORM, TARGET_LOGIT, _orthogonal, _rng, _stable, target_frame
-from .core import GEMMA4_TEXT, GEMMA_NORMS, QWEN_NORMS, _merge, draw, kind
+from ...checkpoints.agreeing import (
+    ALPHA2,
+    EMBED_NORM,
+    TARGET_LOGIT,
+    _orthogonal,
+    _rng,
+    _stable,
+    target_frame,
+)
+from ...checkpoints.core import GEMMA4_TEXT, GEMMA_NORMS, QWEN_NORMS, _merge, draw, kind
 
 GEMMA4_TARGET = {
     **GEMMA4_TEXT,

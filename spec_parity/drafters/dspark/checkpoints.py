@@ -31,8 +31,16 @@ import math
 
 import numpy as np
 
-from .agreeing import _orthogonal, _rng, _stable, agreement, dspark_ladder, frequencies, target_kind
-from .core import GEMMA_NORMS, KINDS, QWEN_NORMS, _merge, draw, kind
+from ...checkpoints.agreeing import (
+    _orthogonal,
+    _rng,
+    _stable,
+    agreement,
+    dspark_ladder,
+    frequencies,
+    target_kind,
+)
+from ...checkpoints.core import GEMMA_NORMS, KINDS, QWEN_NORMS, _merge, draw, kind
 
 DSPARK = {
     "target_kind": "gemma4-target",

@@ -3,7 +3,7 @@ must fail and name that layer as the first divergent one."""
 
 from __future__ import annotations
 
-from . import control
+from ...controls import control
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
     "port.targets:load",

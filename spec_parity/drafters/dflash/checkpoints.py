@@ -35,8 +35,16 @@ import math
 
 import numpy as np
 
-from .agreeing import ALPHA2, SPECIALS, TARGET_LOGIT, _stable, agreement, dspark_ladder, target_kind
-from .core import KINDS, QWEN_NORMS, Draw, _merge, draw, kind
+from ...checkpoints.agreeing import (
+    ALPHA2,
+    SPECIALS,
+    TARGET_LOGIT,
+    _stable,
+    agreement,
+    dspark_ladder,
+    target_kind,
+)
+from ...checkpoints.core import KINDS, QWEN_NORMS, Draw, _merge, draw, kind
 
 DFLASH = {
     "target_kind": "qwen3-target",
