@@ -23,8 +23,9 @@ Reference deltas (z-lab's own MLX and torch models disagree), port options:
       returned. After a one-row context update on a full ring that buffer is not in time order (the
       newest row sits at the write index) while its mask is by buffer index: block rows then lose
       the newest context rows instead of the oldest. The two agree bit for bit until that happens.
-  (Both keep the block itself unwindowed, as z-lab MLX does; z-lab torch's mask would also window
-  the block rows against each other, which differs only when block_size > sliding_window.)
+  Both keep the block itself unwindowed, as z-lab MLX does; z-lab torch's mask also windows the
+  block rows against each other, which differs when block_size > sliding_window: such a drafter
+  is refused (check_window).
   embed="scaled" (default; z-lab MLX): the block embedding is the target's embedding x the
       target's embed scale (Gemma-4: sqrt(H)) x input_embedding_scale;
   embed="raw" (z-lab torch): the raw embedding rows x input_embedding_scale (its
@@ -127,6 +128,7 @@ class ModelArgs:
             raise DFlashError(f"{path}: unsupported layer_types {sorted(unknown)} (full_attention, sliding_attention)")
         if "sliding_attention" in layer_types and not c.get("sliding_window"):
             raise DFlashError(f"{path}: sliding_attention layers need a sliding_window")
+        check_window(c, path, int(d.get("block_size", c.get("block_size", 16))), layer_types)
         rope = c.get("rope_parameters") or c.get("rope_scaling")
 
         def opt(name, default=None):  # z-lab torch: dflash_config first, then the top level
@@ -422,6 +424,23 @@ def load_extension(path: str | Path, dtype: mx.Dtype | None = None) -> heads.Ext
     checkpoint.load_into(ext, path, weights, DFlashError, "does it carry the DSpark extras its config declares?")
     mx.eval(ext.parameters())
     return ext
+
+
+def check_window(c: dict, path: Path, block: int, layer_types: list[str]) -> None:
+    """Refuse a sliding window the references do not run alike: narrower than the block, z-lab
+    torch windows the block rows against each other and z-lab MLX does not (two models); under 3,
+    mlx-lm's RotatingKVCache cannot hold its W-1 = 1 row (z-lab MLX fails on it as well)."""
+    window = c.get("sliding_window")
+    if "sliding_attention" not in layer_types:
+        return
+    if window < 3:
+        raise DFlashError(f"{path / 'config.json'}: sliding_window {window}: a sliding layer keeps W-1 context rows, and mlx-lm's "
+                          "RotatingKVCache (z-lab MLX's and the port's) cannot hold fewer than 2; no MLX reference "
+                          "runs it")
+    if window < block:
+        raise DFlashError(f"{path / 'config.json'}: sliding_window {window} < block_size {block}: z-lab torch windows the block "
+                          "rows against each other, z-lab MLX does not, so the references compute two different "
+                          "models; the port refuses rather than pick one (a window of at least the block agrees)")
 
 
 def check_pairing(drafter: Model, target: targets.Target) -> None:

@@ -98,9 +98,9 @@ def test_shrinking_ends_at_the_built_in_values():
     built-in base configuration (what a shrunk failure keeps where a key does not matter)."""
     from hypothesis import find
 
-    from spec_parity import fuzz_spaces
+    from spec_parity.drafters.dflash.fuzz import FAMILY
 
-    simplest = find(fuzz_spaces.dflash_configs("dflash", ("zlab-mlx",)), lambda c: True)
+    simplest = find(FAMILY.strategy("dflash", ("zlab-mlx",)), lambda c: True)
     assert simplest.base == "mod-qwen3" and simplest.seed == 0
     assert {k: simplest.drafter[k] for k in ("num_draft_layers", "head_dim", "block_size", "rope_theta")} == {
         "num_draft_layers": 2, "head_dim": 16, "block_size": 8, "rope_theta": 1000000.0}

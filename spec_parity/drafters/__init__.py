@@ -4,6 +4,7 @@
   adapter.py      our port (port/<name>.py) behind the port protocol: run(request) -> arrays
   checkpoints.py  its tiny checkpoint kinds (@kind, spec_parity.checkpoints)
   controls.py     its planted bugs and their SEAMS (spec_parity.controls)
+  fuzz.py         its config space for `spec-parity fuzz` (FAMILY; spec_parity.fuzz), where it has one
   README.md       what the pair compares, against which reference, on which cases
 
 DRAFTERS is the one registry: the harness's pairs, our port's runs, the checkpoint kinds and the

@@ -7,7 +7,7 @@ from ...controls import LAYER_SCALE, control, one_layer_scaled
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
     "port.assistant:Attention.__init__", "port.assistant:Model.candidate_rows",
-    "port.assistant:draft_chain", "port.assistant:load", "port.assistant:norms_in_fp32",
+    "port.assistant:RMSNorm.__call__", "port.assistant:draft_chain", "port.assistant:load",
     "port.assistant:sliding_view",
     "port.fast.assistant:donor_buffers",
 )
@@ -136,18 +136,19 @@ def _layer_scale(case):
     return one_layer_scaled(assistant, "load", lambda m: m.model.layers, case)
 
 
-@control("assistant", "fp16_norms", "in float16 the norms compute in float16 (bfloat16 and float32 as they should)")
+@control("assistant", "fp16_norms", "in float16 the norms compute in float16, not float32 (bfloat16 and float32 "
+         "as they should)")
 def _fp16_norms(case):
     """A dtype no built-in case runs: the fuzzer's to find (tests/test_fuzz.py)."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten
 
     from port import assistant
 
-    plain = assistant.norms_in_fp32
+    plain = assistant.RMSNorm.__call__
 
-    def skipped(model):
-        if not any(v.dtype == mx.float16 for _, v in tree_flatten(model.parameters())):
-            plain(model)
+    def half(self, x):
+        if x.dtype != mx.float16:
+            return plain(self, x)
+        return mx.fast.rms_norm(x, self.weight.astype(x.dtype), self.eps)
 
-    return {(assistant, "norms_in_fp32"): skipped}
+    return {(assistant.RMSNorm, "__call__"): half}
