@@ -48,12 +48,14 @@ def _collected(done) -> list[str]:
 
 
 def _junit(path: Path) -> dict[str, dict]:
-    """{test name: {"outcome": passed|failure|skipped, property: value}} from a JUnit file."""
+    """{test name: {"outcome": passed|failure|skipped, "text": its message, property: value}}
+    from a JUnit file."""
     out = {}
     for tc in ET.parse(path).iter("testcase"):
         props = {p.get("name"): p.get("value") for p in tc.iter("property")}
-        outcome = next((c.tag for c in tc if c.tag in ("failure", "error", "skipped")), "passed")
-        out[tc.get("name")] = {"outcome": outcome, **props}
+        found = next((c for c in tc if c.tag in ("failure", "error", "skipped")), None)
+        out[tc.get("name")] = {"outcome": "passed" if found is None else found.tag,
+                               "text": "" if found is None else found.text or "", **props}
     return out
 
 
@@ -98,6 +100,9 @@ def test_junit_carries_each_cases_verdict_and_reason(tmp_path, spec, require, rc
     case = _junit(repo / "out.xml")[f"test_vs_golden[dflash/{CASE}]"]
     assert case["verdict"] == verdict and case["outcome"] == ("failure" if rc else "passed")
     assert ("public outputs only" in case["reason"]) == (spec == "public_only")
+    if rc:    # the failure text is the verdict's message, no traceback
+        assert case["text"].startswith("passed only what the port exposes") and "[PASS-PARTIAL]" in case["text"]
+        assert "Traceback" not in case["text"] and "harness.py" not in case["text"], case["text"]
 
 
 def _ci_commands() -> list[str]:
