@@ -18,6 +18,8 @@ import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 import spec_parity  # noqa: E402,F401  (full-fp32 MLX matmuls before any test imports mlx)
+from spec_parity import pytest_plugin  # noqa: E402
+from spec_parity.pytest_plugin import SELECTION  # noqa: E402
 
 # Hypothesis's wall-clock checks (the per-example deadline, the too_slow health check) fail on a
 # 2-core machine under `-n auto` or other load: timing, not the properties. `ci` keeps every other
@@ -44,18 +46,11 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    """--port / --port-cmd select who answers the parity cases, as `spec-parity run` does (the
-    selection is kept on the config, the `selection` fixture hands it out); a spec that cannot be
-    used is a one-line usage error."""
-    from spec_parity import exchange, ports
-
-    config.addinivalue_line("markers", "parity(module): a parity case of `module` (tests/test_parity.py)")
-    cmd = config.getoption("--port-cmd")
-    try:
-        config.stash[SELECTION] = ports.configure(config.getoption("--port"),
-                                                  exchange.command_port(cmd) if cmd else None)
-    except ports.PortError as e:
-        raise pytest.UsageError(str(e)) from None
+    """--port / --port-cmd select who answers the parity cases and --require what their pass must
+    have checked, as `spec-parity run` does: kept on the config, where the parity tests read them
+    (spec_parity/pytest_plugin.py, which fills them from its own options in a port's repository)."""
+    pytest_plugin.configure(config, config.getoption("--port"), config.getoption("--port-cmd"),
+                            config.getoption("--require"))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -86,20 +81,9 @@ def _oracle_selected(config) -> bool:
     return compiled.evaluate(lambda name, **kw: name == "oracle") and not compiled.evaluate(lambda name, **kw: False)
 
 
-SELECTION = pytest.StashKey["ports.Selection"]()
-"""Who answers each module's parity cases, from --port / --port-cmd (spec_parity.ports.Selection)."""
-
-
 def _parity_module(item) -> str | None:
     mark = item.get_closest_marker("parity")
     return mark.args[0] if mark else None
-
-
-def _plants_in_ours(item) -> bool:
-    """A negative control's parity test: it plants its bug in our port, so it runs only where ours
-    answers its module."""
-    case = getattr(item, "callspec", None) and item.callspec.params.get("case")
-    return bool(getattr(case, "control", None))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -113,7 +97,7 @@ def pytest_collection_modifyitems(config, items):
     keep, out, seen = [], [], set()
     for item in items:
         module = _parity_module(item)
-        if ported and module is not None and (module not in ported or _plants_in_ours(item)):
+        if ported and pytest_plugin.ours_answers(item, ported):
             out.append(item)
             continue
         whole = slow or module in ported or (oracle and module is not None and item.get_closest_marker("oracle"))
@@ -161,30 +145,11 @@ def pytest_sessionstart(session):
 
 
 @pytest.fixture
-def selection(request):
-    """The ports --port / --port-cmd chose (ours for every other module), as harness.evaluate takes them."""
-    return request.config.stash[SELECTION]
-
-
-@pytest.fixture
-def require(request) -> tuple[str, ...]:
-    """--require, as harness.check reads it."""
-    value = request.config.getoption("--require")
-    return (value,) if value else ()
-
-
-@pytest.fixture
 def live_oracle():
     """Call with a module name: skips with one line naming what to install/set if its oracle is absent."""
-    from spec_parity import harness
+    from spec_parity.parity_tests import need_oracle
 
-    def need(module: str, oracle: str = ""):
-        name = oracle or harness.pair(module).ORACLE
-        status = harness.pair(module).oracle_status(name)
-        if status is not None:
-            pytest.skip(f"{name} oracle unavailable: {status}")
-
-    return need
+    return need_oracle
 
 
 def pytest_collection_finish(session):

@@ -16,11 +16,13 @@ import os
 import platform
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from .case import Case
+if TYPE_CHECKING:   # the checkpoint factory reads shipped(): case.py imports it
+    from .case import Case
 
 
 class GoldenError(RuntimeError):
@@ -49,8 +51,16 @@ def _umask() -> int:
     return mask
 
 
+def shipped() -> Path:
+    """fixtures/ as it ships: package data beside this file when installed, the repository's top
+    folder in a checkout."""
+    here = Path(__file__).resolve().parent
+    return here / "fixtures" if (here / "fixtures").is_dir() else here.parent / "fixtures"
+
+
 def root() -> Path:
-    return Path(os.environ.get("SPEC_PARITY_FIXTURES", Path(__file__).resolve().parents[1] / "fixtures"))
+    """Where goldens are read and written: SPEC_PARITY_FIXTURES, else the shipped fixtures/."""
+    return Path(os.environ.get("SPEC_PARITY_FIXTURES", shipped()))
 
 
 def machine_key() -> str:

@@ -74,9 +74,8 @@ def _files(path: Path) -> list[Path]:
 
 
 def package_dir(module_name: str) -> str:
-    """The directory (or file) of a module's top-level package, for Port.sources."""
-    top = importlib.import_module(module_name.split(".")[0])
-    f = Path(getattr(top, "__file__", "") or "")
+    """The directory of package `module_name` (the file of a plain module), for Port.sources."""
+    f = Path(getattr(importlib.import_module(module_name), "__file__", "") or "")
     return str(f.parent if f.name == "__init__.py" else f)
 
 
@@ -103,7 +102,7 @@ def load(spec: str) -> Port:
     if not isinstance(port, Port):
         raise PortError(f"port {spec!r}: {attr}() returned {type(port).__name__}, not spec_parity.ports.Port")
     if not port.sources:
-        port = Port(port.name, port.version, port.runs, (package_dir(mod),))
+        port = Port(port.name, port.version, port.runs, (package_dir(mod.split(".")[0]),))
     return port
 
 

@@ -22,9 +22,10 @@ import hashlib
 import json
 from pathlib import Path
 
+from ..goldens import shipped
 from .core import QWEN_NORMS, build, draw, kind
 
-ROOT = Path(__file__).resolve().parents[2] / "fixtures" / "configs"
+ROOT = shipped() / "configs"
 WIDTH_FACTOR = 16
 VOCAB = 4096
 WIDTH_KEYS = ("hidden_size", "intermediate_size", "backbone_hidden_size", "head_dim", "global_head_dim",
