@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from spec_parity import harness
-from spec_parity.pairs import dflash
+from spec_parity.drafters.dflash import pair as dflash
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ("-p", "spec_parity.pytest_plugin", "--noconftest", "-p", "no:cacheprovider")   # this checkout's conftest out
