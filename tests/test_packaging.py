@@ -60,7 +60,7 @@ def _junit(path: Path) -> dict[str, dict]:
 
 
 def _golden_ids() -> set[str]:
-    return {f"test_vs_golden[{c.id}]" for c in dflash.cases() if not c.control}
+    return {f"test_vs_golden[{c.id}]" for c in dflash.PAIR.cases() if not c.control}
 
 
 def test_without_its_option_the_plugin_collects_nothing_of_its_own(tmp_path):
@@ -74,7 +74,7 @@ def test_its_option_collects_every_case_of_the_module_but_the_controls(tmp_path)
     golden = _collected(_pytest(repo, "--collect-only", *PLUGIN, *spec, "--spec-parity-source", "golden"))
     assert sorted(golden) == sorted(_golden_ids() | {"test_own"})
     live = _collected(_pytest(repo, "--collect-only", *PLUGIN, *spec, "-m", "oracle"))
-    assert sorted(live) == sorted(f"test_vs_live[{c.id}]" for c in dflash.cases() if not c.control and harness.runs_live(c))
+    assert sorted(live) == sorted(f"test_vs_live[{c.id}]" for c in dflash.PAIR.cases() if not c.control and harness.runs_live(c))
     (repo / "pytest.ini").write_text("[pytest]\nspec_parity_port = dflash=mypkg.adapter:make_port\n")
     both = _collected(_pytest(repo, "--collect-only", *PLUGIN))
     assert _golden_ids() <= set(both) and set(live) <= set(both)
