@@ -20,6 +20,7 @@ import hashlib
 import json
 import random
 import re
+import shlex
 import time
 from collections import Counter
 from contextlib import nullcontext
@@ -265,11 +266,17 @@ def command(args, selection: ports.Selection) -> int:
         print(summary(run))
         if run.failure:
             folder = write_failure(run.failure, Path(args.out))
-            plant = f" --plant {args.plant}" if args.plant else ""
-            print(f"  case folder: {folder}\n  reproduce: spec-parity fuzz --module {args.module}{plant} "
-                  f"--config {folder / 'fuzz-config.json'}")
+            print(f"  case folder: {folder}\n  reproduce: {reproduce(args, folder / 'fuzz-config.json')}")
     atomic_write(Path(args.out) / "fuzz.json", (json.dumps(as_json(run), indent=1, sort_keys=True) + "\n").encode())
     return 1 if run.failure else 0
+
+
+def reproduce(args, config: Path) -> str:
+    """The command that runs the written configuration again on the same port, plant included."""
+    opts = [("--plant", args.plant), *(("--port", p) for p in args.port or ()), ("--port-cmd", args.port_cmd),
+            ("--timeout", args.timeout), ("--port-id", args.port_id)]
+    given = " ".join(f"{k} {shlex.quote(str(v))}" for k, v in opts if v is not None)
+    return f"spec-parity fuzz --module {args.module} {given + ' ' if given else ''}--config {shlex.quote(str(config))}"
 
 
 def _read_config(path: str, module: str) -> Config:

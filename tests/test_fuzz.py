@@ -105,3 +105,16 @@ def test_shrinking_ends_at_the_built_in_values():
     assert {k: simplest.drafter[k] for k in ("num_draft_layers", "head_dim", "block_size", "rope_theta")} == {
         "num_draft_layers": 2, "head_dim": 16, "block_size": 8, "rope_theta": 1000000.0}
     assert fuzz.case(simplest).params.drafter[2]["target_layer_ids"] == [1, 2, 3]
+
+
+def test_the_reproducing_command_names_the_port_it_ran_on():
+    from argparse import Namespace
+
+    args = Namespace(module="dflash", plant=None, port=["dflash=mypkg.adapter:make_port"], port_cmd=None,
+                     timeout=None, port_id=None)
+    assert fuzz.reproduce(args, "out/f c.json") == ("spec-parity fuzz --module dflash --port "
+                                                    "dflash=mypkg.adapter:make_port --config 'out/f c.json'")
+    args = Namespace(module="dflash", plant=None, port=None, port_cmd="./my-port {case} {out}", timeout=60.0,
+                     port_id="mine")
+    assert fuzz.reproduce(args, "f.json") == ("spec-parity fuzz --module dflash --port-cmd './my-port {case} {out}' "
+                                              "--timeout 60.0 --port-id mine --config f.json")
