@@ -407,12 +407,13 @@ def _scored(c: Scored, sides, module, dtype, result):
 
 
 def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tuple, drafts: Round, ref_drop=(),
-               greedy_drop=(), greedy_prefix: bool = False, draft_logits: str = "", tau: Src | None = None) -> Plan:
+               greedy_drop=(), greedy_prefix: bool = False, draft_logits: str = "", tau: Src | None = None,
+               whole_block: bool = False) -> Plan:
     """The one serve-loop comparison, for every draft source. Findings: lossless against the
     target's greedy stream (n tokens, `eos`; `greedy_prefix` cuts it to the port's length), the
     stream against the reference loop's, the drafts round by round on the same context (the
-    reference's side: `drafts`; logits within quantity `draft_logits` where it keeps them), and the
-    schedule (per-round columns, tau)."""
+    reference's side: `drafts`; logits within quantity `draft_logits` where it keeps them;
+    `whole_block`: see Drafts), and the schedule (per-round columns, tau)."""
     checks = [Tokens("lossless_vs_greedy", P("stream.tokens"), G("greedy.tokens", drop=greedy_drop), G("greedy.logits"),
                      "not lossless: the stream vs the target's greedy one", "lossless", prefix=greedy_prefix),
               Tensor("path_logits_vs_greedy", P("stream.logits"), G("greedy.logits"), "path_logits", "lossless",
@@ -421,7 +422,7 @@ def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tup
                      f"token stream vs {ref_name}'s")]
     ours = Round(P("stream.drafted"), P("stream.emitted"), P("stream.proposals"),
                  P("stream.draft_logits") if drafts.logits is not None else None, P("stream.prefilled"))
-    checks.append(Drafts("drafts_vs_ref", ours, drafts, draft_logits))
+    checks.append(Drafts("drafts_vs_ref", ours, drafts, draft_logits, whole_block=whole_block))
     checks.append(Trace("schedule_vs_ref", schedule, ref_schedule, f"per-round schedule vs {ref_name}'s"))
     if tau is not None:
         checks.append(Mean("tau", P("tau"), tau, "tau"))
