@@ -41,7 +41,8 @@ PEERS = [
     ("dspark", "mlx_dspark", DSPARK_PIP, "mlx_dspark_adapter", "mlx-dspark 0.20.3",
      ["mod-qwen3", "mod-qwen3-embtap", "mod-qwen3-dflash", "mod-gemma4"]),
     ("dflash", "mlx_dspark", DSPARK_PIP, "mlx_dspark_adapter", "mlx-dspark 0.20.3",
-     ["dflash/mod-qwen3", "dflash/mod-qwen3-causal", "dflash/mod-qwen3-swa-torch"]),
+     ["dflash/mod-qwen3", "dflash/mod-qwen3-causal", "dflash/mod-qwen3-swa-torch", "dflash/loop-qwen3-eos",
+      "dflash/loop-agree-qwen3-bs16", "dflash/loop-gemma4"]),
 ]
 FINDINGS = ("lossless", "stream", "drafts", "schedule")     # a loop row's columns after the first failing check
 
