@@ -36,9 +36,13 @@ Gemma-4 targets (DSpark): mlx-dspark taps them through mlx-vlm's multimodal Gemm
 `language_model(..., capture_layer_ids=tap)`); the cases' targets are mlx-lm `gemma4_text`
 checkpoints, which mlx-vlm loads as its `gemma4_text` model, whose output then carries no
 `hidden_states` (Target.run fails in `mx.concatenate(None)`), and its mlx-lm path replicates the
-layer loop without Gemma-4's embedding scale. The adapter declines those cases. Loop and sampled kinds are declined:
-mlx-dspark's loop (`speculative_generate`) needs a tokenizer, which the cases' checkpoints do not
-carry.
+layer loop without Gemma-4's embedding scale. The adapter declines those cases, DFlash's too.
+
+dflash/loop runs its `generate.dflash_generate` at T=0 on the prompt ids, its `Target` over the
+case's mlx-lm checkpoint; given `prompt_ids`, what the loop reads of a tokenizer is the stop ids
+and the decoded text (`_StopIds` gives the case's eos, and no text). The rounds come from its
+`on_round` callback; the drafts are not exposed. dspark loop and sampled kinds are declined (the
+same stand-in would serve `speculative_generate`; not written).
 """
 
 from __future__ import annotations
@@ -59,21 +63,64 @@ def make_port() -> ports.Port:
 
 def run(req) -> dict:
     if req.kind != "modules":
-        raise ports.Declined(f"dspark/{req.kind}: mlx-dspark's loop (generate.speculative_generate) "
-                             "needs a tokenizer, which the case's checkpoints do not carry")
+        raise ports.Declined(f"dspark/{req.kind} is not driven by this adapter (mlx-dspark's "
+                             "generate.speculative_generate would run behind _StopIds, as dflash/loop does)")
+    _no_gemma(req)
+    return _modules(req)
+
+
+def _no_gemma(req) -> None:
+    """Decline a Gemma-4 target: mlx-dspark's Target cannot run the case's mlx-lm checkpoint."""
     family = json.loads((req.target / "config.json").read_text()).get("model_type", "")
     if family.startswith("gemma"):
         raise ports.Declined("mlx-dspark taps a Gemma-4 target only through mlx-vlm's multimodal "
                              "gemma4 model (target.Target.run: `capture_layer_ids`); the case's target is an "
-                             f"mlx-lm {family} checkpoint, whose mlx-vlm model returns no hidden states for it")
-    return _modules(req)
+                             f"mlx-lm {family} checkpoint, whose mlx-vlm model returns no hidden states for it "
+                             "and whose mlx-lm layers its Target does not run (target.py:162)")
 
 
 def run_dflash(req) -> dict:
+    if req.kind == "loop":
+        _no_gemma(req)
+        return _dflash_loop(req)
     if req.kind != "modules":
-        raise ports.Declined(f"dflash/{req.kind}: mlx-dspark's loop (generate.dflash_generate) needs a tokenizer, "
-                             "which the case's checkpoints do not carry")
+        raise ports.Declined(f"mlx-dspark 0.20.3 has no dflash/{req.kind}: no DSpark-on-DFlash extension")
     return _dflash_modules(req)
+
+
+class _StopIds:
+    """What mlx-dspark's loops read of a tokenizer when given `prompt_ids`: the stop ids
+    (generate.eos_token_ids) and the text of the result (decoded, not checked)."""
+
+    def __init__(self, eos):
+        self.eos_token_ids = [int(t) for t in eos]
+
+    def decode(self, ids) -> str:
+        return ""
+
+
+def _dflash_loop(req) -> dict:
+    """mlx-dspark's DFlash loop, `generate.dflash_generate`, at T=0 on the prompt ids, its target
+    its `Target` over the case's mlx-lm checkpoint; the rounds from its `on_round` callback."""
+    import mlx.core as mx
+    from mlx_dspark.generate import dflash_generate
+    from mlx_dspark.load import load_dflash
+    from mlx_dspark.target import Target
+    from mlx_lm.utils import load_model
+
+    dtype = getattr(mx, req.dtype)
+    drafter, _ = load_dflash(str(req.drafter), quantize=False)
+    drafter.set_dtype(dtype)
+    model = load_model(req.target, lazy=False)[0]
+    model.set_dtype(dtype)
+    o, rounds = req.options, []
+    result = dflash_generate(Target(model, None), _StopIds(o["eos"]), drafter, prompt_ids=req.prompt[0].tolist(),
+                             max_new_tokens=o["max_tokens"], temperature=0.0, apply_chat_template=False,
+                             on_round=lambda **r: rounds.append((r["drafted"], r["accepted"], r["committed"])))
+    tokens = [t for t in result.token_ids if t not in o["eos"]]
+    r = np.array(rounds, np.int32).reshape(-1, 3)
+    return {"stream.tokens": np.array(tokens, np.int32), "stream.drafted": r[:, 0], "stream.accepted": r[:, 1],
+            "stream.emitted": r[:, 2], "tau": np.array([r[:, 2].mean() if len(r) else 0.0])}
 
 
 def _dflash_modules(req) -> dict:

@@ -1,4 +1,4 @@
-"""mlx-vlm 0.7.10 (PyPI, Blaizzy) behind dflash/modules, dspark/modules and assistant/step.
+"""mlx-vlm 0.7.10 (PyPI, Blaizzy) behind dflash/modules and /loop, dspark/modules, assistant/step.
 
 An example of checking a third-party port through the plug-in seam, never part of spec-parity:
 
@@ -37,10 +37,21 @@ assistant/step (`gemma4_assistant`, `gemma4_unified_assistant`) runs `gamma` gre
 `draft_block` from the case's anchor and donor K/V (`set_shared_kv`); each step's hidden and
 logits are recorded by wrapping the instance's `_forward_hidden`.
 
+dflash/loop runs mlx-vlm's DFlash round loop, `speculative.utils.run_speculative_rounds` (what
+`generate_step` calls after its prefill), at T=0. mlx-vlm's own loader makes `qwen3` and
+`gemma4_text` models of the cases' targets, which ignore `capture_layer_ids` and return no hidden
+states (generate_step then fails at speculative/utils.py:409), so the target is spec-parity's
+behind `_Capturing`, called as the loop calls a target; the rest (draft, verify, walk, the cache
+transaction that rolls the target's caches back, the adaptive block size) is mlx-vlm's. The
+rounds are recorded from the drafter instance's `draft_block_greedy` calls and its `accept_lens`.
+
 Declined, with the reason: dspark cases whose checkpoint mlx-vlm's loader routes to a non-drafter
 model (DeepSpec's flat Qwen3DSparkModel config has no `dflash_config`, so get_model_type gives
-`qwen3`: mlx-vlm reads Qwen3 DSpark only in its dflash_config layout); loop, sampled and extension
-cases, which run mlx-vlm's round loops on its own multimodal targets.
+`qwen3`: mlx-vlm reads Qwen3 DSpark only in its dflash_config layout); loops on a target with
+sliding layers (Gemma-4), whose mlx-lm caches mlx-vlm's cache transaction cannot roll back; the
+DSpark and MTP loops (and their sampled cases), which need from the target what the adapter would
+have to write (a speculative cache rollback; hidden states and shared K/V from its forward); the
+extension cases (mlx-vlm has no DSpark-on-DFlash extension).
 """
 
 from __future__ import annotations
@@ -50,6 +61,9 @@ import json
 import numpy as np
 
 from spec_parity import ports, third_party
+
+_ROLLBACK = ("its cache transaction (speculative/cache_state.py:166) rolls back only mlx-vlm's own "
+             "RotatingKVCache, and the target's sliding layers are mlx-lm's")
 
 
 def make_port() -> ports.Port:
@@ -61,9 +75,10 @@ def make_port() -> ports.Port:
 
 
 def run_dflash(req) -> dict:
+    if req.kind == "loop":
+        return _dflash_loop(req)
     if req.kind != "modules":
-        raise ports.Declined(f"dflash/{req.kind} is not driven by this adapter for mlx-vlm 0.7.10 "
-                             "(its round loop, speculative/dflash.py, runs on mlx-vlm's own multimodal targets)")
+        raise ports.Declined(f"mlx-vlm 0.7.10 has no dflash/{req.kind}: no DSpark-on-DFlash extension")
     return _dflash_modules(req)
 
 
@@ -74,8 +89,9 @@ def run_dspark(req) -> dict:
                              f"model_type {model_type!r} (utils.get_model_type), not a DSpark drafter: it reads "
                              "Qwen3 DSpark only with a dflash_config")
     if req.kind != "modules":
-        raise ports.Declined(f"dspark/{req.kind} is not driven by this adapter for mlx-vlm 0.7.10 (its round "
-                             "loop, speculative/dflash.py, runs on mlx-vlm's own multimodal targets)")
+        raise ports.Declined(f"mlx-vlm 0.7.10's DSpark loop ({req.kind}) needs a target with its speculative "
+                             "cache rollback: drafters/compatibility.py:47 refuses the gemma4_text model its "
+                             "loader makes of the case's target, and this adapter writes none")
     return _dspark_modules(req)
 
 
@@ -134,8 +150,10 @@ def _dspark_modules(req) -> dict:
 
 def run_assistant(req) -> dict:
     if req.kind != "step":
-        raise ports.Declined(f"assistant/{req.kind} is not driven by this adapter for mlx-vlm 0.7.10's "
-                             "gemma4_assistant (its MTP loop, speculative/mtp.py, runs on mlx-vlm's own Gemma-4)")
+        raise ports.Declined(f"mlx-vlm 0.7.10's MTP loop ({req.kind}) reads the target forward's hidden states "
+                             "and shared K/V (speculative/utils.py:307-308), which the gemma4_text model its "
+                             "loader makes of the case's target does not return; behind spec-parity's target "
+                             + _ROLLBACK)
     return _assistant_steps(req)
 
 
@@ -235,6 +253,77 @@ def _dflash_modules(req) -> dict:
         return tokens, hidden[-1][:, 1:], draft._logits(hidden[-1][:, 1:])
     return third_party.dflash_rounds(req, target, list(draft.config.target_layer_ids), draft.layers, block,
                                      draft.make_cache)
+
+
+class _Capturing:
+    """The case's target as mlx-vlm's round loop calls one: `model(ids, cache=, capture_layer_ids=)`
+    giving the logits and the captured layers' outputs (mlx-vlm's own Qwen3 and text Gemma-4,
+    which load these checkpoints, capture nothing: models/qwen3/language.py)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __getattr__(self, name):
+        """The rest is the mlx-lm model's: the drafter's `bind` reads its embedding and lm_head."""
+        return getattr(self.target.model, name)
+
+    def __call__(self, inputs, cache=None, capture_layer_ids=(), **_):
+        from mlx_vlm.models.base import LanguageModelOutput
+
+        from port import targets
+
+        t = targets.forward(self.target, inputs, caches=cache)
+        return LanguageModelOutput(logits=t.logits, hidden_states=[t.hidden[i + 1] for i in capture_layer_ids])
+
+
+def _dflash_loop(req) -> dict:
+    """mlx-vlm's DFlash round loop (`run_speculative_rounds`, as generate_step calls it after its
+    prefill) at T=0 on the case's target, behind _Capturing; its rounds are recorded from the
+    drafter's `draft_block_greedy` calls and the `accept_lens` the loop appends."""
+    import mlx.core as mx
+    from mlx_vlm.speculative.utils import run_speculative_rounds
+
+    from port import targets
+
+    target, draft = _load(req)
+    caches = targets.make_caches(target)
+    if any(type(c).__name__ != "KVCache" for c in caches):
+        raise ports.Declined("mlx-vlm 0.7.10's DFlash loop behind spec-parity's target: " + _ROLLBACK)
+    proposals, logits = [], []
+    inner, hidden_of = draft.draft_block_greedy, draft._hidden
+
+    def recording_hidden(*args):
+        h = hidden_of(*args)
+        logits.append(draft._logits(h[:, 1:])[0])
+        return h
+
+    def recording(*args, **kw):
+        out = inner(*args, **kw)
+        proposals.append(out[0])
+        return out
+    draft._hidden, draft.draft_block_greedy = recording_hidden, recording
+    model = _Capturing(target)
+    ids = mx.array(req.prompt.astype(np.int32))
+    first = model(ids, cache=caches, capture_layer_ids=list(draft.config.target_layer_ids))
+    token = mx.argmax(first.logits[:, -1], axis=-1)
+    o, tokens, per_round = req.options, [], []
+    for tok, _ in run_speculative_rounds(model, draft, caches, ids, token, first.logits[:, -1], first,
+                                         draft_kind="dflash", max_tokens=o["max_tokens"],
+                                         sampler=lambda x: mx.argmax(x, axis=-1), sampler_is_greedy=True):
+        per_round.append(len(proposals))     # committed by the round drafted last (0: the prefill)
+        if int(tok) in o["eos"]:
+            break
+        tokens.append(int(tok))
+    emitted = np.bincount(per_round, minlength=len(proposals) + 1)[1:].astype(np.int32)
+    accepted = np.array(draft.accept_lens, np.int32)[: len(proposals)]
+    drafted = np.array([len(p) for p in proposals], np.int32)
+    return {"stream.tokens": np.array(tokens, np.int32), "stream.drafted": drafted,
+            "stream.accepted": accepted, "stream.emitted": emitted[: len(proposals)],
+            "stream.proposals": np.concatenate([np.array(p) for p in proposals]).astype(np.int32)
+            if proposals else np.zeros(0, np.int32),
+            "stream.draft_logits": np.concatenate([np.array(x) for x in logits]).astype(np.float32)
+            if logits else np.zeros((0, 0), np.float32),
+            "tau": np.array([emitted.mean() if len(emitted) else 0.0])}
 
 
 def _block(draft, anchor: int, taps, cache, bs: int):

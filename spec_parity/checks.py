@@ -301,14 +301,30 @@ def _tensor(c: Tensor, sides, module, dtype, result):
         n = result.metrics[c.upto]["first_divergence"]
         n = len(r) if n is None else n
         p, r = p[:n], r[:n]
-    if c.candidates and result.tier != "L1" and not (p > -1e29).all():
-        pc, rc = p > -1e29, r > r.min()
+    if c.candidates and result.tier != "L1" and _masks(p, r):
+        nonfinite = compare._nonfinite(np.asarray(p), np.asarray(r))
+        if nonfinite:
+            return check_tensor(result, c.name, p, r, module, c.quantity, dtype, c.finding)
+        pc, rc = _candidates(p), _candidates(r)
         if not np.array_equal(pc, rc):
             result.metrics[c.name + ".candidates"] = {"ok": False, "port_only": np.flatnonzero(pc & ~rc)[:8].tolist(),
                                                       "ref_only": np.flatnonzero(rc & ~pc)[:8].tolist()}
             return result.fail(f"{c.name}: centroid candidate sets differ", c.finding)
         p, r = p[pc], r[pc]
     check_tensor(result, c.name, p, r, module, c.quantity, dtype, c.finding)
+
+
+def _masks(p, r) -> bool:
+    """Whether either side masks with a sentinel (compare.MASKED: ours -1e30, transformers' dtype
+    minimum): then the other side's fill may be another convention's (min(candidates) - 1)."""
+    return bool((np.asarray(p) <= compare.MASKED).any() or (np.asarray(r) <= compare.MASKED).any())
+
+
+def _candidates(x) -> np.ndarray:
+    """A centroid head's candidates on one side: above the sentinel where it masks with one, else
+    above its own minimum (the fill of a side that masks with min(candidates) - 1)."""
+    x = np.asarray(x)
+    return x > compare.MASKED if (x <= compare.MASKED).any() else x > x.min()
 
 
 def _tokens(c: Tokens, sides, module, dtype, result):
@@ -391,12 +407,13 @@ def _scored(c: Scored, sides, module, dtype, result):
 
 
 def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tuple, drafts: Round, ref_drop=(),
-               greedy_drop=(), greedy_prefix: bool = False, draft_logits: str = "", tau: Src | None = None) -> Plan:
+               greedy_drop=(), greedy_prefix: bool = False, draft_logits: str = "", tau: Src | None = None,
+               whole_block: bool = False) -> Plan:
     """The one serve-loop comparison, for every draft source. Findings: lossless against the
     target's greedy stream (n tokens, `eos`; `greedy_prefix` cuts it to the port's length), the
     stream against the reference loop's, the drafts round by round on the same context (the
-    reference's side: `drafts`; logits within quantity `draft_logits` where it keeps them), and the
-    schedule (per-round columns, tau)."""
+    reference's side: `drafts`; logits within quantity `draft_logits` where it keeps them;
+    `whole_block`: see Drafts), and the schedule (per-round columns, tau)."""
     checks = [Tokens("lossless_vs_greedy", P("stream.tokens"), G("greedy.tokens", drop=greedy_drop), G("greedy.logits"),
                      "not lossless: the stream vs the target's greedy one", "lossless", prefix=greedy_prefix),
               Tensor("path_logits_vs_greedy", P("stream.logits"), G("greedy.logits"), "path_logits", "lossless",
@@ -405,7 +422,7 @@ def serve_loop(ref_name: str, n: int, eos, *, schedule: tuple, ref_schedule: tup
                      f"token stream vs {ref_name}'s")]
     ours = Round(P("stream.drafted"), P("stream.emitted"), P("stream.proposals"),
                  P("stream.draft_logits") if drafts.logits is not None else None, P("stream.prefilled"))
-    checks.append(Drafts("drafts_vs_ref", ours, drafts, draft_logits))
+    checks.append(Drafts("drafts_vs_ref", ours, drafts, draft_logits, whole_block=whole_block))
     checks.append(Trace("schedule_vs_ref", schedule, ref_schedule, f"per-round schedule vs {ref_name}'s"))
     if tau is not None:
         checks.append(Mean("tau", P("tau"), tau, "tau"))

@@ -39,13 +39,16 @@ class Drafts:
     """Each round's drafts against the reference loop's round at the same context (the same number
     of tokens committed before it), on the two proposals' common prefix; and the drafter's logits
     rows there, within the budget of `quantity`. A port that drafts right but schedules its rounds
-    otherwise passes this and fails only the schedule."""
+    otherwise passes this and fails only the schedule. whole_block: a round's drafts are one block
+    whose every row depends on its length (DFlash's block attends within itself both ways), so
+    only rounds that drafted as many tokens are compared; the others are noted, not compared."""
 
     name: str
     port: Round
     ref: Round
     quantity: str = ""
     finding: str = "drafts"
+    whole_block: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,14 @@ def drafts(c: Drafts, sides, module, dtype, result):
         result.metrics["schedule_start"] = {"ok": False, "port": p, "ref": r}
         result.fail(f"its first round starts after {p} tokens past the prompt, the reference's after {r}: its "
                     f"rounds stand {abs(r - p)} token(s) {'before' if p < r else 'after'} the reference's", "schedule")
+    other = []
+    if c.whole_block:
+        other = [ctx for ctx in shared if len(port[ctx][0]) != len(ref[ctx][0])]
+        shared = [ctx for ctx in shared if ctx not in other]
+        if other:
+            result.note(f"{c.name}: {len(other)} round(s) on a shared context drafted a block of another length "
+                        f"(first after {other[0]} tokens: {len(port[other[0]][0])} vs {len(ref[other[0]][0])}): "
+                        "not compared, a block's drafts depend on its length; the schedule finding says so")
     bad, rows_p, rows_r = [], [], []
     for ctx in shared:
         (tp, lp), (tr, lr) = port[ctx], ref[ctx]
@@ -114,11 +125,13 @@ def drafts(c: Drafts, sides, module, dtype, result):
             rows_p.append(lp[:n])
             rows_r.append(lr[:n])
     result.metrics[c.name] = {"ok": not bad, "rounds_compared": len(shared), "rounds": [len(port), len(ref)],
-                              "first_bad": bad[0] if bad else None}
+                              "other_length": len(other), "first_bad": bad[0] if bad else None}
     if bad:
         ctx, tp, tr = bad[0]
         result.fail(f"drafts differ from the reference's on the same context (round after {ctx} tokens past "
                     f"the prompt: port {tp} vs ref {tr}; {len(bad)} of {len(shared)} rounds)", c.finding)
+    elif not shared and c.whole_block and set(port) & set(ref):
+        result.metrics[c.name]["compared"] = False
     elif not shared and (len(port) or len(ref)):
         result.note(f"{c.name}: not compared, no round of the port starts where one of the reference's does "
                     f"(after {sorted(port)[:4]} vs {sorted(ref)[:4]} committed tokens): the schedule differs")

@@ -46,3 +46,34 @@ def test_a_loop_that_says_it_starts_earlier_fails_the_schedule_start():
     r = harness.evaluate(_case("dspark/loop-gemma4-t0.0"), "golden", ports.Selection({"dspark": port}))
     assert r.verdict == "FAIL" and "schedule" in r.findings, r.message()
     assert r.metrics["schedule_start"] == {"ok": False, "port": 0, "ref": 1}
+
+
+def _block_of(out: dict, r: int, tokens: np.ndarray) -> dict:
+    """Our loop's output with round r's block replaced by `tokens` (its logits rows cut to fit)."""
+    sizes = np.asarray(out["stream.drafted"]).copy()
+    at, n = int(sizes[:r].sum()), int(sizes[r])
+    rows = out["stream.draft_logits"]
+    sizes[r] = len(tokens)
+    return {**out, "stream.drafted": sizes,
+            "stream.accepted": np.minimum(out["stream.accepted"], sizes).astype(np.int32),
+            "stream.proposals": np.concatenate([out["stream.proposals"][:at], tokens, out["stream.proposals"][at + n:]]),
+            "stream.draft_logits": np.concatenate([rows[:at], rows[at:at + len(tokens)], rows[at + n:]])}
+
+
+@pytest.mark.parametrize("shorter, findings", [(True, {"schedule"}), (False, {"drafts"})])
+def test_a_dflash_block_of_another_length_is_not_compared(shorter, findings):
+    """A DFlash block's every draft depends on its length (drafting.Drafts whole_block): a round
+    that drafted a shorter block on the same context is a schedule finding, not a drafts one; the
+    control, a block of the same length with other tokens, fails the drafts."""
+    ours = ports.ours().runs["dflash"]
+
+    def run(req):
+        out = ours(req)
+        r = 1
+        at, n = int(np.sum(out["stream.drafted"][:r])), int(out["stream.drafted"][r])
+        block = out["stream.proposals"][at:at + n] + 1
+        return _block_of(out, r, block[: n // 2] if shorter else block)
+    port = ports.Port(f"block-{'shorter' if shorter else 'other'}", "0", {"dflash": run}, (__file__,))
+    r = harness.evaluate(_case("dflash/loop-qwen3"), "golden", ports.Selection({"dflash": port}))
+    assert r.verdict == "FAIL" and set(r.findings) == findings, r.message()
+    assert r.metrics["drafts_vs_ref"]["other_length"] == (1 if shorter else 0)

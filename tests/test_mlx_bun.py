@@ -51,11 +51,13 @@ def missing() -> str | None:
     return None
 
 
+if why := missing():     # one line for the module, not one per test
+    pytest.skip(why, allow_module_level=True)
+
+
 @pytest.fixture(scope="module")
 def built() -> dict[str, str]:
     """setup.sh's exports (it is idempotent: a second run reuses the first one's build)."""
-    if why := missing():
-        pytest.skip(why)
     proc = subprocess.run(["bash", str(SETUP)], capture_output=True, text=True,
                           env={**os.environ, "PYTHON": sys.executable})
     assert proc.returncode == 0, proc.stderr

@@ -33,14 +33,16 @@ PEERS = [
     ("dspark", "dspark_mlx", "dspark-mlx==0.1.0", "dspark_mlx_adapter", "dspark-mlx 0.1.0",
      ["mod-qwen3", "mod-gemma4-gated", "loop-qwen3-t0.0", "sampled-agree0.8-gemma4-T2.0"]),
     ("dflash", "mlx_vlm", VLM_PIP, "mlx_vlm_adapter", "mlx-vlm 0.7.10",
-     ["mod-qwen3", "mod-qwen3-swa", "mod-gemma4", "dflash/loop-qwen3"]),
+     ["mod-qwen3", "mod-qwen3-swa", "mod-gemma4", "dflash/loop-qwen3", "dflash/loop-gemma4"]),
     ("dspark", "mlx_vlm", VLM_PIP, "mlx_vlm_adapter", "mlx-vlm 0.7.10", ["dspark/mod-qwen3", "dspark/mod-gemma4", "dspark/mod-gemma4-gated"]),
     ("assistant", "mlx_vlm", VLM_PIP, "mlx_vlm_adapter", "mlx-vlm 0.7.10",
-     ["step-gemma4-centroid-optiq", "step-gemma4-tied-optiq", "step-gemma4-centroid-transformers-hfpos"]),
+     ["step-gemma4-centroid-optiq", "step-gemma4-tied-optiq", "step-gemma4-centroid-transformers-hfpos",
+      "step-gemma4-centroid-transformers"]),
     ("dspark", "mlx_dspark", DSPARK_PIP, "mlx_dspark_adapter", "mlx-dspark 0.20.3",
      ["mod-qwen3", "mod-qwen3-embtap", "mod-qwen3-dflash", "mod-gemma4"]),
     ("dflash", "mlx_dspark", DSPARK_PIP, "mlx_dspark_adapter", "mlx-dspark 0.20.3",
-     ["dflash/mod-qwen3", "dflash/mod-qwen3-causal", "dflash/mod-qwen3-swa-torch"]),
+     ["dflash/mod-qwen3", "dflash/mod-qwen3-causal", "dflash/mod-qwen3-swa-torch", "dflash/loop-qwen3-eos",
+      "dflash/loop-agree-qwen3-bs16", "dflash/loop-gemma4"]),
 ]
 FINDINGS = ("lossless", "stream", "drafts", "schedule")     # a loop row's columns after the first failing check
 

@@ -279,7 +279,8 @@ class DFlash(Pair):
             return serve_loop("z-lab", case.params.max_tokens, eos, ref_drop=eos, greedy_prefix=True,
                               schedule=tuple(P(c) for c in cols), ref_schedule=tuple(R(c) for c in cols),
                               drafts=Round(R(cols[0]), R(cols[2]), R("stream.proposals"), R("stream.draft_logits")),
-                              draft_logits="loop_draft_logits_torch" if case.oracle == TORCH else "loop_draft_logits")
+                              draft_logits="loop_draft_logits_torch" if case.oracle == TORCH else "loop_draft_logits",
+                              whole_block=True)
         rounds, (sliding, W) = len(case.params.accepts), _sliding(case)
 
         def taps(k):  # an all-sliding drafter attends no context row older than the newest W-1
