@@ -320,7 +320,7 @@ def load(path: str | Path, dtype: mx.Dtype | None = None, model=Model, head_rows
     cfg = json.loads((path / "config.json").read_text())
     checkpoint.check_layer_types(cfg, path, "assistant")
     args = ModelArgs.from_config(cfg, path)
-    if args.use_ordered_embeddings and dtype == mx.float16:
+    if args.use_ordered_embeddings and dtype is not None and dtype == mx.float16:
         raise DrafterError(f"{path / 'config.json'}: a centroid head (use_ordered_embeddings) in float16: its mask "
                            "-1e30 overflows float16 to -inf (optiq's too), and -inf logits are no score; run it in "
                            "bfloat16 or float32")
