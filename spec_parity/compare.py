@@ -40,6 +40,7 @@ class Result:
     findings: dict = field(default_factory=dict)   # finding -> the reasons it failed (spec_parity.checks)
     trace: str = ""                                # an ERROR's formatted traceback
     coverage: dict = field(default_factory=dict)   # what was checked and what was not (spec_parity.checks)
+    phases: dict = field(default_factory=dict)     # wall seconds per phase (harness.evaluate)
 
     @property
     def ok(self) -> bool:

@@ -10,7 +10,9 @@ all_cases() and evaluate() by whoever built it (the CLI, pytest's conftest.py, a
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections.abc import Iterable
 
 import numpy as np
@@ -102,7 +104,31 @@ def live(case: Case):
     run = pair(case.module).run_oracle
     if case.path:
         return run(case)
-    return shared.once(("oracle", oracle_name(case), shared.manifest_key(case)), lambda: run(case))
+
+    def tiny():
+        with one_torch_thread():
+            return run(case)
+
+    return shared.once(("oracle", oracle_name(case), shared.manifest_key(case)), tiny)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one intra-op thread for the block: a factory checkpoint's ops are tiny, and a second
+    thread only adds handoffs (DeepSpec's sampled loop on 2 cores: 7x the CPU seconds, 4x the wall
+    time, the same bytes). Where torch is not installed, nothing to set."""
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    before = torch.get_num_threads() if torch else None
+    if torch:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if torch:
+            torch.set_num_threads(before)
 
 
 def port_run(case: Case, ref: dict, port: ports.Port | None = None) -> dict:
@@ -186,24 +212,49 @@ def oracle_name(case: Case) -> str:
     return case.oracle or pair(case.module).ORACLE
 
 
+@contextlib.contextmanager
+def timed(phases: dict, name: str):
+    """Adds the wall seconds of the block to phases[name]. A run's first case also pays the lazy
+    imports (torch, transformers, mlx-lm) of the phase that first needs them; a shared result
+    (spec_parity.shared: a control's reference run, a greedy stream) is paid by the first case
+    that asks for it."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = round(phases.get(name, 0.0) + time.perf_counter() - t0, 4)
+
+
 def evaluate(case: Case, source: str = "auto", selection: ports.Selection = ports.OURS_ONLY) -> Result:
     """The case's verdict on the port `selection` names for its module, against its reference
-    (`source`: see reference())."""
-    ref, label, versions = reference(case, source)
-    result = Result(case.module, case.name, label, case.tier)
+    (`source`: see reference()), and where its time went (Result.phases: the checkpoint factory,
+    the reference, the port, the comparison; `delta` where a failure is explained)."""
+    phases: dict = {}
+    if not case.path:
+        with timed(phases, "factory"):
+            case.checkpoint_dir()
+            if case.params.has_drafter:
+                case.drafter_dir()
+    with timed(phases, "reference"):
+        ref, label, versions = reference(case, source)
+    result = Result(case.module, case.name, label, case.tier, phases=phases)
     result.metrics["reference"] = {"ok": True, "versions": versions}
     port = selection.port(case.module)
     result.metrics["port"] = {"ok": True, "identity": port.identity}
     try:
-        arrays = port_run(case, ref, port)
+        with timed(phases, "port"):
+            arrays = port_run(case, ref, port)
     except ports.Declined as e:
         result.verdict = "DECLINED"
         result.note(f"{port.name} declines this case: {e}")
         return result
-    judge(case, arrays, ref, result)
+    with timed(phases, "compare"):
+        judge(case, arrays, ref, result)
     if not result.ok and not port.ours and pair(case.module).kind(case) != "loop" and "contract" not in result.findings:
         failed = checks.reads(pair(case.module).plan(case, ref), result.first_failure or "")
-        found = deltas.explain(case, options(case), arrays, lambda c: port_run(c, ref, ports.ours()), judge, failed)
+        with timed(phases, "delta"):
+            found = deltas.explain(case, options(case), arrays, lambda c: port_run(c, ref, ports.ours()), judge,
+                                   failed)
         if found:
             result.verdict = "DELTA"
             result.note(deltas.describe(found[0], options(case)))
