@@ -64,6 +64,8 @@ _RESULT = F("object", "one case's verdict", {
     "findings": F("object", "finding -> the reasons it failed"),
     "metrics": F("object", "check name -> its metrics (max_abs, budget, ok, ...), as the harness recorded them"),
     "trace": F("string", "an ERROR's traceback, empty otherwise"),
+    "phases": F("object", "wall seconds per phase: factory, reference, port, compare (and delta where a plug-in "
+                "port's failure was explained)"),
 })
 SCHEMA = F("object", "the report of one `spec-parity run`", {
     "schema": F("string", f"the schema's name and version: `{VERSION}`"),
