@@ -13,11 +13,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from port import dflash, serve, targets
-from port.sources.dflash import DflashProvider, DflashSource
 from spec_parity import checkpoints, goldens, harness, shared
 from spec_parity.adapters import dflash as adapter
 from spec_parity.pairs import dflash as pair
+from spec_parity.port import dflash, serve, targets
+from spec_parity.port.sources.dflash import DflashProvider, DflashSource
 
 CASES = pair.cases()
 

@@ -11,6 +11,6 @@ def make_port() -> Port:
     from . import assistant, dflash, dspark, targets
 
     runs = {"targets": targets.run, "assistant": assistant.run, "dspark": dspark.run, "dflash": dflash.run}
-    return Port("spec-parity", __version__, runs, (package_dir("port"), package_dir("spec_parity") + "/adapters",
-                                                    package_dir("oracles") + "/layers.py"))
+    return Port("spec-parity", __version__, runs, (package_dir("spec_parity.port"), package_dir("spec_parity") + "/adapters",
+                                                    package_dir("spec_parity.oracles") + "/layers.py"))
 

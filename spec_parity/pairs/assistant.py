@@ -140,7 +140,7 @@ def cases() -> list[Case]:
 
 
 def oracle_status(oracle: str = ORACLE) -> str | None:
-    from oracles.assistant import status
+    from spec_parity.oracles.assistant import status
 
     return status(oracle)
 
@@ -150,7 +150,7 @@ EOS = 1
 
 
 def run_oracle(case: Case):
-    from oracles import assistant as oracle
+    from spec_parity.oracles import assistant as oracle
 
     name, o = case.oracle, case.params
     if isinstance(o, AssistantSampled):

@@ -175,10 +175,10 @@ def cases() -> list[Case]:
 
 
 def oracle_status(oracle: str = ORACLE) -> str | None:
-    from oracles import dflash as o
+    from spec_parity.oracles import dflash as o
 
     if oracle == HEADS:
-        from oracles import dspark
+        from spec_parity.oracles import dspark
 
         return dspark.status()
     return o.torch_status() if oracle == TORCH else o.status()
@@ -188,7 +188,7 @@ PROMPT = (17, 120)
 
 
 def run_oracle(case: Case):
-    from oracles import dflash as oracle
+    from spec_parity.oracles import dflash as oracle
 
     t, d, p, o = case.checkpoint_dir(), case.drafter_dir(), case.prompt(*PROMPT), case.params
     if isinstance(o, DflashExtension):
@@ -204,7 +204,7 @@ def run_oracle(case: Case):
 def _heads_reference(case: Case):
     """DeepSpec's heads (the extension's L2 component) on the rows `_head_inputs` seeds: the
     inputs, the chain's tokens (the port is fed them: teacher-forced), rows and confidence."""
-    from oracles import dspark
+    from spec_parity.oracles import dspark
 
     x = _head_inputs(case)
     ref = dspark.extension_heads(case.drafter_dir(), x["heads.hidden"], x["heads.base_logits"], x["heads.anchor"])
@@ -291,10 +291,10 @@ def _sliding(case: Case) -> tuple[list[bool], int | None]:
 
 def _stored_positions(case: Case, ref: dict, key: str, sliding: bool, W: int | None) -> tuple[int, ...] | None:
     """Each stored row's position in a reference's context K/V (which records none): z-lab MLX's
-    sliding layers hold mlx-lm's ring buffer (replayed, oracles.dflash.ring_positions), the rest
+    sliding layers hold mlx-lm's ring buffer (replayed, spec_parity.oracles.dflash.ring_positions), the rest
     (its full layers, every z-lab torch layer) the newest rows in time order. The rows entering
     the context per round are the reference's own taps."""
-    from oracles import dflash as oracle
+    from spec_parity.oracles import dflash as oracle
 
     rounds = len(case.params.accepts)
     if any(f"taps.{r}" not in ref for r in range(rounds)):

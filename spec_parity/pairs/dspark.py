@@ -109,7 +109,7 @@ def cases() -> list[Case]:
 
 
 def oracle_status(oracle: str = ORACLE) -> str | None:
-    from oracles.dspark import status
+    from spec_parity.oracles.dspark import status
 
     return status()
 
@@ -118,7 +118,7 @@ PROMPT = (13, 128)
 
 
 def run_oracle(case: Case):
-    from oracles import dspark as oracle
+    from spec_parity.oracles import dspark as oracle
 
     p, o = case.prompt(*PROMPT), case.params
     if isinstance(o, DsparkSampled):

@@ -34,7 +34,7 @@ def cases() -> list[Case]:
 def oracle_status(oracle: str = ORACLE) -> str | None:
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if missing:
-        from oracles.targets import INSTALL
+        from spec_parity.oracles.targets import INSTALL
 
         return f"{', '.join(missing)} not installed: {INSTALL}"
     return None
@@ -44,7 +44,7 @@ PROMPT = (7, None)      # (seed salt, id bound): None = the checkpoint's vocabul
 
 
 def run_oracle(case: Case):
-    from oracles import targets as oracle
+    from spec_parity.oracles import targets as oracle
 
     model = oracle.load(case.checkpoint_dir())
     ids = case.prompt(*PROMPT).astype(np.int64)
