@@ -30,7 +30,7 @@ the block embedding is always the target's scaled one (option `embed`), and the 
 is dflash-mlx's own (option `window`): every context row is kept and masked by position. Stored
 context K/V (`ctx_*`) are its caches' rows, with their positions (`position_indices()`,
 `ctx_pos.*`), so the harness compares them as attended. Each draft layer's output in round 0 is
-recorded from outside (`draft.layers` wrapped, oracles.layers.mlx_recorded, as for the
+recorded from outside (`draft.layers` wrapped, spec_parity.oracles.layers.mlx_recorded, as for the
 references: `layer.*`), and, fed the reference's, once more from fresh caches (`own.*`): the
 first divergent layer.
 
@@ -89,8 +89,8 @@ def _load(req):
 def _modules(req) -> dict:
     import mlx.core as mx
 
-    from oracles.layers import as_numpy, mlx_recorded
     from spec_parity.checks import layer_feeds
+    from spec_parity.oracles.layers import as_numpy, mlx_recorded
 
     target, ops, draft = _load(req)
     o = req.options

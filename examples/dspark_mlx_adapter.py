@@ -10,7 +10,7 @@ The drafter is dspark-mlx's own (`load_draft`: its arch registry, Qwen3 or Gemma
 Markov and confidence heads). The target is the host, which dspark-mlx leaves to its user
 (`BaseModelAdapter`): on Qwen3 its own `hosts.MlxLmHostAdapter`; on Gemma-4 its host is
 mlx-vlm's multimodal model, which does not load an mlx-lm `gemma4_text` checkpoint, so a small
-`BaseModelAdapter` here runs spec-parity's mlx-lm target (port.targets, which the targets pair
+`BaseModelAdapter` here runs spec-parity's mlx-lm target (spec_parity.port.targets, which the targets pair
 holds to transformers) and hands dspark-mlx the tapped hiddens `hidden_states[l + 1]`. Loading and
 the first draft, which the bench makes too, are written once, in spec_parity/third_party.py.
 
@@ -64,7 +64,7 @@ class _Host:
     call with the mlx-lm caches, taps = the outputs of `target_layer_ids`, rollback = trim."""
 
     def __init__(self, path, target_layer_ids, dtype):
-        from port import targets
+        from spec_parity.port import targets
 
         self.target = targets.load(path, dtype)
         self.target_layer_ids = tuple(target_layer_ids)
@@ -73,7 +73,7 @@ class _Host:
     def _run(self, ids):
         import mlx.core as mx
 
-        from port import targets
+        from spec_parity.port import targets
 
         t = targets.forward(self.target, ids, caches=self.caches)
         return t.logits, mx.concatenate([t.hidden[i + 1] for i in self.target_layer_ids], axis=-1)
@@ -94,7 +94,7 @@ class _Host:
         return self.caches[0].offset
 
     def kv_rollback(self, n_keep: int) -> None:
-        from port import serve
+        from spec_parity.port import serve
 
         serve.trim_caches(self.caches, self.caches[0].offset - n_keep)
 

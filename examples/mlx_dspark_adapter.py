@@ -21,7 +21,7 @@ head) and `confidence_logits`. Internals, and how they are read:
 - Markov-corrected logits: `sample_block` does not return them; each row is recomputed as its
   loop computes it, the base row plus `markov_head.step_bias(previous token)`;
 - per-layer context K/V: its `CtxCache` objects (`k`, `v`, in position order);
-- each drafter layer's output: `drafter.layers` wrapped from outside (oracles.layers).
+- each drafter layer's output: `drafter.layers` wrapped from outside (spec_parity.oracles.layers).
 - the proposal length at a threshold: mlx-dspark has no function for it; its loop
   (generate.py, "optional confidence-based truncation") keeps a draft while the cumulative
   product of sigmoid(confidence) stays at or above t, and proposes at least one token. The
@@ -130,7 +130,7 @@ def _dflash_modules(req) -> dict:
     import mlx.core as mx
     from mlx_dspark.load import load_dflash
 
-    from port import targets
+    from spec_parity.port import targets
 
     dtype = getattr(mx, req.dtype)
     target = targets.load(req.target, dtype)
@@ -185,8 +185,8 @@ def _kept(conf: np.ndarray, t: float) -> int:
 def _modules(req) -> dict:
     import mlx.core as mx
 
-    from oracles.layers import as_numpy
     from spec_parity.checks import layer_feeds
+    from spec_parity.oracles.layers import as_numpy
 
     drafter, config, target = _load(req)
     tap = list(config.target_layer_ids)
@@ -224,7 +224,7 @@ def _draft(drafter, taps, anchor: int, p: int, recorded: dict, feed: dict | None
     (caches, the block's final hidden [1, B, H]); layer outputs into `recorded`."""
     import mlx.core as mx
 
-    from oracles.layers import mlx_recorded
+    from spec_parity.oracles.layers import mlx_recorded
 
     caches = drafter.make_ctx_cache()
     drafter.update_context(taps, 0, caches)

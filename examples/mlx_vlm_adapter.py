@@ -16,7 +16,7 @@ checkpoint, which picks the drafter package and its config class from config.jso
 (`utils.get_model_type`: a `dflash_config` makes a Qwen3 checkpoint `qwen3_dflash`). The target
 is the case's mlx-lm checkpoint (mlx-vlm's own models are multimodal; its DFlash drafter binds to
 any model with `embed_tokens`, `DFlashDraftModel.bind`), run by spec-parity's mlx-lm target
-(port.targets, which the targets pair holds to transformers); the taps are its layer outputs
+(spec_parity.port.targets, which the targets pair holds to transformers); the taps are its layer outputs
 `hidden[l + 1]`, as mlx-vlm's targets capture them for its round loop (the output of layer l:
 models/gemma4/language.py, `capture_layer_ids`).
 
@@ -26,7 +26,7 @@ block hidden is recorded by wrapping the drafter instance's `_hidden` (its outpu
 the logits are that hidden through its `_logits`, as draft_block computes them. Context K/V are
 its `KVCache` states (a sliding layer's `RotatingKVCache` is a ring whose row positions it does
 not give: not returned). Each drafter layer's output in round 0 is recorded from outside
-(oracles.layers), and once more fed the reference's layers (`own.*`).
+(spec_parity.oracles.layers), and once more fed the reference's layers (`own.*`).
 
 dspark/modules (`gemma4_dspark`, and any checkpoint the loader routes to a DSpark drafter) runs
 the first block after the prompt (`_dspark_modules`). A DSpark drafter's `bind` checks the target
@@ -103,9 +103,9 @@ def _dspark_modules(req) -> dict:
     threshold's proposal is the whole block."""
     import mlx.core as mx
 
-    from oracles.layers import as_numpy, mlx_recorded
-    from port import targets
     from spec_parity.checks import layer_feeds
+    from spec_parity.oracles.layers import as_numpy, mlx_recorded
+    from spec_parity.port import targets
 
     target, draft = _load(req)
     ids, bs = list(draft.config.target_layer_ids), int(draft.config.block_size)
@@ -163,10 +163,10 @@ def _assistant_steps(req) -> dict:
     as its MTP loop hands them over (`set_shared_kv`)."""
     import mlx.core as mx
 
-    from oracles.layers import as_numpy, mlx_recorded
-    from port import targets
     from spec_parity.checks import layer_feeds
     from spec_parity.drafters.assistant.adapter import step_inputs
+    from spec_parity.oracles.layers import as_numpy, mlx_recorded
+    from spec_parity.port import targets
 
     dtype = getattr(mx, req.dtype)
     target = targets.load(req.target, dtype)
@@ -226,7 +226,7 @@ def _load(req):
     at the request's dtype."""
     import mlx.core as mx
 
-    from port import targets
+    from spec_parity.port import targets
 
     dtype = getattr(mx, req.dtype)
     target = targets.load(req.target, dtype)
@@ -270,7 +270,7 @@ class _Capturing:
     def __call__(self, inputs, cache=None, capture_layer_ids=(), **_):
         from mlx_vlm.models.base import LanguageModelOutput
 
-        from port import targets
+        from spec_parity.port import targets
 
         t = targets.forward(self.target, inputs, caches=cache)
         return LanguageModelOutput(logits=t.logits, hidden_states=[t.hidden[i + 1] for i in capture_layer_ids])
@@ -283,7 +283,7 @@ def _dflash_loop(req) -> dict:
     import mlx.core as mx
     from mlx_vlm.speculative.utils import run_speculative_rounds
 
-    from port import targets
+    from spec_parity.port import targets
 
     target, draft = _load(req)
     caches = targets.make_caches(target)

@@ -17,7 +17,7 @@ and the T=0 loop `dflash_generate` (with return_stats=True for its per-round acc
 its timing helper calls torch.cuda.synchronize(), so that one helper is replaced by
 time.perf_counter on CPU). The loop is observed through wrappers that record what the drafter's
 `compute_logits` and the target's forward return; nothing they compute is changed. The bench's
-zlab-torch side (spec_parity/bench/peers.py) imports this file as `oracles.dflash_torch_runner`
+zlab-torch side (spec_parity/bench/peers.py) imports this file as `spec_parity.oracles.dflash_torch_runner`
 for the same block calls (`empty_drafter`, `make_cache`, `draft_block`), in its own process.
 """
 

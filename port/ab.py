@@ -5,7 +5,7 @@ are the pairing unit: per-prompt deltas cancel prompt difficulty and machine-loa
 the arms. The gate: B may lose at most `max_drop_pts` absolute points of acceptance AND must be
 strictly faster in wall clock.
 
-`run_ab` runs both arms through the one serve loop (`port.serve.generate`), prompt by prompt,
+`run_ab` runs both arms through the one serve loop (`spec_parity.port.serve.generate`), prompt by prompt,
 alternating which arm goes first; at T=0 both arms must emit the target's own greedy stream, so
 a stream mismatch is an error (a broken loop or drafter), not a result.
 

@@ -175,7 +175,7 @@ class BucketCache(KVCache):
 
 
 class VerifyCache(BucketCache):
-    """A target layer's cache on the bucketed verify (port.serve.generate's `kv_bucket`): mlx-lm's
+    """A target layer's cache on the bucketed verify (spec_parity.port.serve.generate's `kv_bucket`): mlx-lm's
     layer gets the WHOLE buffer from update_and_fetch and `mask`'s additive mask, so the attention
     kernel sees a key length that changes only when the buffer grows by a bucket. Trimming (the
     serve loop's rejected drafts) only moves offset, as KVCache's does; rows past it are masked

@@ -1,6 +1,6 @@
 """Sampling at verify: the request's sampler, logits processors and the two acceptance rules.
 
-The serve loop (`port.serve.generate`) calls these with a batch of one; the functions take a
+The serve loop (`spec_parity.port.serve.generate`) calls these with a batch of one; the functions take a
 leading batch axis so the statistical tests can run the very same arithmetic over many
 independent streams at once.
 

@@ -21,7 +21,7 @@ class ServeOptions:
     gamma: draft tokens per round. eos: the stop tokens (None: the target's own). record: keep the
     logits row each committed token came from (`Stats.logits`).
 
-    `sampler` (port.sampling.Sampler), `processors` (callables (tokens, logits [1, V]) -> logits,
+    `sampler` (spec_parity.port.sampling.Sampler), `processors` (callables (tokens, logits [1, V]) -> logits,
     mlx-lm's convention, applied to every verify row before acceptance and to the draft rows of a
     source with `draft_sampled`), `mode` ("match" or "rejection") and `draft_sampler` (rejection:
     what the drafts are drawn from; default the request's sampler) select the sampling verify, see

@@ -251,7 +251,7 @@ def make_caches(target: Target, kv_bucket: int | None = None, strict: bool = Tru
     mlx-lm would make (port/compiled.py: the bucketed verify). A sliding layer's VerifyCache keeps
     every row in time order and masks the window instead of rotating. A target whose caches the
     bucketed verify cannot replace is refused, or with `strict` off keeps mlx-lm's (the same
-    computation, unbucketed: port.serve.generate's "auto")."""
+    computation, unbucketed: spec_parity.port.serve.generate's "auto")."""
     caches = make_prompt_cache(target.model)
     if check_bucket(kv_bucket, ValueError) is None:
         return caches

@@ -28,9 +28,9 @@ class BadInput(Exception):
 def _bad_input_errors() -> tuple[type[Exception], ...]:
     """What main() reports as bad input: the refusals of our loaders and readers. Only modules
     already imported are looked at (one that was not imported raised nothing)."""
-    refusals = {"port.checkpoint": "CheckpointError", "port.ab": "PromptsError", "port.assistant": "DrafterError",
-                "port.dspark": "DSparkError", "port.dflash": "DFlashError", "port.heads": "HeadError",
-                "port.calibration": "ThresholdError", "port.targets": "TargetError",
+    refusals = {"spec_parity.port.checkpoint": "CheckpointError", "spec_parity.port.ab": "PromptsError", "spec_parity.port.assistant": "DrafterError",
+                "spec_parity.port.dspark": "DSparkError", "spec_parity.port.dflash": "DFlashError", "spec_parity.port.heads": "HeadError",
+                "spec_parity.port.calibration": "ThresholdError", "spec_parity.port.targets": "TargetError",
                 "spec_parity.bench.combine": "CombineError", "spec_parity.matrix": "MatrixError", "spec_parity.fuzz": "FuzzError", "spec_parity.bench.loops": "OptionError"}
     return (BadInput, *(getattr(sys.modules[m], n) for m, n in refusals.items() if m in sys.modules))
 
@@ -38,7 +38,7 @@ def _bad_input_errors() -> tuple[type[Exception], ...]:
 def _preflight(args, drafters: tuple[str, ...] = ()) -> None:
     """Checks every checkpoint directory the command names and --out before the first case runs
     (a bad --out was found only after the last case)."""
-    from port import checkpoint
+    from spec_parity.port import checkpoint
 
     if getattr(args, "target", None):
         checkpoint.check_dir(args.target, "--target", checkpoint.TARGETS)
@@ -294,7 +294,7 @@ def cmd_measure(args) -> int:
 def cmd_ab(args) -> int:
     """Paired drafter A/B through the serve loop at T=0: prints the report (JSON with --json).
     Exit 0 on PASS, 1 on FAIL."""
-    from port import ab, checkpoint
+    from spec_parity.port import ab, checkpoint
 
     _preflight(args, ("a", "b"))
     if args.json:

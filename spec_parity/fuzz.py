@@ -125,8 +125,8 @@ def evaluate(config: Config, selection: ports.Selection = ports.OURS_ONLY) -> Ou
 
 def _refusal(e: BaseException) -> bool:
     """Our port's one-line refusal of a checkpoint it does not fully understand: a ValueError of a
-    class the port defines (port.checkpoint.CheckpointError, port.dflash.DFlashError, ...)."""
-    return isinstance(e, ValueError) and type(e).__module__.split(".")[0] == "port"
+    class the port defines (spec_parity.port.checkpoint.CheckpointError, spec_parity.port.dflash.DFlashError, ...)."""
+    return isinstance(e, ValueError) and type(e).__module__.startswith("spec_parity.port.")
 
 
 def _line(e: BaseException) -> str:

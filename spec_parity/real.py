@@ -45,7 +45,7 @@ def target_family(path: Path) -> str:
 
 
 def drafter_family(path: Path) -> str:
-    from port.checkpoint import ASSISTANT_TYPES, drafter_kind
+    from spec_parity.port.checkpoint import ASSISTANT_TYPES, drafter_kind
 
     cfg = _config(path, "drafter")
     kind = drafter_kind(cfg)
@@ -96,7 +96,7 @@ def _dtype_note(target, drafter, run: str) -> str:
     """What a case on weights stored in another dtype runs at, for its name (every report shows
     it): every loader, the references' and the port's, casts them to the case's dtype, so a bf16
     or fp16 checkpoint computes at float32 (exactly its weights) and the float32 budgets hold."""
-    from port.checkpoint import stored_dtype
+    from spec_parity.port.checkpoint import stored_dtype
 
     t, d = stored_dtype(target), stored_dtype(drafter) if drafter else None
     if {t, d} - {None} == {run}:
@@ -116,7 +116,7 @@ def check_pair(target: str | Path, drafter: str | Path | None) -> None:
     """Load the target (lazily) and the drafter as the cases will, and pair them: a tensor the
     loaders refuse or a (target, drafter) mismatch is bad input, refused before the first case
     (otherwise each case would report it as its ERROR)."""
-    from port import assistant, dflash, dspark, targets
+    from spec_parity.port import assistant, dflash, dspark, targets
 
     t = targets.load(target, lazy=True)
     if drafter is None:

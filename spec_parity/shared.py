@@ -88,7 +88,7 @@ def manifest_key(case) -> str:
 
 def stamp(path: str | Path) -> tuple:
     """A checkpoint directory's identity: resolved path, and size and mtime of each file."""
-    from port import checkpoint
+    from spec_parity.port import checkpoint
 
     path = Path(path).resolve()
     stats = [f.stat() for f in checkpoint.files(path)]
@@ -96,7 +96,7 @@ def stamp(path: str | Path) -> tuple:
 
 
 def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = None, dtype: str = "float32"):
-    """`port.targets.greedy` of the target in `checkpoint` on `prompt` ([1, T] or a token list),
+    """`spec_parity.port.targets.greedy` of the target in `checkpoint` on `prompt` ([1, T] or a token list),
     its weights cast to `dtype` (the case's: a bf16 checkpoint in a float32 case runs at float32):
     the new tokens (a fresh list) and the logits each was chosen from [len, V]. Also kept on disk
     (`_memo`): every serve-loop test reads one, and each run of the suite would decode them anew."""
@@ -107,7 +107,7 @@ def greedy(checkpoint: str | Path, prompt, n: int, eos: Iterable[int] | None = N
     def compute():
         import mlx.core as mx
 
-        from port import targets
+        from spec_parity.port import targets
 
         memo = _memo(Path(key[0]), ids, n, eos, dtype)
         kept = _read_memo(memo)
@@ -137,7 +137,7 @@ def _memo(checkpoint: Path, ids: list[int], n: int, eos, dtype: str = "float32")
     checkpoint over MEMO_MAX_BYTES (a real one: hashing it would cost more than decoding)."""
     import mlx.core as mx
 
-    from port import checkpoint as ckpt
+    from spec_parity.port import checkpoint as ckpt
 
     files = ckpt.files(checkpoint)
     if sum(f.stat().st_size for f in files) > MEMO_MAX_BYTES:
@@ -169,7 +169,7 @@ def _code_digest() -> str:
     import mlx.core as mx
     import mlx_lm
 
-    from port import targets
+    from spec_parity.port import targets
 
     models = Path(mlx_lm.__file__).parent / "models"
     h = hashlib.sha256(f"{mx.__version__}|{getattr(mlx_lm, '__version__', '')}".encode())

@@ -157,15 +157,15 @@ def dflash_rounds(req, target, ids: list[int], layers: list, draft, make_cache) 
     """dflash/modules' forced-commit rounds for a drafter that drafts a block from new context
     rows: `draft(anchor, taps, cache)` -> (tokens [1, B-1], final-normed hidden of rows 1..B-1,
     their logits), `make_cache()` its fresh context caches (mlx-lm caches: a full layer's
-    `KVCache` state is returned as ctx_*). The target is spec-parity's mlx-lm one (port.targets),
+    `KVCache` state is returned as ctx_*). The target is spec-parity's mlx-lm one (spec_parity.port.targets),
     prefilled as the case's `prefill` says; `layers` are recorded in round 0 (`layer.*`) and, fed
     the reference's, once more on fresh caches (`own.*`)."""
     import mlx.core as mx
     import numpy as np
 
-    from oracles.layers import as_numpy, mlx_recorded
-    from port import serve, targets
     from spec_parity.checks import layer_feeds
+    from spec_parity.oracles.layers import as_numpy, mlx_recorded
+    from spec_parity.port import serve, targets
 
     def prefilled():
         p, caches, feats = req.prompt, targets.make_caches(target), []

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from port import assistant, checkpoint, dflash, dspark, targets
 from spec_parity import checkpoints
+from spec_parity.port import assistant, checkpoint, dflash, dspark, targets
 
 # family -> (kind, overrides, loader, its error, the target kind it pairs with, the pair check)
 FAMILIES = {
@@ -233,7 +233,7 @@ OPTIONAL = {
                "sliding_window", "tie_word_embeddings", "num_anchors"),
 }
 # markov_head_type and confidence_head_with_markov are required only when markov_rank > 0 /
-# enable_confidence_head (port.checkpoint.REQUIRED_WHEN, DeepSpec's rule); the factory's base
+# enable_confidence_head (spec_parity.port.checkpoint.REQUIRED_WHEN, DeepSpec's rule); the factory's base
 # DSpark drafter turns both on, so their mutations must be refused.
 # The harness case each family's mutation is compared on (its drafter replaced by the mutated one).
 CASES = {"assistant": "step-gemma4-centroid-optiq", "dflash": "mod-gemma4", "dspark": "mod-gemma4"}

@@ -1,6 +1,6 @@
 """The tiny Gemma-4 targets and sources the T > 0 tests share (a helper module: no tests here):
 the setups (`setup_kinds`, `setup`), the target's exact distribution of its first tokens
-(`target_exact`, `exact`), and N seeded requests through `port.serve.generate` tested against
+(`target_exact`, `exact`), and N seeded requests through `spec_parity.port.serve.generate` tested against
 it (`run_streams`, `e2e_tests`)."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from port import sampling, serve, targets
-from port.sources.assistant import AssistantProvider
-from port.sources.dflash import DflashProvider
-from port.sources.dspark import DeepspecProvider
 from spec_parity import checkpoints
+from spec_parity.port import sampling, serve, targets
+from spec_parity.port.sources.assistant import AssistantProvider
+from spec_parity.port.sources.dflash import DflashProvider
+from spec_parity.port.sources.dspark import DeepspecProvider
 
 from stats import stat_tests
 

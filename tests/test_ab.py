@@ -1,4 +1,4 @@
-"""port.ab: paired drafter A/B statistics (seed semantics), the report, and `spec-parity ab`.
+"""spec_parity.port.ab: paired drafter A/B statistics (seed semantics), the report, and `spec-parity ab`.
 
 Same scheme as tests/test_calibration.py: each property is a plain `prop_*(verdict_fn, example)`;
 the `@given` test runs it on the port, its control on the port with one planted bug
@@ -15,8 +15,8 @@ from deepdiff import DeepDiff
 from hypothesis import given
 from hypothesis import strategies as st
 
-from port import ab
 from spec_parity import checkpoints, controls, harness
+from spec_parity.port import ab
 
 from controls import must_fail
 
@@ -282,8 +282,8 @@ class _Recording:
 
 @pytest.mark.slow
 def test_ab_command_on_tiny_drafters(tmp_path, capsys):
-    from port.sources.assistant import AssistantProvider
     from spec_parity import checkpoints, cli
+    from spec_parity.port.sources.assistant import AssistantProvider
 
     target = checkpoints.build("gemma4-target", 0, {})
     da, db = checkpoints.build("gemma4-assistant", 0, {}), checkpoints.build("gemma4-assistant", 1, {})

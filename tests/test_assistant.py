@@ -6,8 +6,8 @@ The cases themselves (golden and live; each planted bug must fail) run in tests/
 import mlx.core as mx
 import pytest
 
-from port import assistant, targets
 from spec_parity import checkpoints, shared
+from spec_parity.port import assistant, targets
 
 
 def _load(kind, overrides=None):
@@ -90,7 +90,7 @@ def test_sliding_view_conventions():
 
 
 def test_plain_serve_loop_is_greedy_decoding():
-    from port import serve
+    from spec_parity.port import serve
 
     target = targets.load(_load("gemma4-target"))
     prompt = list(range(3, 15))
@@ -104,7 +104,7 @@ def test_trimmed_rotating_cache_continues_like_a_fresh_one():
     that only ever saw the committed tokens."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from port import serve
+    from spec_parity.port import serve
 
     target = targets.load(_load("gemma4-target"))
     seq = list(range(3, 23))
@@ -122,7 +122,7 @@ def test_trimmed_rotating_cache_continues_like_a_fresh_one():
 
 
 def test_stats_tau_and_acceptance():
-    from port.serve import Stats
+    from spec_parity.port.serve import Stats
 
     s = Stats(drafted=8, accepted=3, trace=[(4, 1, 2), (4, 2, 3)])
     assert s.acceptance == 3 / 8 and s.tau == 2.5

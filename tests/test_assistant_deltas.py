@@ -17,7 +17,7 @@ BASE = pair.step_case("gemma4", "centroid", "transformers")
 
 @pytest.fixture(scope="module")
 def hf(live_oracle_module):
-    from oracles import assistant as oracle
+    from spec_parity.oracles import assistant as oracle
 
     return oracle, step_inputs(BASE.checkpoint_dir(), harness.prompt(BASE), BASE.dtype)
 
@@ -45,7 +45,7 @@ def test_delta1_draft_position_p_plus_k_vs_constant_p(hf):
     assert np.abs(optiq_conv[1:] - hf_conv[1:]).max() > 1e-2  # later steps: P+k vs P
     import inspect
 
-    from port.sources.assistant import AssistantSource
+    from spec_parity.port.sources.assistant import AssistantSource
 
     assert inspect.signature(AssistantSource).parameters["positions"].default == "optiq"
 
@@ -81,7 +81,7 @@ def test_port_reads_committed_rows_only():
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from port import targets
+    from spec_parity.port import targets
 
     target = targets.load(BASE.checkpoint_dir())
     caches = make_prompt_cache(target.model)

@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from port.fast import kernels
 from spec_parity import bench, cli, controls, harness
 from spec_parity.bench import port_sides, report, runner, serve, shapes, sides, timing
+from spec_parity.port.fast import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -41,7 +41,7 @@ if verdict == "CRASH":
 from spec_parity import report
 from spec_parity.compare import Result
 
-reason = {"FAIL": "planted", "IMPORT": "No module named 'port.targets'"}.get(verdict, "")
+reason = {"FAIL": "planted", "IMPORT": "No module named 'spec_parity.port.targets'"}.get(verdict, "")
 result = Result("targets", args.case, "stub", "L2", verdict="ERROR" if verdict == "IMPORT" else verdict,
                 reason=reason)
 report.write(Path(args.out), [(result, "PASS")], "stub")
@@ -89,7 +89,7 @@ def test_classify_maps_run_outcomes_to_git_bisect_codes(tmp_path):
     ok = Result("targets", CASE, "o", "L2")
     ctl = Result("targets", "qwen3-control-rope-L1", "o", "L2", verdict="FAIL", reason="layer 1")
     broken = Result("targets", CASE, "o", "L2", verdict="FAIL", reason="logits differ")
-    missing = Result("targets", CASE, "o", "L2", verdict="ERROR", reason="No module named 'port.targets'")
+    missing = Result("targets", CASE, "o", "L2", verdict="ERROR", reason="No module named 'spec_parity.port.targets'")
     syntax = Result("targets", CASE, "o", "L2", verdict="ERROR", reason="invalid syntax (targets.py, line 3)")
     crash = Result("targets", CASE, "o", "L2", verdict="ERROR", reason="shapes (1,4) and (2,4) differ")
     assert outcome([(ok, "PASS"), (ctl, "FAIL")], 0) == (bisect.GOOD, "as expected")

@@ -30,14 +30,14 @@ from test_speed import (
     round_syncs,
 )
 
-from port import compiled, dflash, dspark, serve, targets
-from port.fast import assistant as fast_assistant
-from port.fast import dflash as fast_dflash
-from port.fast import dspark as fast_dspark
-from port.fast import kernels
-from port.sources.assistant import AssistantSource
-from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import budgets, checkpoints, compare, controls, harness
+from spec_parity.port import compiled, dflash, dspark, serve, targets
+from spec_parity.port.fast import assistant as fast_assistant
+from spec_parity.port.fast import dflash as fast_dflash
+from spec_parity.port.fast import dspark as fast_dspark
+from spec_parity.port.fast import kernels
+from spec_parity.port.sources.assistant import AssistantSource
+from spec_parity.port.sources.dspark import DeepspecProvider, DeepspecSource
 
 BUCKET = 8
 KERNELS = pytest.mark.skipif(not kernels.available(), reason="the kernels run on MLX CUDA only")
@@ -229,7 +229,7 @@ LOOPS = {"dspark": True, "dspark-threshold": True, "dflash": True, "dflash-extra
 
 @pytest.mark.parametrize("name", harness.slow_except(LOOPS, "dflash"))
 def test_serve_loop_with_bucketed_source_is_lossless(name, monkeypatch):
-    """port.serve.generate with the bucketed source emits the target's own greedy stream (plain
+    """spec_parity.port.serve.generate with the bucketed source emits the target's own greedy stream (plain
     decoding through the same loop), an agreeing drafter's drafts are accepted, the block is
     traced less often than once per round, and a round still syncs within its bound."""
     _, kind, overrides, make, gamma, bound = next(s for s in SOURCES if s[0] == name)

@@ -1,4 +1,4 @@
-"""The bucketed verify (`kv_bucket` of port.serve.generate, opt-in): the target's caches are buffers a
+"""The bucketed verify (`kv_bucket` of spec_parity.port.serve.generate, opt-in): the target's caches are buffers a
 whole number of buckets long (port/compiled.py VerifyCache) that mlx-lm's own layers attend over whole,
 under an additive mask (causal over the new rows, -inf past them; Gemma-4's sliding layers: the window
 over the time-ordered buffer instead of a rotating one), so the attention kernel sees a key length that
@@ -33,17 +33,17 @@ from test_bucketed import (
 )
 from test_speed import DFLASH_VARIANTS, PROMPT, SOURCES, _bits_equal
 
-from port import compiled, serve, targets
-from port.fast import assistant as fast_assistant
-from port.fast import dflash as fast_dflash
-from port.fast import dspark as fast_dspark
-from port.fast import kernels
-from port.fast import verify as fast_verify
-from port.sources.assistant import AssistantProvider
-from port.sources.dflash import DflashProvider
-from port.sources.dspark import DeepspecProvider
 from spec_parity import checkpoints, compare, controls, harness, shared
 from spec_parity.bench import counters, port_sides
+from spec_parity.port import compiled, serve, targets
+from spec_parity.port.fast import assistant as fast_assistant
+from spec_parity.port.fast import dflash as fast_dflash
+from spec_parity.port.fast import dspark as fast_dspark
+from spec_parity.port.fast import kernels
+from spec_parity.port.fast import verify as fast_verify
+from spec_parity.port.sources.assistant import AssistantProvider
+from spec_parity.port.sources.dflash import DflashProvider
+from spec_parity.port.sources.dspark import DeepspecProvider
 
 TOKENS = 40
 PLAIN = {None: "qwen3-target", "gemma4": "gemma4-target"}   # plain decoding through the loop (one row per verify)

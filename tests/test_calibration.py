@@ -1,4 +1,4 @@
-"""port.calibration: threshold fit (seed semantics), the calibration file, STS, Algorithm 1.
+"""spec_parity.port.calibration: threshold fit (seed semantics), the calibration file, STS, Algorithm 1.
 
 No reference implementation exists for this math, so the proof is properties. Each property is a
 plain function `prop_*(fn, example)` that asserts; the `@given` test runs it on the port, and its
@@ -22,7 +22,7 @@ from deepdiff import DeepDiff
 from hypothesis import given
 from hypothesis import strategies as st
 
-from port import calibration as cal
+from spec_parity.port import calibration as cal
 
 from controls import must_fail
 

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from port import assistant, checkpoint, dflash, dspark, targets
 from spec_parity import checkpoints
+from spec_parity.port import assistant, checkpoint, dflash, dspark, targets
 
 FAMILIES = sorted(m.FAMILIES)
 DRAFTERS = sorted(m.NEST)
@@ -221,7 +221,7 @@ def test_control_a_loader_that_defaults_markov_head_type_is_caught(monkeypatch, 
 
 
 def test_control_a_target_refusal_left_to_mlx_lm_is_caught(monkeypatch):
-    """port.targets.load passing mlx-lm's own refusal through (two lines, no file) fails the
+    """spec_parity.port.targets.load passing mlx-lm's own refusal through (two lines, no file) fails the
     tensor properties for both targets."""
     examples = [(f, "model.layers.0.extra.weight") for f in ("qwen3", "gemma4")]
     assert not _fails(m.check_tensor_extra, examples)

@@ -67,7 +67,7 @@ def test_mlx_lm_loads_it_strictly(kind, ov, tmp_path):
 
 @pytest.mark.parametrize("kind,ov", DRAFTERS)
 def test_port_loads_every_drafter_kind(kind, ov, tmp_path):
-    from port import assistant
+    from spec_parity.port import assistant
 
     d = assistant.load(checkpoints.build(kind, 0, ov, root=tmp_path))
     assert d.head == ("tied" if ov.get("use_ordered_embeddings") is False else "centroid")
@@ -76,7 +76,7 @@ def test_port_loads_every_drafter_kind(kind, ov, tmp_path):
 def test_agreeing_target_greedy_walks_its_permutation(tmp_path):
     import mlx.core as mx
 
-    from port import targets
+    from spec_parity.port import targets
     f = checkpoints.agreeing.agreement(0, 0.6).f
     t = targets.load(checkpoints.build("gemma4-target-agreeing", 0, {}, root=tmp_path))
     prompt = [5, 9, 17, 33, 40]

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from port import dspark, serve
 from spec_parity import controls, harness
+from spec_parity.port import dspark, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,12 +42,12 @@ def test_every_control_swaps_only_its_declared_seam(module):
 def test_a_seam_the_port_lost_is_named_and_an_undeclared_swap_refused(monkeypatch):
     """The negative controls of the two tests above: a seam renamed away, a swap left out of SEAMS."""
     monkeypatch.delattr(serve, "_kept")
-    with pytest.raises(controls.ControlError, match="seam port.serve:_kept: .*rename it in SEAMS"):
-        controls.resolve("port.serve:_kept")
+    with pytest.raises(controls.ControlError, match="seam spec_parity.port.serve:_kept: .*rename it in SEAMS"):
+        controls.resolve("spec_parity.port.serve:_kept")
     monkeypatch.undo()
     monkeypatch.setattr(controls.importlib.import_module("spec_parity.controls.serve"), "SEAMS",
-                        ("port.serve:_kept", "port.serve:_verdict"))
-    with pytest.raises(controls.ControlError, match="control serve/trim swaps port.serve:trim_caches, not in SEAMS"):
+                        ("spec_parity.port.serve:_kept", "spec_parity.port.serve:_verdict"))
+    with pytest.raises(controls.ControlError, match="control serve/trim swaps spec_parity.port.serve:trim_caches, not in SEAMS"):
         with controls.planted("serve", "trim"):
             pass
     with controls.planted("serve", "bonus"):
@@ -61,7 +61,7 @@ def test_a_control_is_undone_after_its_block():
     assert (dspark.Model.embed, serve._kept, serve._verdict) == plain
     with pytest.raises(RuntimeError), controls.planted("serve", "trim"):
         raise RuntimeError
-    assert serve.trim_caches.__module__ == "port.serve"
+    assert serve.trim_caches.__module__ == "spec_parity.port.serve"
 
 
 def test_an_inherited_attribute_is_removed_again():

@@ -13,10 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from port import dflash, serve, targets
-from port.sources.dflash import DflashProvider, DflashSource
 from spec_parity import checkpoints, goldens, harness, shared
 from spec_parity.drafters.dflash import adapter, pair
+from spec_parity.port import dflash, serve, targets
+from spec_parity.port.sources.dflash import DflashProvider, DflashSource
 
 CASES = pair.PAIR.cases()
 

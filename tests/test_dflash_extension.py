@@ -24,10 +24,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from port import ab, calibration, dflash, serve, targets
-from port.sources.dflash import DflashProvider
 from spec_parity import checkpoints, controls, harness, shared
 from spec_parity.drafters.dflash import pair
+from spec_parity.port import ab, calibration, dflash, serve, targets
+from spec_parity.port.sources.dflash import DflashProvider
 
 EXTRAS = {"markov_rank": 8, "markov_head_type": "vanilla", "confidence": True}
 MAX_TOKENS = 40
@@ -350,9 +350,9 @@ def test_heads_match_deepspec_teacher_forced(markov, live_oracle):
     """Every Markov head type (the cases run vanilla): the extension's heads as the source calls
     them, fed the same rows, anchors and chain as DeepSpec's own head functions, within the heads'
     budgets; DeepSpec's chain is the port's own greedy one."""
-    from oracles import dspark as oracle
     from spec_parity import compare
     from spec_parity.drafters.dflash.adapter import fed_heads
+    from spec_parity.oracles import dspark as oracle
 
     live_oracle("dspark")
     ov = pair.VARIANTS["qwen3"]

@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from port import dspark, targets
-from port.sources.dspark import DeepspecProvider
 from spec_parity import checkpoints, shared
 from spec_parity.drafters.dspark import pair
 from spec_parity.drafters.dspark.checkpoints import DSPARK
+from spec_parity.port import dspark, targets
+from spec_parity.port.sources.dspark import DeepspecProvider
 
 
 @pytest.mark.oracle
@@ -20,7 +20,7 @@ def test_factory_config_is_deepspecs_own_config_path(variant, live_oracle):
     """Our tiny drafter's config.json is what DeepSpec's build_draft_config derives from the same
     target and model args, and DeepSpec's from_pretrained loads its tensors with nothing missing."""
     live_oracle("dspark")
-    from oracles import dspark as oracle
+    from spec_parity.oracles import dspark as oracle
 
     ov = pair.VARIANTS[variant]
     args = {**DSPARK, **ov}
@@ -70,7 +70,7 @@ def test_not_a_dspark_checkpoint_is_named():
 def test_zero_token_proposal_runs_the_loop():
     """Threshold 1.0 keeps no draft: every round verifies the pending token alone, losslessly."""
 
-    from port import serve
+    from spec_parity.port import serve
 
     target = targets.load(checkpoints.build("gemma4-target", 0, {}))
     prov = DeepspecProvider(_drafter(), threshold=1.0)
@@ -89,7 +89,7 @@ def test_port_loads_what_deepspec_saves(variant, tmp_path, live_oracle):
     import mlx.core as mx
     import numpy as np
 
-    from oracles import dspark as oracle
+    from spec_parity.oracles import dspark as oracle
 
     ov = pair.VARIANTS[variant]
     args = {**DSPARK, **ov}

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from port import assistant, dflash, dspark
 from spec_parity import checkpoints, harness
+from spec_parity.port import assistant, dflash, dspark
 
 
 def _edit(src, dst, config=None, tensors=None, drop=()):
@@ -86,7 +86,7 @@ def test_dflash_extras_are_left_only_with_extras_off(tmp_path):
 def test_a_loader_that_drops_unknown_tensors_is_caught(tmp_path, monkeypatch):
     """The control of the rule above: a loader that filters the tensors to the model's (as the
     port's loader did) lets the extra tensor through, and the test that names it fails."""
-    from port import checkpoint
+    from spec_parity.port import checkpoint
 
     real = checkpoint.load_into
     monkeypatch.setattr(checkpoint, "load_into", lambda model, path, weights, *a, **k: real(
@@ -99,7 +99,7 @@ def test_a_loader_that_drops_unknown_tensors_is_caught(tmp_path, monkeypatch):
 
 
 def test_a_sliding_window_other_than_the_targets_is_refused():
-    from port import targets
+    from spec_parity.port import targets
 
     drafter = assistant.load(checkpoints.build("gemma4-assistant", 0, {"text_config": {"sliding_window": 6}}))
     with pytest.raises(assistant.DrafterError, match="text_config.sliding_window 6 != sliding_window 8"):

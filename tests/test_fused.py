@@ -11,9 +11,9 @@ import pytest
 from test_bucketed import BUCKET, _bits_same, _dflash_rounds, _dspark_rounds, _within_tier
 from test_speed import DSPARK_VARIANTS
 
-from port.fast import dspark as fast_dspark
-from port.fast import fusion
 from spec_parity import checkpoints
+from spec_parity.port.fast import dspark as fast_dspark
+from spec_parity.port.fast import fusion
 
 ON_CPU = mx.default_device().type == mx.DeviceType.cpu
 

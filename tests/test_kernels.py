@@ -15,11 +15,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from port import compiled, dflash, dspark
-from port.fast import dflash as fast_dflash
-from port.fast import dspark as fast_dspark
-from port.fast import kernels
 from spec_parity import budgets, checkpoints, compare
+from spec_parity.port import compiled, dflash, dspark
+from spec_parity.port.fast import dflash as fast_dflash
+from spec_parity.port.fast import dspark as fast_dspark
+from spec_parity.port.fast import kernels
 
 CUDA = pytest.mark.skipif(not kernels.available(), reason="the kernels run on MLX CUDA only")
 
@@ -30,7 +30,7 @@ SHAPES = [
     (32, 8, 7, 128, 512, 300, None, False),     # DSpark's block of 7
     (8, 1, 16, 256, 256, 256, None, False),     # Gemma-4's global head_dim, a full buffer
     (16, 4, 16, 64, 64, 0, None, True),         # no context yet, causal
-    (32, 8, 16, 128, 2304, 2041, None, True),   # Qwen3-4B's verify (port.serve verify="kernel"): 16 new rows, causal
+    (32, 8, 16, 128, 2304, 2041, None, True),   # Qwen3-4B's verify (spec_parity.port.serve verify="kernel"): 16 new rows, causal
     (8, 2, 16, 128, 512, 333, 40, True),        # a sliding window, causal
     (8, 2, 16, 128, 512, 20, 64, False),        # a window wider than the context
 ]

@@ -15,8 +15,8 @@ from test_bucketed import BUCKET, _outside_tier
 from test_bucketed_verify import IDS, PROMPT, _setup, kernel_walk  # noqa: F401 (a fixture)
 from test_speed import _bits_equal
 
-from port import sampling, serve
 from spec_parity import controls, harness
+from spec_parity.port import sampling, serve
 
 # the sources that pipeline: DFlash's and DSpark's bucketed blocks (Qwen3 and Gemma-4 targets), none
 LOOPS = ["dflash", "dspark", "dspark-dflash-variant", None]

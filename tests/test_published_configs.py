@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from port import assistant, checkpoint, dspark, targets
 from spec_parity.checkpoints import published
+from spec_parity.port import assistant, checkpoint, dspark, targets
 
 E2B = "assistant/gemma-4-E2B-it-assistant.json"
 QWEN3_4B = "targets/Qwen3-4B-Instruct-2507.json"
@@ -89,7 +89,7 @@ def test_deepspec_loads_the_published_dspark(live_oracle):
     live_oracle("dspark")
     import torch
 
-    from oracles import dspark as deepspec
+    from spec_parity.oracles import dspark as deepspec
 
     deepspec._import()
     from deepspec.modeling.dspark import Qwen3DSparkModel

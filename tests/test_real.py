@@ -70,8 +70,8 @@ def test_every_family_by_path(family, live_oracle):
 def test_checkpoints_the_references_saved(tmp_path, live_oracle):
     """A target written by transformers' save_pretrained and a DSpark drafter written by
     DeepSpec's own save path run by path like any other."""
-    from oracles import dspark as deepspec
-    from oracles import targets as hf
+    from spec_parity.oracles import dspark as deepspec
+    from spec_parity.oracles import targets as hf
 
     live_oracle("targets")
     live_oracle("dspark")
@@ -92,7 +92,7 @@ def test_an_assistant_transformers_saved(tmp_path, live_oracle):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from oracles import targets as hf
+    from spec_parity.oracles import targets as hf
 
     live_oracle("targets")
     live_oracle("assistant")
@@ -120,7 +120,7 @@ def test_real_checkpoints(live_oracle):
 def test_a_dflash_drafter_zlab_saved(tmp_path, live_oracle):
     """A DFlash drafter written by z-lab's own save path (DFlashDraftModel.save_pretrained, torch)
     runs by path against z-lab MLX and torch like the factory's."""
-    from oracles import dflash as zlab
+    from spec_parity.oracles import dflash as zlab
 
     live_oracle("dflash")
     live_oracle("dflash", "zlab-torch")

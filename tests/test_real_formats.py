@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from shipped import reshipped
 
-from port import checkpoint
 from spec_parity import case as case_mod
 from spec_parity import checkpoints, cli, harness, real
+from spec_parity.port import checkpoint
 
 PAIRS = {  # family -> (target kind, target overrides, drafter kind, drafter overrides)
     "dflash": ("qwen3-target", {}, "dflash-drafter", {}),
@@ -32,7 +32,7 @@ def saved_by_transformers(src, dst, dtype: str, max_shard_size: str | None = Non
     """The target as transformers' save_pretrained writes it at `dtype` (shards past max_shard_size)."""
     import torch
 
-    from oracles import targets as hf
+    from spec_parity.oracles import targets as hf
 
     model = hf.load(src).to(getattr(torch, dtype))
     model.save_pretrained(dst, **({"max_shard_size": max_shard_size} if max_shard_size else {}))

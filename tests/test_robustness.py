@@ -511,7 +511,7 @@ def test_out_is_checked_before_the_first_case(tmp_path, monkeypatch):
 
 def test_every_factory_kind_passes_the_preflight():
     """The preflight refuses no checkpoint the project builds."""
-    from port import checkpoint
+    from spec_parity.port import checkpoint
 
     for kind in checkpoints.KINDS:
         assert checkpoint.check_dir(checkpoints.build(kind, 0, {}), "--x") in checkpoint.REQUIRED
@@ -519,7 +519,7 @@ def test_every_factory_kind_passes_the_preflight():
 
 def test_required_table_is_load_bearing(tmp_path, monkeypatch):
     """Negative control: with qwen3's required keys gone the missing rope_theta is not refused."""
-    from port import checkpoint
+    from spec_parity.port import checkpoint
 
     d = _edit_config(_copy("qwen3-target", tmp_path, "q"), "rope_theta")
     with pytest.raises(checkpoint.CheckpointError, match="rope_theta"):
@@ -538,7 +538,7 @@ def test_debug_shows_the_traceback_and_the_process_exits_2(tmp_path):
 
 
 def test_read_tensors_names_the_broken_file(tmp_path):
-    from port import checkpoint
+    from spec_parity.port import checkpoint
 
     d = _truncate(_copy("gemma4-assistant", tmp_path, "a"))
     with pytest.raises(checkpoint.CheckpointError, match=r"a/model\.safetensors: truncated"):

@@ -15,10 +15,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from port import sampling
 from spec_parity import harness
 from spec_parity.controls import planted, registry
 from spec_parity.controls.sampling import MODES
+from spec_parity.port import sampling
 
 from stats import assert_lossless, assert_rejected, stat_tests
 

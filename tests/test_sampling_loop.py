@@ -1,5 +1,5 @@
 """Sampling at T > 0, layer 2: statistical losslessness end to end through
-`port.serve.generate` (port/sampling.py, port/serve.py). For every source and acceptance mode,
+`spec_parity.port.serve.generate` (port/sampling.py, port/serve.py). For every source and acceptance mode,
 the tokens speculative decoding emits have exactly the target's own sampling distribution
 (same sampler, same logits processors), tested against the exact distribution (tests/stats.py)
 on the tiny Gemma-4 targets of tests/sampling_setup.py (vocab 64 agreeing pair, vocab 16 random
@@ -10,8 +10,8 @@ without drafting."""
 
 import pytest
 
-from port import sampling, serve
 from spec_parity.controls import planted
+from spec_parity.port import sampling, serve
 
 from sampling_setup import BANNED, GAMMA, PROCESSORS, SOURCES, e2e_tests, setup
 from stats import assert_lossless, assert_rejected

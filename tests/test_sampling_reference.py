@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from port import sampling, targets
 from spec_parity import checkpoints
+from spec_parity.port import sampling, targets
 from spec_parity.sampled import FAMILY_ALPHA
 
 from sampling_setup import GAMMA, setup
@@ -39,7 +39,7 @@ def test_optiqs_sampled_loop_samples_the_logits_without_the_softcap(live_oracle)
     un-softcapped conditional (gof at ALPHA_PARITY, power stated) and is rejected against the
     target's own."""
     live_oracle("assistant", "optiq")
-    from oracles import assistant as oracle
+    from spec_parity.oracles import assistant as oracle
 
     tdir, ddir, _ = _optiq_pair(softcap=True)
     prompt, T, R = [3, 4, 51], 3.0, 1500

@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from port import sampling, serve
 from spec_parity import harness
+from spec_parity.port import sampling, serve
 
 from sampling_setup import GAMMA, SOURCES, Deterministic, provider_for, setup
 

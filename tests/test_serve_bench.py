@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from port.fast import kernels
 from spec_parity import cli, controls
 from spec_parity.bench import combine, loop_sides, loops
 from spec_parity.bench.sides import Side
+from spec_parity.port.fast import kernels
 
 SMALL = dict(sources=("dspark",), sides=["port"], prompt_len=32, new_tokens=12, runs=2)
 

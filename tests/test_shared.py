@@ -8,8 +8,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from port import targets
 from spec_parity import checkpoints, ports, shared
+from spec_parity.port import targets
 
 
 def test_shared_greedy_is_the_ports_greedy(tmp_path):

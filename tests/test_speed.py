@@ -12,15 +12,15 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from port import assistant, dflash, dspark, serve, targets
-from port.fast import assistant as fast_assistant
-from port.fast import dflash as fast_dflash
-from port.fast import dspark as fast_dspark
-from port.sources.assistant import AssistantProvider, AssistantSource
-from port.sources.dflash import DflashProvider
-from port.sources.dspark import DeepspecProvider, DeepspecSource
 from spec_parity import bench, budgets, checkpoints, compare, controls, harness
 from spec_parity.drafters.dspark import pair as dspark_pair
+from spec_parity.port import assistant, dflash, dspark, serve, targets
+from spec_parity.port.fast import assistant as fast_assistant
+from spec_parity.port.fast import dflash as fast_dflash
+from spec_parity.port.fast import dspark as fast_dspark
+from spec_parity.port.sources.assistant import AssistantProvider, AssistantSource
+from spec_parity.port.sources.dflash import DflashProvider
+from spec_parity.port.sources.dspark import DeepspecProvider, DeepspecSource
 
 PROMPT = list(range(3, 15))
 

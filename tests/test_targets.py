@@ -9,10 +9,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from port import targets as port
 from spec_parity import checkpoints, controls, goldens, harness
 from spec_parity.budgets import budget_for
 from spec_parity.drafters.targets import pair
+from spec_parity.port import targets as port
 
 CASES = pair.PAIR.cases()
 

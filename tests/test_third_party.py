@@ -93,7 +93,7 @@ def test_a_fed_layer_that_returns_a_tuple_keeps_its_tuple():
     unpacking failed."""
     import mlx.core as mx
 
-    from oracles.layers import mlx_recorded
+    from spec_parity.oracles.layers import mlx_recorded
 
     layers = [lambda h: (h + 1, "k", "v"), lambda h: (h * 2, "k", "v")]
     fed, out = np.full((2, 3), 5.0, np.float32), {}

@@ -13,7 +13,7 @@ steps after WARM, the phases in one step.
 
 An assistant case times the bench's call of that case: its γ steps chained (4), one eval.
 `--verify` times instead the serve loop's verify of the case's target (γ + 1 rows, the verify
-`port.serve` resolves by default over 256-row buckets; the caches stepped back after each): the
+`spec_parity.port.serve` resolves by default over 256-row buckets; the caches stepped back after each): the
 bulk of a round in serving.
 
 `--scale 8` divides the widths (a CPU runs it; there async_eval hands the work to MLX's stream
@@ -27,8 +27,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from port.compiled import BUCKET
 from spec_parity.bench import port_sides, shapes
+from spec_parity.port.compiled import BUCKET
 
 RUNS, WARM = 50, 10
 
@@ -78,7 +78,7 @@ def main() -> None:
 def verify_step(ckpt, prompt: list[int]):
     """(step, what it is, notes): the loop's default verify of the case's target over `prompt`,
     each step on the same context (the caches' offsets set back to the prompt's before it)."""
-    from port import serve, targets
+    from spec_parity.port import serve, targets
 
     target = port_sides.load_target(ckpt)
     rows = ckpt.case.shapes.gamma + 1

@@ -15,9 +15,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from port import compiled as pieces
-from port.fast import dspark as fast
 from spec_parity import checkpoints
+from spec_parity.port import compiled as pieces
+from spec_parity.port.fast import dspark as fast
 
 STEPS, ROWS, LAYERS = 60, 8, 5
 

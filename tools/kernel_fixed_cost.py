@@ -11,9 +11,9 @@ scalar array was most of the kernel (docs/references.md, "What runs where").
 import mlx.core as mx
 import numpy as np
 
-from port.fast import kernels as K
 from spec_parity.bench import timing
 from spec_parity.bench.sides import Stepper
+from spec_parity.port.fast import kernels as K
 
 NAMES = ["q", "ck", "cv", "bk", "bv", "valid"]
 CONSTANT = ("const int nv = valid[0];", "const int nv = NVT;")

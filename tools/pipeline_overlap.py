@@ -15,9 +15,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from port import targets
-from port.fast import verify
 from spec_parity import checkpoints
+from spec_parity.port import targets
+from spec_parity.port.fast import verify
 
 LAYERS, BUCKET, STEPS = 36, 256, 40
 

@@ -1,5 +1,5 @@
 """spec-parity's CLI with the drafters' and the compiled verify's K/V writes as they were before
-the scatter (port.compiled.written before the scatter: mx.slice_update at an array offset, the
+the scatter (spec_parity.port.compiled.written before the scatter: mx.slice_update at an array offset, the
 control "serve" / "dynamic_slice_writes"), for the before / after of that change on one machine:
 
     python3 tools/slice_writes.py bench --sources dflash,dspark ... --out OUT

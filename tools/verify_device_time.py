@@ -7,7 +7,7 @@ compiled one, the cost is in what the function does (array offset, slice writes,
 op by op, it is in the compilation. A fourth, "compiled, slice writes", is the compiled verify with
 the K/V writes as they were before the scatter (tools/slice_writes.py): the before of the scatter.
 Where the kernel verify runs (MLX CUDA, bf16), "compiled, kernel attention" is the compiled verify
-with port/fast/kernels.py's attention (port.serve's verify="kernel").
+with port/fast/kernels.py's attention (spec_parity.port.serve's verify="kernel").
 
     python3 tools/verify_device_time.py [--source dflash|dspark] [--scale 1] [--ctx 2048]
 
@@ -23,12 +23,12 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
-from port import targets
-from port.compiled import BUCKET
-from port.fast import verify
 from spec_parity import controls
 from spec_parity.bench import port_sides, shapes, timing
 from spec_parity.bench.sides import Stepper
+from spec_parity.port import targets
+from spec_parity.port.compiled import BUCKET
+from spec_parity.port.fast import verify
 
 RUNS, WARM, PROFILED = 30, 5, 10
 

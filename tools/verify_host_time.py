@@ -15,9 +15,9 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from port import targets
-from port.fast import kernels, verify
 from spec_parity import checkpoints
+from spec_parity.port import targets
+from spec_parity.port.fast import kernels, verify
 
 LAYERS, ROWS, BUCKET, RUNS, WARM = 36, 16, 256, 30, 5
 

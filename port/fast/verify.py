@@ -1,4 +1,4 @@
-"""The bucketed verify as one compiled call (port.serve.generate's `verify`, the default wherever
+"""The bucketed verify as one compiled call (spec_parity.port.serve.generate's `verify`, the default wherever
 the verify is bucketed).
 
 On the bucketed verify (port/compiled.py VerifyCache) a round's target forward has the same shapes
@@ -12,7 +12,7 @@ head; the writes and the mask read the offset array where the plain caches read 
 kv-shared layers take it from their owner's, its sliding layers' window is in the mask). Bit for
 bit the plain bucketed verify on the CPU, Qwen3 and Gemma-4 targets (tests/test_bucketed_verify.py).
 
-With `attention="kernel"` (port.serve.generate's verify="kernel": the default on MLX CUDA with
+With `attention="kernel"` (spec_parity.port.serve.generate's verify="kernel": the default on MLX CUDA with
 bf16 Qwen3 targets) the attention is port/fast/kernels.py's instead of mx.fast's over the whole
 buffer: on MLX CUDA 0.32.4 that one is a cuDNN launch of ~51 us a layer for 16 rows over 2304 keys
 whose K/V read takes ~4 us (tools/verify_device_time.py). The kernels read the buffer in place

@@ -153,9 +153,9 @@ def _cuts(thresholds: tuple[float, ...], n: int) -> mx.array:
 class DflashProvider:
     """The drafter on a fast path (port/fast/dflash.py). `extras=True` turns on the
     DSpark-on-DFlash extension (port/dflash.py docstring); `thresholds` overrides the env var and
-    the checkpoint's calibration (port.calibration.resolve_thresholds); `collect_samples` gathers, over every
+    the checkpoint's calibration (spec_parity.port.calibration.resolve_thresholds); `collect_samples` gathers, over every
     request, the (position, sigmoid(confidence), accepted) samples of each verified draft in
-    `self.samples` (what port.calibration.fit_sts_thresholds fits).
+    `self.samples` (what spec_parity.port.calibration.fit_sts_thresholds fits).
 
     `kv_bucket` (default "auto"): the bucketed block, and the serve loop's bucketed verify, at
     compiled.BUCKET rows, so that a round at a new context length plans no new attention kernel on

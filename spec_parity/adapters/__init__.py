@@ -13,6 +13,6 @@ from ..ports import Port, package_dir
 def make_port() -> Port:
     runs = {d: piece(d, "adapter").run for d in DRAFTERS}
     here = package_dir("spec_parity")
-    return Port("spec-parity", __version__, runs, (package_dir("port"), here + "/adapters",
+    return Port("spec-parity", __version__, runs, (package_dir("spec_parity.port"), here + "/adapters",
                                                     *(f"{here}/drafters/{d}/adapter.py" for d in DRAFTERS),
-                                                    package_dir("oracles") + "/layers.py"))
+                                                    package_dir("spec_parity.oracles") + "/layers.py"))

@@ -1,4 +1,4 @@
-"""The one serve-loop runner of our ports: every draft source through port.serve.generate, its
+"""The one serve-loop runner of our ports: every draft source through spec_parity.port.serve.generate, its
 arrays named as protocol */loop has them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 def _recording(provider, blocks: list):
     """`provider`, observed: (block, tokens proposed) of each draft call that made a block, where
     the source keeps its last block (changes nothing)."""
-    from port import serve
+    from spec_parity.port import serve
 
     def around(name, src, args, call):
         tokens = call()
@@ -43,7 +43,7 @@ def run(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, eos: 
     fewer than n + 1 are committed, then trims to n)."""
     import mlx.core as mx
 
-    from port import serve
+    from spec_parity.port import serve
 
     blocks: list = []
     tokens, stats = serve.generate(target, prompt[0].tolist(), max_tokens, _recording(provider, blocks),
@@ -64,7 +64,7 @@ def seeded_requests(target, prompt: np.ndarray, max_tokens: int, provider, gamma
     """A sampled case's requests: our loop at options["temperature"], EOS off, once per seed from
     options["seed0"] (options["runs"] of them); each request's tokens and trace (drafted, accepted,
     emitted)."""
-    from port import sampling, serve
+    from spec_parity.port import sampling, serve
 
     seeds = range(options["seed0"], options["seed0"] + options["runs"])
     out = []

@@ -12,7 +12,7 @@ bench/peers.py), on the same weights and inputs (bench/runner.py):
   (e) peak memory over the side's warm-up runs (mx.get_peak_memory after mx.reset_peak_memory;
       torch: max_memory_allocated), and the active memory before them (the other sides' too);
   (f) graph ops per step: the primitives evaluated (`HostSyncs(ops=True)`).
-For our port, through port.serve.generate (the loop itself, wrapped, never forked; bench/serve.py):
+For our port, through spec_parity.port.serve.generate (the loop itself, wrapped, never forked; bench/serve.py):
   (b) one spec round split into draft / verify / accept+trim;
   (c) host synchronizations and graph ops per round;
   (d) tokens/s on a fixed prompt.

@@ -1,10 +1,10 @@
 """The generation loops `spec-parity bench --serve` puts side by side (bench/loops.py), each on one
-case's target and drafter: the target's plain decode (mlx-lm), our serve loop (port.serve.generate,
+case's target and drafter: the target's plain decode (mlx-lm), our serve loop (spec_parity.port.serve.generate,
 default and bucketed, through bench/port_sides.py) and every peer's OWN loop, called through its
 oracle's or adapter's functions (oracles/, spec_parity/third_party.py):
 
-  optiq          `spec_generate` (optiq 0.7.7, the Gemma-4 assistant; oracles.assistant.optiq_stream)
-  zlab-mlx       `dflash.model_mlx.stream_generate` (z-lab dflash 0.1.0; oracles.dflash.stream)
+  optiq          `spec_generate` (optiq 0.7.7, the Gemma-4 assistant; spec_parity.oracles.assistant.optiq_stream)
+  zlab-mlx       `dflash.model_mlx.stream_generate` (z-lab dflash 0.1.0; spec_parity.oracles.dflash.stream)
   dflash-mlx     `stream_dflash_generate` (0.1.8; verify_mode "dflash", fixed blocks)
   dspark-mlx     `generate_eager` (0.1.0, its DeepSpec-matched loop, threshold 0)
   deepspec-torch DeepSpec's evaluator loop `generate_decoding_sample` (torch; CUDA unless forced)
@@ -98,7 +98,7 @@ def plain_side(ckpt: Checkpoints, env) -> Loop:
 
 
 def port_side(ckpt: Checkpoints, env, path: str = "", verify: str = "auto", pipeline: str = "auto") -> Loop:
-    """port.serve.generate on one of the port's paths (port_sides.PATHS), verify forwards and loops,
+    """spec_parity.port.serve.generate on one of the port's paths (port_sides.PATHS), verify forwards and loops,
     wrapped as the bench's serve section wraps it (bench/serve.py `_probe`): the first draft marks
     the prefill's end; `split` times one request's rounds (`_timed_forward`, `_rounds`: the drafts
     evaluated in the draft, the forward in the verify; a pipelined loop is then sequential in
@@ -138,7 +138,7 @@ def port_side(ckpt: Checkpoints, env, path: str = "", verify: str = "auto", pipe
 def optiq_side(ckpt: Checkpoints, env) -> Loop:
     """optiq's `spec_generate` (gamma drafts per round, greedy verify) on token ids; rounds, drafts
     and accepts from its own SpecStats."""
-    from oracles import assistant
+    from spec_parity.oracles import assistant
 
     model = _mlx_target(ckpt)
     with serve_weights(ckpt):
@@ -155,9 +155,9 @@ def optiq_side(ckpt: Checkpoints, env) -> Loop:
 
 
 def zlab_mlx_side(ckpt: Checkpoints, env) -> Loop:
-    """z-lab's `stream_generate` at T=0: one response per round (oracles.dflash builds the models
+    """z-lab's `stream_generate` at T=0: one response per round (spec_parity.oracles.dflash builds the models
     and the id-only tokenizer)."""
-    from oracles import dflash
+    from spec_parity.oracles import dflash
 
     with serve_weights(ckpt):
         model, draft = dflash._load(ckpt.target_dir, ckpt.drafter_dir)
@@ -228,10 +228,10 @@ def dspark_mlx_side(ckpt: Checkpoints, env) -> Loop:
 
 def deepspec_side(ckpt: Checkpoints, env) -> Loop:
     """DeepSpec's evaluator loop `generate_decoding_sample` with its DSpark evaluator's
-    `_init_context` / `_propose` / `_update` (oracles.dspark.evaluator / decode), T=0, threshold 0,
+    `_init_context` / `_propose` / `_update` (spec_parity.oracles.dspark.evaluator / decode), T=0, threshold 0,
     on transformers' target; both models built from the checkpoints' configs and filled with the
     case's arrays. `init_context` runs right after the prefill: it marks the decode's start."""
-    from oracles import dspark
+    from spec_parity.oracles import dspark
 
     why = dspark.status()
     if why:

@@ -24,7 +24,7 @@ def optiq_side(prep: Prep) -> Stepper:
     """optiq 0.7.7: `GemmaAssistantDrafter.from_pretrained`; per draft call what `spec_generate`
     does: `extract_typed_kv`, then gamma x (`_target_embed`, `drafter.forward` at position P+k,
     `int(mx.argmax(logits))`), chained on the returned hidden (oracles/assistant.py)."""
-    from oracles import assistant
+    from spec_parity.oracles import assistant
 
     with serve_weights(prep.ckpt):
         drafter = assistant.optiq_drafter(prep.ckpt.drafter_dir)
@@ -46,7 +46,7 @@ def zlab_mlx_side(prep: Prep) -> Stepper:
     """z-lab `dflash.model_mlx` 0.1.0: `load_draft`, `bind(target)`, `make_prompt_cache`, then per
     block `hidden_states(block, new taps, cache, logits_start=1)` + `compute_logits` + argmax
     (oracles/dflash.py)."""
-    from oracles import dflash
+    from spec_parity.oracles import dflash
 
     with serve_weights(prep.ckpt):
         draft = dflash.load_draft(prep.ckpt.drafter_dir)
@@ -134,7 +134,7 @@ def hf_assistant_side(prep: Prep) -> Stepper:
     config: per step `model(inputs_embeds=[scaled target embedding ; hidden], position_ids=P+k,
     shared_kv_states=donor K/V)`, argmax, chained on `last_hidden_state` (oracles/assistant.py)."""
     torch, dev, tdt = _torch(prep)
-    from oracles import assistant
+    from spec_parity.oracles import assistant
 
     model = assistant.hf_drafter_from_config(prep.ckpt.drafter_dir, tdt, dev)
     _load_state(model, prep.ckpt.weights("drafter"), dev, tdt, "transformers' assistant")
@@ -188,7 +188,7 @@ def zlab_torch_side(prep: Prep) -> Stepper:
     `compute_logits(h, _output_head(target))` -> argmax (oracles/dflash_torch_runner.py). It needs
     transformers >= 5.15."""
     torch, dev, tdt = _torch(prep)
-    from oracles import dflash_torch_runner as zlab
+    from spec_parity.oracles import dflash_torch_runner as zlab
 
     m = zlab.empty_drafter(prep.ckpt.drafter_dir, tdt, dev)
     _load_state(m, prep.ckpt.weights("drafter"), dev, tdt, "z-lab's torch DFlash")
@@ -218,7 +218,7 @@ def deepspec_side(prep: Prep) -> Stepper:
     config; per block what its evaluator's `_propose` calls: `forward_dspark_draft_block` then
     `build_dspark_proposal` (T=0, threshold 0; oracles/dspark.py)."""
     torch, dev, tdt = _torch(prep)
-    from oracles import dspark
+    from spec_parity.oracles import dspark
 
     why = dspark.status()
     if why:

@@ -1,5 +1,5 @@
 """Our port in the bench: the target prefill every side starts from, the port's sides (the
-default path and its other paths), its DraftProvider, and the seams of port.serve the
+default path and its other paths), its DraftProvider, and the seams of spec_parity.port.serve the
 serve-loop figures observe. Every call the bench makes into port/ is here; port/ is imported
 lazily (mlx-lm imports transformers, and the bench imports without it).
 """
@@ -14,19 +14,19 @@ import mlx.core as mx
 from .shapes import Checkpoints, serve_weights
 from .sides import Prep, Side, Skip, Stepper
 
-BUCKET = 256  # mlx-lm KVCache's own growth step (port.compiled.BUCKET; port/ is imported lazily)
+BUCKET = 256  # mlx-lm KVCache's own growth step (spec_parity.port.compiled.BUCKET; port/ is imported lazily)
 # The port's modules whose host-filled buffers counters.HostBuffers counts (by name: not imported).
-PORT_MODULES = ("port.assistant", "port.compiled", "port.dflash", "port.dspark", "port.heads", "port.sampling",
-                "port.serve", "port.targets", "port.fast.assistant", "port.fast.dflash", "port.fast.dspark",
-                "port.fast.verify", "port.sources.assistant", "port.sources.dflash", "port.sources.dspark")
+PORT_MODULES = ("spec_parity.port.assistant", "spec_parity.port.compiled", "spec_parity.port.dflash", "spec_parity.port.dspark", "spec_parity.port.heads", "spec_parity.port.sampling",
+                "spec_parity.port.serve", "spec_parity.port.targets", "spec_parity.port.fast.assistant", "spec_parity.port.fast.dflash", "spec_parity.port.fast.dspark",
+                "spec_parity.port.fast.verify", "spec_parity.port.sources.assistant", "spec_parity.port.sources.dflash", "spec_parity.port.sources.dspark")
 
 
 def prepare(ckpt: Checkpoints, torch: tuple[str | None, str], prompt: list[int]) -> Prep:
-    """Load the target once (port.targets.load, through `serve_weights`) and prefill `prompt`
+    """Load the target once (spec_parity.port.targets.load, through `serve_weights`) and prefill `prompt`
     (the context): its caches hold the donor K/V, its hidden states give the taps."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from port import targets
+    from spec_parity.port import targets
 
     target = load_target(ckpt)
     caches = make_prompt_cache(target.model)
@@ -46,8 +46,8 @@ def prepare(ckpt: Checkpoints, torch: tuple[str | None, str], prompt: list[int])
 
 
 def load_target(ckpt: Checkpoints):
-    """The case's target (port.targets.load through `serve_weights`), its weights evaluated."""
-    from port import targets
+    """The case's target (spec_parity.port.targets.load through `serve_weights`), its weights evaluated."""
+    from spec_parity.port import targets
 
     with serve_weights(ckpt):
         target = targets.load(ckpt.target_dir)
@@ -57,8 +57,8 @@ def load_target(ckpt: Checkpoints):
 
 def donor_kv(prep: Prep) -> dict[str, tuple[mx.array, mx.array]]:
     """The donor K/V an assistant step attends to, the sliding one cut to the target's window
-    (port.targets.donor_view, port.assistant.sliding_view)."""
-    from port import assistant, targets
+    (spec_parity.port.targets.donor_view, spec_parity.port.assistant.sliding_view)."""
+    from spec_parity.port import assistant, targets
 
     donors = targets.donor_view(prep.target, prep.caches)
     window = prep.ckpt.target_config["sliding_window"]
@@ -69,7 +69,7 @@ def donor_kv(prep: Prep) -> dict[str, tuple[mx.array, mx.array]]:
 # ---- the port's sides ----------------------------------------------------------------------------
 
 # The port's paths by side suffix: its drafter loader's options (port/fast/). The serve loop's
-# verify follows the drafter (port.serve.generate's kv_bucket="auto": the drafter's kv_bucket).
+# verify follows the drafter (spec_parity.port.serve.generate's kv_bucket="auto": the drafter's kv_bucket).
 # "" is the providers' default (port/sources/): the bucketed block for DSpark (on stacked projections;
 # "unfused": without them) and DFlash, the compiled step for the assistant.
 PATHS = {
@@ -97,7 +97,7 @@ def port_side(prep: Prep, path: str = "") -> Stepper:
     the loop drafts with: the tokens stay on the device until the verify; and `commit` of one row).
     No host read in the step, as in the peers' steps: on MLX CUDA a host read of more than 8 bytes
     costs the next step 0.1-0.56 ms of unified-memory faults (measured on an H200)."""
-    from port import serve
+    from spec_parity.port import serve
 
     options = PATHS[path][prep.source]
     drafter = load_port_drafter(prep.ckpt, **options)
@@ -145,15 +145,15 @@ class PortProvider:
 
 
 def _source_class(ckpt: Checkpoints):
-    from port.sources import assistant, dflash, dspark
+    from spec_parity.port.sources import assistant, dflash, dspark
 
     return {"assistant": assistant.AssistantSource, "dspark": dspark.DeepspecSource,
             "dflash": dflash.DflashSource}[ckpt.source]
 
 
 def load_port_drafter(ckpt: Checkpoints, **options):
-    from port import compiled
-    from port.fast import assistant, dflash, dspark
+    from spec_parity.port import compiled
+    from spec_parity.port.fast import assistant, dflash, dspark
 
     if options.get("bucket_attention") in compiled.BUCKET_ATTENTIONS:
         compiled.check_attention(options["bucket_attention"], Skip)  # the port's own refusal, as a Skip
@@ -169,21 +169,21 @@ def resolved(drafter) -> list[str]:
     return [f"attention={attention}"] if attention else []
 
 
-# ---- port.serve's seams, for the serve-loop figures ---------------------------------------------
+# ---- spec_parity.port.serve's seams, for the serve-loop figures ---------------------------------------------
 
 def generate(target, prompt: list[int], max_tokens: int, provider, gamma: int, verify: str = "auto",
              pipeline: str = "auto"):
-    """port.serve.generate at T=0 with EOS off, its verify's caches as the provider's path wants and
+    """spec_parity.port.serve.generate at T=0 with EOS off, its verify's caches as the provider's path wants and
     its forward and loop as `verify` and `pipeline` say: (tokens, stats)."""
-    from port import serve
+    from spec_parity.port import serve
 
     return serve.generate(target, prompt, max_tokens, provider,
                           serve.ServeOptions(gamma=gamma, eos=set(), verify=verify, pipeline=pipeline))
 
 
 def verify_note(target, provider, verify: str = "auto") -> str:
-    """The verify a loop of ours runs, in words (verify_words), as port.serve.resolve_verify resolves it."""
-    from port import serve
+    """The verify a loop of ours runs, in words (verify_words), as spec_parity.port.serve.resolve_verify resolves it."""
+    from spec_parity.port import serve
 
     return verify_words(provider.kv_bucket, serve.resolve_verify(verify, target, provider.kv_bucket))
 
@@ -195,17 +195,17 @@ def verify_words(kv_bucket: int | None, verify: str | None) -> str:
 
 
 def observed(provider, around):
-    """port.serve.Observed: `around(name, src, args, call)` wraps each call of the provider's sources."""
-    from port import serve
+    """spec_parity.port.serve.Observed: `around(name, src, args, call)` wraps each call of the provider's sources."""
+    from spec_parity.port import serve
 
     return serve.Observed(provider, around)
 
 
 @contextlib.contextmanager
 def wrapped_forward(wrap):
-    """The loop's target forward (port.serve.target_forward: the prefill and every verify) is
+    """The loop's target forward (spec_parity.port.serve.target_forward: the prefill and every verify) is
     `wrap(forward)` meanwhile."""
-    from port import serve
+    from spec_parity.port import serve
 
     with _wrapped(serve, "target_forward", wrap):
         yield
@@ -213,8 +213,8 @@ def wrapped_forward(wrap):
 
 @contextlib.contextmanager
 def wrapped_read_at_end(wrap):
-    """port.serve.read_at_end (the request's one read of its tokens) is `wrap(read_at_end)` meanwhile."""
-    from port import serve
+    """spec_parity.port.serve.read_at_end (the request's one read of its tokens) is `wrap(read_at_end)` meanwhile."""
+    from spec_parity.port import serve
 
     with _wrapped(serve, "read_at_end", wrap):
         yield

@@ -178,7 +178,7 @@ def markdown(doc: dict) -> str:
            "length would otherwise pay for all; `cold ms / call` is the same call at lengths no side has seen "
            "(what a serving loop, whose context grows every round, pays).", ""]
     out += step_table(doc)
-    out += ["", "## Our serve loop, port.serve.generate (b, c, d)", "",
+    out += ["", "## Our serve loop, spec_parity.port.serve.generate (b, c, d)", "",
             "Greedy, random-weight drafters (acceptance is what random weights give: see τ; most rounds are "
             "correction rounds), a fixed random prompt of ctx tokens, EOS off. Round phases are medians over the rounds after the first (which "
             "projects the prompt's context); verify = the target forward, accept+trim = from its end to the next "

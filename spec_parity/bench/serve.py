@@ -1,4 +1,4 @@
-"""Our serve loop, port.serve.generate, wrapped (never forked): the round split into draft /
+"""Our serve loop, spec_parity.port.serve.generate, wrapped (never forked): the round split into draft /
 verify / accept+trim, host syncs and graph ops per round, decode tokens/s, and the same for a
 request whose context lengths are all new (`cold`)."""
 
@@ -65,7 +65,7 @@ def _rounds(events: list, t_end: float) -> list[dict]:
 
 def serve_loop(ckpt: Checkpoints, target, prompt: list[int], max_tokens: int, runs: int,
                provider=None, cold: bool = False) -> dict:
-    """Our port in port.serve.generate on `prompt`: tokens/s (decode only: from the first draft on,
+    """Our port in spec_parity.port.serve.generate on `prompt`: tokens/s (decode only: from the first draft on,
     and the loop's own figure with the prefill), the round split, host syncs and graph ops per round.
     `provider` (default: the port's drafter of the case on its default path) is what the loop
     drafts with; the verify follows it (its kv_bucket)."""

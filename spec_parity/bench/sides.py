@@ -25,7 +25,7 @@ class Prep:
     """What every side of one case starts from (built once, shared)."""
 
     ckpt: Checkpoints
-    target: object            # port.targets.Target (mlx-lm model + config), shared by the MLX sides
+    target: object            # spec_parity.port.targets.Target (mlx-lm model + config), shared by the MLX sides
     caches: list              # the target's caches after the context prefill: the donor K/V
     taps: mx.array | None     # [1, ctx, n*H] the context rows' concatenated taps (block sources)
     row: mx.array | None      # [1, 1 + gamma, n*H] a verify's taps; row 0 joins the context per step

@@ -12,7 +12,7 @@ writes that exact config, shrunk by one rule so it fits a CPU test (24 GiB, 2 co
   parameters, tap layer ids, block size, num_centroids and its top-k.
 
 Tensors are drawn from the factory's `draw(seed)` with the same writers the family's kind uses;
-a config's family comes from `port.checkpoint.family`.
+a config's family comes from `spec_parity.port.checkpoint.family`.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def published(seed: int, overrides: dict):
     """A published config (overrides: file, default the E2B assistant; sha256, which
     `build_published` passes so an edited file is not served from the cache) shrunk by the
     module's rule, random weights."""
-    from port import checkpoint
+    from spec_parity.port import checkpoint
 
     name = overrides.get("file", "assistant/gemma-4-E2B-it-assistant.json")
     raw = (ROOT / name).read_bytes()

@@ -12,7 +12,7 @@ description:
         return {(dspark.Model, "embed"): lambda self, ids: self.embed_tokens(ids)}
 
 Each controls module declares its seam, the port names its controls may swap, in one place:
-`SEAMS = ("port.dspark:Model.embed", ...)` (module:attribute). A control that swaps a name its
+`SEAMS = ("spec_parity.port.dspark:Model.embed", ...)` (module:attribute). A control that swaps a name its
 module does not declare is refused when planted, and tests/test_controls.py resolves every
 declared name against the port, so a renamed port internal fails a test naming the seam instead
 of a control planting nothing. `case` is the case the control is applied to (None when a test

@@ -8,13 +8,13 @@ from dataclasses import replace
 from . import control
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
-    "port.ab:paired_verdict", "port.ab:summarize_arm",
+    "spec_parity.port.ab:paired_verdict", "spec_parity.port.ab:summarize_arm",
 )
 
 
 @control("ab", "relative_delta", "the acceptance change as a relative % instead of absolute points")
 def _relative(case):
-    from port import ab
+    from spec_parity.port import ab
 
     verdict = ab.paired_verdict
 
@@ -28,7 +28,7 @@ def _relative(case):
 
 @control("ab", "by_pos_over_prompts", "per-position acceptance divided by the prompts, not by what was drafted")
 def _by_prompts(case):
-    from port import ab
+    from spec_parity.port import ab
 
     summarize = ab.summarize_arm
 
@@ -43,7 +43,7 @@ def _by_prompts(case):
 
 @control("ab", "speed_not_strict", "B passes when exactly as fast as A (ratio >= 1, not > 1)")
 def _not_strict(case):
-    from port import ab
+    from spec_parity.port import ab
 
     verdict = ab.paired_verdict
 
@@ -58,7 +58,7 @@ def _not_strict(case):
 
 @control("ab", "no_size_check", "arms of different sizes are paired up to the shorter one instead of refused")
 def _no_size_check(case):
-    from port import ab
+    from spec_parity.port import ab
 
     verdict = ab.paired_verdict
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 from . import control
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
-    "port.dflash:Model.logits", "port.serve:read_at_end", "port.targets:block_ids",
+    "spec_parity.port.dflash:Model.logits", "spec_parity.port.serve:read_at_end", "spec_parity.port.targets:block_ids",
 )
 
 
 @control("bench", "logits_gather", "a lone integer index ([0]) on the DFlash block's logits: one more Gather")
 def _gather(case):
-    from port import dflash
+    from spec_parity.port import dflash
 
     logits = dflash.Model.logits
     return {(dflash.Model, "logits"): lambda self, target, h: logits(self, target, h)[None][0]}
@@ -20,8 +20,8 @@ def _gather(case):
 
 @control("bench", "host_filled_block_ids", "a draft block's ids built as one host list: a host-filled buffer")
 def _block_ids(case):
-    """Built through port.targets' own `mx`, which the bench's HostBuffers watches."""
-    from port import targets
+    """Built through spec_parity.port.targets' own `mx`, which the bench's HostBuffers watches."""
+    from spec_parity.port import targets
 
     return {(targets, "block_ids"): lambda first, fill, n: targets.mx.array([[first] + [fill] * n])}
 
@@ -29,7 +29,7 @@ def _block_ids(case):
 @control("bench", "serve_wrong_token", "the serve loop's last committed token replaced: a loop that is not lossless")
 def _wrong_token(case):
     """What `bench --serve`'s stream check must catch (spec_parity/bench/loops.py stream_check)."""
-    from port import serve
+    from spec_parity.port import serve
 
     read = serve.read_at_end
 

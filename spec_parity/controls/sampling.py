@@ -10,8 +10,8 @@ from __future__ import annotations
 from . import control
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
-    "port.sampling:accept_match", "port.sampling:accept_rejection",
-    "port.sampling:accepted_prefix", "port.sampling:residual", "port.sampling:verify_probs",
+    "spec_parity.port.sampling:accept_match", "spec_parity.port.sampling:accept_rejection",
+    "spec_parity.port.sampling:accepted_prefix", "spec_parity.port.sampling:residual", "spec_parity.port.sampling:verify_probs",
 )
 
 # Each control's family (spec_parity.sampled.BUG_FAMILIES) and the acceptance modes whose rule it
@@ -30,7 +30,7 @@ MODES = {"residual_skipped": ("rejection",), "residual_unnormalized": ("rejectio
 def _skipped(case):
     import mlx.core as mx
 
-    from port import sampling
+    from spec_parity.port import sampling
 
     residual = sampling.residual
     return {(sampling, "residual"): lambda p, q: residual(p, mx.zeros_like(q))}
@@ -40,7 +40,7 @@ def _skipped(case):
 def _unnormalized(case):
     import mlx.core as mx
 
-    from port import sampling
+    from spec_parity.port import sampling
 
     return {(sampling, "residual"): lambda p, q: mx.maximum(p - q, 0.0)}
 
@@ -52,7 +52,7 @@ def _redrawn(case):
     drawn again with the next row's uniform, which a mismatch leaves unused."""
     import mlx.core as mx
 
-    from port import sampling
+    from spec_parity.port import sampling
 
     match = sampling.accept_match
 
@@ -70,7 +70,7 @@ def _on_full_accept(bonus):
     uniform the bonus is drawn with) instead of a draw from p_n."""
     import mlx.core as mx
 
-    from port import sampling
+    from spec_parity.port import sampling
 
     match, rejection = sampling.accept_match, sampling.accept_rejection
 
@@ -83,7 +83,7 @@ def _on_full_accept(bonus):
 
 @control("sampling", "bonus_wrong_row", "on a full accept the bonus token is drawn from the last draft's row p_{n-1}, not p_n")
 def _bonus_row(case):
-    from port import sampling
+    from spec_parity.port import sampling
 
     return _on_full_accept(lambda p, u: sampling.sample(p[:, -2], u))
 
@@ -100,7 +100,7 @@ def _bonus_greedy(case):
 def _accept_row(case):
     import mlx.core as mx
 
-    from port import sampling
+    from spec_parity.port import sampling
 
     prefix = sampling.accepted_prefix
 
@@ -115,7 +115,7 @@ def _accept_row(case):
 
 @control("sampling", "accept_inverted", "a draft is accepted with probability min(1, q/p) instead of min(1, p/q)")
 def _inverted(case):
-    from port import sampling
+    from spec_parity.port import sampling
 
     prefix = sampling.accepted_prefix
     return {(sampling, "accepted_prefix"): lambda d, q, p, u: prefix(d, p[:, : d.shape[1]], q, u)}
@@ -123,7 +123,7 @@ def _inverted(case):
 
 @control("sampling", "target_no_temperature", "the temperature is applied to the draft's q but not to the target's p")
 def _no_temperature(case):
-    from port import sampling
+    from spec_parity.port import sampling
 
     probs = sampling.verify_probs
     return {(sampling, "verify_probs"): lambda sampler, rows: probs(sampler.with_temperature(1.0), rows)}

@@ -6,16 +6,16 @@ from __future__ import annotations
 from . import control
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
-    "port.compiled:VerifyCache.mask", "port.compiled:written",
-    "port.fast.verify:BufferView.update_and_fetch", "port.fast.verify:forward_at",
-    "port.serve:_content", "port.serve:_kept", "port.serve:_verdict", "port.serve:trim_caches",
-    "port.sources:PipelinedRows.commit_pipelined",
+    "spec_parity.port.compiled:VerifyCache.mask", "spec_parity.port.compiled:written",
+    "spec_parity.port.fast.verify:BufferView.update_and_fetch", "spec_parity.port.fast.verify:forward_at",
+    "spec_parity.port.serve:_content", "spec_parity.port.serve:_kept", "spec_parity.port.serve:_verdict", "spec_parity.port.serve:trim_caches",
+    "spec_parity.port.sources:PipelinedRows.commit_pipelined",
 )
 
 
 @control("serve", "trim", "trim one too few")
 def _trim(case):
-    from port import serve
+    from spec_parity.port import serve
 
     trim = serve.trim_caches
     return {(serve, "trim_caches"): lambda caches, n: trim(caches, n - 1)}
@@ -23,7 +23,7 @@ def _trim(case):
 
 @control("serve", "eos", "EOS emitted as content")
 def _eos(case):
-    from port import serve
+    from spec_parity.port import serve
 
     return {(serve, "_content"): lambda committed, eos: committed}
 
@@ -34,7 +34,7 @@ def _bonus(case):
     greedy verdict's last-token field too)."""
     import mlx.core as mx
 
-    from port import serve
+    from spec_parity.port import serve
 
     kept, verdict, shift = serve._kept, serve._verdict, 2 * serve._BITS
 
@@ -56,7 +56,7 @@ def _bonus(case):
 def _verify_mask(case):
     import mlx.core as mx
 
-    from port import compiled
+    from spec_parity.port import compiled
 
     mask = compiled.VerifyCache.mask
 
@@ -69,7 +69,7 @@ def _verify_mask(case):
 
 @control("serve", "verify_window_off_by_one", "kv_bucket verify: the sliding layers' window one row too wide")
 def _verify_window(case):
-    from port import compiled
+    from spec_parity.port import compiled
 
     mask = compiled.VerifyCache.mask
 
@@ -81,7 +81,7 @@ def _verify_window(case):
 
 @control("serve", "compiled_verify_write_off_by_one", "compiled verify: the rows written one before the offset")
 def _compiled_verify_write(case):
-    from port.fast import verify
+    from spec_parity.port.fast import verify
 
     write = verify.BufferView.update_and_fetch
 
@@ -102,7 +102,7 @@ def _pipelined_rows(case):
     hold."""
     import mlx.core as mx
 
-    from port.sources import PipelinedRows
+    from spec_parity.port.sources import PipelinedRows
 
     commit = PipelinedRows.commit_pipelined
 
@@ -114,7 +114,7 @@ def _pipelined_rows(case):
 
 @control("serve", "pipelined_offset_behind", "pipelined loop: the verify writes one row before the offset")
 def _pipelined_offset(case):
-    from port.fast import verify
+    from spec_parity.port.fast import verify
 
     forward_at = verify.forward_at
     return {(verify, "forward_at"): lambda target, ids, caches, offset, *rest: forward_at(target, ids, caches, offset - 1,
@@ -122,11 +122,11 @@ def _pipelined_offset(case):
 
 
 @control("serve", "dynamic_slice_writes", "K/V rows written with mx.slice_update at an array start (on MLX "
-         "CUDA 0.32.4 launched over the whole buffer): port.compiled.written before the scatter")
+         "CUDA 0.32.4 launched over the whole buffer): spec_parity.port.compiled.written before the scatter")
 def _dynamic_slice_writes(case):
     import mlx.core as mx
 
-    from port import compiled
+    from spec_parity.port import compiled
 
     def written(keys, values, k, v, rows):
         at = rows.reshape(-1)[:1]

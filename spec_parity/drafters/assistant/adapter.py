@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracles.layers import as_numpy, mlx_recorded
+from spec_parity.oracles.layers import as_numpy, mlx_recorded
 
 from ...adapters import loop
 from ...checks import layer_feeds
@@ -30,7 +30,7 @@ def step_inputs(target_dir, prompt: np.ndarray, dtype: str, target=None) -> dict
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from port import targets
+    from spec_parity.port import targets
 
     target = target or targets.load(target_dir, getattr(mx, dtype))
     caches = make_prompt_cache(target.model)
@@ -51,7 +51,7 @@ def run(req: Request) -> dict:
 def run_steps(req: Request) -> dict:
     import mlx.core as mx
 
-    from port import assistant, targets
+    from spec_parity.port import assistant, targets
 
     dt = getattr(mx, req.dtype)
     target = targets.load(req.target, dt)
@@ -89,8 +89,8 @@ def run_steps(req: Request) -> dict:
 def run_loop(req: Request) -> dict:
     import mlx.core as mx
 
-    from port import targets
-    from port.sources.assistant import AssistantProvider
+    from spec_parity.port import targets
+    from spec_parity.port.sources.assistant import AssistantProvider
 
     dt = getattr(mx, req.dtype)
     return loop.run(targets.load(req.target, dt), req.prompt, req.options["max_tokens"],
@@ -101,8 +101,8 @@ def run_sampled(req: Request) -> dict:
     """Our loop (token match) at the temperature, once per seed: spec_parity.sampled's statistics."""
     import mlx.core as mx
 
-    from port import targets
-    from port.sources.assistant import AssistantProvider
+    from spec_parity.port import targets
+    from spec_parity.port.sources.assistant import AssistantProvider
 
     o, dt = req.options, getattr(mx, req.dtype)
     target = targets.load(req.target, dt)

@@ -6,16 +6,16 @@ from __future__ import annotations
 from ...controls import LAYER_SCALE, control, one_layer_scaled
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
-    "port.assistant:Attention.__init__", "port.assistant:Model.candidate_rows",
-    "port.assistant:RMSNorm.__call__", "port.assistant:draft_chain", "port.assistant:load",
-    "port.assistant:sliding_view",
-    "port.fast.assistant:donor_buffers",
+    "spec_parity.port.assistant:Attention.__init__", "spec_parity.port.assistant:Model.candidate_rows",
+    "spec_parity.port.assistant:RMSNorm.__call__", "spec_parity.port.assistant:draft_chain", "spec_parity.port.assistant:load",
+    "spec_parity.port.assistant:sliding_view",
+    "spec_parity.port.fast.assistant:donor_buffers",
 )
 
 
 @control("assistant", "scale", "attention scale 1/sqrt(d) instead of 1.0")
 def _scale(case):
-    from port import assistant
+    from spec_parity.port import assistant
 
     init = assistant.Attention.__init__
 
@@ -28,7 +28,7 @@ def _scale(case):
 
 @control("assistant", "position", "draft position off by one")
 def _position(case):
-    from port import assistant
+    from spec_parity.port import assistant
 
     chain = assistant.draft_chain
 
@@ -40,7 +40,7 @@ def _position(case):
 
 @control("assistant", "window", "sliding window off by one (newest W entries instead of W-1)")
 def _window(case):
-    from port import assistant
+    from spec_parity.port import assistant
 
     chain, view = assistant.draft_chain, assistant.sliding_view
 
@@ -55,7 +55,7 @@ def _window(case):
 def _donor(case):
     """The drafter handed the second-to-last sliding layer's K/V of the case's prompt (in the
     caller's donor dict, as a port that picked the wrong layer would hold them)."""
-    from port import assistant
+    from spec_parity.port import assistant
 
     chain = assistant.draft_chain
 
@@ -83,7 +83,7 @@ def _second_to_last_sliding(case, target):
 def _ordering(case):
     import mlx.core as mx
 
-    from port import assistant
+    from spec_parity.port import assistant
 
     load = assistant.load
 
@@ -97,16 +97,16 @@ def _ordering(case):
 
 @control("assistant", "head_rows", "the untied centroid head's candidates scored on the embedding, not lm_head")
 def _head_rows(case):
-    from port import assistant
+    from spec_parity.port import assistant
 
     return {(assistant.Model, "candidate_rows"): lambda self: self.model.embed_tokens.weight}
 
 
 def _donor_where(layer: str, shift):
-    """The bucketed path's donor window (port.fast.assistant.donor_buffers' `where`) moved by
+    """The bucketed path's donor window (spec_parity.port.fast.assistant.donor_buffers' `where`) moved by
     `shift`, a function of the old `where`."""
     def swaps(case):
-        from port.fast import assistant
+        from spec_parity.port.fast import assistant
 
         buffers = assistant.donor_buffers
 
@@ -131,7 +131,7 @@ control("assistant", "ring_order_ignored", "bucketed donors: the ring's rotation
 
 @control("assistant", "layer_scale", f"one drafter layer's output x{LAYER_SCALE} (the layer the case names)")
 def _layer_scale(case):
-    from port import assistant
+    from spec_parity.port import assistant
 
     return one_layer_scaled(assistant, "load", lambda m: m.model.layers, case)
 
@@ -142,7 +142,7 @@ def _fp16_norms(case):
     """A dtype no built-in case runs: the fuzzer's to find (tests/test_fuzz.py)."""
     import mlx.core as mx
 
-    from port import assistant
+    from spec_parity.port import assistant
 
     plain = assistant.RMSNorm.__call__
 

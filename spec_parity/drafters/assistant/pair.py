@@ -153,12 +153,12 @@ class Assistant(Pair):
         return out + sampled_cases()
 
     def oracle_status(self, oracle: str) -> str | None:
-        from oracles.assistant import status
+        from spec_parity.oracles.assistant import status
 
         return status(oracle)
 
     def run_oracle(self, case: Case):
-        from oracles import assistant as oracle
+        from spec_parity.oracles import assistant as oracle
 
         name, o = case.oracle, case.params
         if isinstance(o, AssistantSampled):

@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 
-from oracles.layers import as_numpy, mlx_recorded
+from spec_parity.oracles.layers import as_numpy, mlx_recorded
 
 from ... import controls, shared
 from ...adapters import loop
@@ -25,8 +25,8 @@ def run_extension(req: Request) -> dict:
     extended rows)."""
     import mlx.core as mx
 
-    from port import targets
-    from port.sources.dflash import DflashProvider
+    from spec_parity.port import targets
+    from spec_parity.port.sources.dflash import DflashProvider
 
     dt = getattr(mx, req.dtype)
     o, target = req.options, targets.load(req.target, dt)
@@ -77,7 +77,7 @@ def run_modules(req: Request) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import RotatingKVCache
 
-    from port import dflash, serve, targets
+    from spec_parity.port import dflash, serve, targets
 
     o, dt = req.options, getattr(mx, req.dtype)
     target = targets.load(req.target, dt)
@@ -133,8 +133,8 @@ def _prefilled(req: Request, target, m):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from port import serve, targets
-    from port.sources.dflash import DflashSource
+    from spec_parity.port import serve, targets
+    from spec_parity.port.sources.dflash import DflashSource
 
     caches = make_prompt_cache(target.model)
     src = DflashSource(m, serve.TargetView(target, caches))
@@ -160,7 +160,7 @@ def run_loop(req: Request) -> dict:
     the z-lab MLX and torch twins of a Qwen3 loop share one run."""
     import mlx.core as mx
 
-    from port import targets
+    from spec_parity.port import targets
 
     o = req.options
     target = targets.load(req.target, getattr(mx, req.dtype))
@@ -175,7 +175,7 @@ def _scales(req: Request) -> tuple[float, float]:
     that nests them (every factory one) read the same values, so they share one run."""
     import json
 
-    from port import dflash
+    from spec_parity.port import dflash
 
     cfg = json.loads((req.drafter / "config.json").read_text())
     a = dflash.ModelArgs.from_config(cfg, req.drafter, req.options["scales"])
@@ -185,8 +185,8 @@ def _scales(req: Request) -> tuple[float, float]:
 def loop_uncached(req: Request, target=None) -> dict:
     import mlx.core as mx
 
-    from port import targets
-    from port.sources.dflash import DflashProvider
+    from spec_parity.port import targets
+    from spec_parity.port.sources.dflash import DflashProvider
 
     o, dt = req.options, getattr(mx, req.dtype)
     provider = DflashProvider(req.drafter, o["window"], max_tokens=o["max_tokens"],

@@ -70,7 +70,7 @@ DFLASH = {
 # fields on a DFlash drafter. Keys of the `dspark_extras` override, with their defaults:
 EXTRAS = {
     "markov_rank": 8,
-    "markov_head_type": "vanilla",       # vanilla | gated | rnn (port.heads.MarkovHead)
+    "markov_head_type": "vanilla",       # vanilla | gated | rnn (spec_parity.port.heads.MarkovHead)
     "markov_gain": 1.0,                  # std of the bias is ~ markov_gain (w1 ~ N(0, 1), w2 ~ gain/sqrt(r))
     "confidence": True,                  # a confidence head
     "confidence_head_with_markov": True,  # its input [h ; W1[prev]] (False: h)

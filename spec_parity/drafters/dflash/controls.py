@@ -9,12 +9,12 @@ from ...controls import LAYER_SCALE, control, one_layer_scaled
 from ..dspark.controls import bucket_mask_off_by_one, chain_before_softcap, rejected_rows
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
-    "port.compiled:valid_rows", "port.dflash:Attention.__init__", "port.dflash:Attention.block_heads",
-    "port.dflash:Attention.mask",
-    "port.dflash:DecoderLayer.__call__", "port.dflash:Model.head", "port.dflash:load",
-    "port.fast.dflash:rows_as_heads", "port.heads:confidence_logits", "port.heads:markov_chain",
-    "port.sources.dflash:DflashSource.extend", "port.sources.dflash:prune_length",
-    "port.targets:verified_rows",
+    "spec_parity.port.compiled:valid_rows", "spec_parity.port.dflash:Attention.__init__", "spec_parity.port.dflash:Attention.block_heads",
+    "spec_parity.port.dflash:Attention.mask",
+    "spec_parity.port.dflash:DecoderLayer.__call__", "spec_parity.port.dflash:Model.head", "spec_parity.port.dflash:load",
+    "spec_parity.port.fast.dflash:rows_as_heads", "spec_parity.port.heads:confidence_logits", "spec_parity.port.heads:markov_chain",
+    "spec_parity.port.sources.dflash:DflashSource.extend", "spec_parity.port.sources.dflash:prune_length",
+    "spec_parity.port.targets:verified_rows",
 )
 
 
@@ -31,7 +31,7 @@ def _random_head(vocab: int, hidden: int):
 
 @control("dflash", "own_head", "the drafter scores with its own (random) lm head instead of the target's")
 def _own_head(case):
-    from port import dflash
+    from spec_parity.port import dflash
 
     def own(self, target, h):
         return _random_head(self.args.vocab_size, self.args.hidden_size)(h) * self.args.output_multiplier
@@ -42,7 +42,7 @@ def _own_head(case):
 @control("dflash", "ctx_input_layernorm", "the context rows pass through each layer's input_layernorm before K/V")
 def _ctx_norm(case):
     """On the plain model (the pairs' module cases), where each layer takes the context rows."""
-    from port import dflash
+    from spec_parity.port import dflash
 
     def normed(self, x, ctx, cache, block_at):
         return self.finish(x, self.self_attn(self.input_layernorm(x), self.input_layernorm(ctx), cache, block_at))
@@ -52,7 +52,7 @@ def _ctx_norm(case):
 
 @control("dflash", "block_position_shift", "the block's positions shifted by one (start+1..start+bs)")
 def _position(case):
-    from port import dflash
+    from spec_parity.port import dflash
 
     heads = dflash.Attention.block_heads
     return {(dflash.Attention, "block_heads"): lambda self, q, k, v, at: heads(self, q, k, v, at + 1)}
@@ -62,7 +62,7 @@ def _position(case):
 def _window_short(case):
     """Its newest W-2 context rows attended where W-1 are due: the stored window ends where the
     reference's does, one row shorter at the old end."""
-    from port import dflash
+    from spec_parity.port import dflash
 
     load = dflash.load
 
@@ -77,7 +77,7 @@ def _window_short(case):
 
 @control("dflash", "rows_as_heads_transposed", "rows-as-heads: the block rows folded into the heads row-major")
 def _rows_as_heads(case):
-    from port.fast import dflash as fast
+    from spec_parity.port.fast import dflash as fast
 
     def transposed(q):
         B, H, L, D = q.shape
@@ -93,7 +93,7 @@ control("dflash", "bucket_mask_off_by_one", "kv_bucket: the context mask lets th
 
 @control("dflash", "markov_before_softcap", "extension: Markov bias added before the softcap")
 def _markov(case):
-    from port.sources.dflash import DflashSource
+    from spec_parity.port.sources.dflash import DflashSource
 
     extend = DflashSource.extend
 
@@ -106,7 +106,7 @@ def _markov(case):
 
 @control("dflash", "thresholds_ignored", "extension: the confidence thresholds are not applied (no pruning)")
 def _thresholds(case):
-    from port.sources import dflash
+    from spec_parity.port.sources import dflash
 
     return {(dflash, "prune_length"): lambda confidence, thresholds: confidence.shape[0]}
 
@@ -118,7 +118,7 @@ def _markov_first_token(case):
     gates): only the first slot's bias moves; the extension's heads held to DeepSpec's catch it."""
     import mlx.core as mx
 
-    from port import heads
+    from spec_parity.port import heads
 
     chain = heads.markov_chain
 
@@ -133,7 +133,7 @@ def _markov_first_token(case):
 def _confidence_wrong_row(case):
     import mlx.core as mx
 
-    from port import heads
+    from spec_parity.port import heads
 
     logits = heads.confidence_logits
 
@@ -145,7 +145,7 @@ def _confidence_wrong_row(case):
 
 @control("dflash", "layer_scale", f"one drafter layer's output x{LAYER_SCALE} (the layer the case names)")
 def _layer_scale(case):
-    from port import dflash
+    from spec_parity.port import dflash
 
     return one_layer_scaled(dflash, "load", lambda m: m.layers, case)
 
@@ -157,7 +157,7 @@ def _layer_scale(case):
 def _rope_fixed(case):
     from mlx_lm.models.rope_utils import initialize_rope
 
-    from port import dflash
+    from spec_parity.port import dflash
 
     init = dflash.Attention.__init__
 
@@ -173,7 +173,7 @@ def _rope_fixed(case):
 def _window_within_block(case):
     import mlx.core as mx
 
-    from port import dflash
+    from spec_parity.port import dflash
 
     mask = dflash.Attention.mask
 

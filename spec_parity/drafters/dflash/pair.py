@@ -152,7 +152,7 @@ PROMPT = (17, 120)
 def _heads_reference(case: Case):
     """DeepSpec's heads (the extension's L2 component) on the rows `_head_inputs` seeds: the
     inputs, the chain's tokens (the port is fed them: teacher-forced), rows and confidence."""
-    from oracles import dspark
+    from spec_parity.oracles import dspark
 
     x = _head_inputs(case)
     ref = dspark.extension_heads(case.drafter_dir(), x["heads.hidden"], x["heads.base_logits"], x["heads.anchor"])
@@ -184,10 +184,10 @@ def _sliding(case: Case) -> tuple[list[bool], int | None]:
 
 def _stored_positions(case: Case, ref: dict, key: str, sliding: bool, W: int | None) -> tuple[int, ...] | None:
     """Each stored row's position in a reference's context K/V (which records none): z-lab MLX's
-    sliding layers hold mlx-lm's ring buffer (replayed, oracles.dflash.ring_positions), the rest
+    sliding layers hold mlx-lm's ring buffer (replayed, spec_parity.oracles.dflash.ring_positions), the rest
     (its full layers, every z-lab torch layer) the newest rows in time order. The rows entering
     the context per round are the reference's own taps."""
-    from oracles import dflash as oracle
+    from spec_parity.oracles import dflash as oracle
 
     rounds = len(case.params.accepts)
     if any(f"taps.{r}" not in ref for r in range(rounds)):
@@ -231,16 +231,16 @@ class DFlash(Pair):
         return out
 
     def oracle_status(self, oracle: str) -> str | None:
-        from oracles import dflash as o
+        from spec_parity.oracles import dflash as o
 
         if oracle == HEADS:
-            from oracles import dspark
+            from spec_parity.oracles import dspark
 
             return dspark.status()
         return o.torch_status() if oracle == TORCH else o.status()
 
     def run_oracle(self, case: Case):
-        from oracles import dflash as oracle
+        from spec_parity.oracles import dflash as oracle
 
         t, d, p, o = case.checkpoint_dir(), case.drafter_dir(), case.prompt(*PROMPT), case.params
         if isinstance(o, DflashExtension):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from oracles.layers import as_numpy, mlx_recorded
+from spec_parity.oracles.layers import as_numpy, mlx_recorded
 
 from ...adapters import loop
 from ...checks import layer_feeds
@@ -15,8 +15,8 @@ from ...sampled import first_and_rounds, first_round_end
 def run(req: Request) -> dict:
     import mlx.core as mx
 
-    from port import dspark, targets
-    from port.sources.dspark import DeepspecProvider
+    from spec_parity.port import dspark, targets
+    from spec_parity.port.sources.dspark import DeepspecProvider
 
     dt = getattr(mx, req.dtype)
     target = targets.load(req.target, dt)
@@ -62,7 +62,7 @@ def sampled(target, req: Request) -> dict:
     accepted length, its rounds and the first round's end token (spec_parity.sampled)."""
     import mlx.core as mx
 
-    from port.sources.dspark import DeepspecProvider
+    from spec_parity.port.sources.dspark import DeepspecProvider
 
     o = req.options
     provider = DeepspecProvider(req.drafter, o["threshold"], dtype=getattr(mx, req.dtype))

@@ -7,10 +7,10 @@ from __future__ import annotations
 from ...controls import LAYER_SCALE, control, one_layer_scaled, swapped
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
-    "port.compiled:valid_rows", "port.dspark:Attention.kv", "port.dspark:Model.embed",
-    "port.dspark:Model.final", "port.dspark:Model.prefix_length", "port.dspark:Model.tail",
-    "port.dspark:Model.tap_layers", "port.dspark:load", "port.heads:markov_chain",
-    "port.targets:verified_rows",
+    "spec_parity.port.compiled:valid_rows", "spec_parity.port.dspark:Attention.kv", "spec_parity.port.dspark:Model.embed",
+    "spec_parity.port.dspark:Model.final", "spec_parity.port.dspark:Model.prefix_length", "spec_parity.port.dspark:Model.tail",
+    "spec_parity.port.dspark:Model.tap_layers", "spec_parity.port.dspark:load", "spec_parity.port.heads:markov_chain",
+    "spec_parity.port.targets:verified_rows",
 )
 
 
@@ -18,25 +18,25 @@ def rejected_rows(case):
     """Every verify row joins the drafter's context, the rejected drafts' too."""
     import mlx.core as mx
 
-    from port import targets
+    from spec_parity.port import targets
 
     return {(targets, "verified_rows"): lambda tapped, accepted: mx.concatenate(tapped, axis=-1)}
 
 
 def bucket_mask_off_by_one(case):
     """kv_bucket: the context mask of the compiled block lets the first padded row through."""
-    from port import compiled
+    from spec_parity.port import compiled
 
     rows = compiled.valid_rows
     return {(compiled, "valid_rows"): lambda valid, S: rows(valid + 1, S)}
 
 
 def chain_before_softcap(logits_before_cap, cap):
-    """port.heads.markov_chain with the bias added before the softcap: row_k =
+    """spec_parity.port.heads.markov_chain with the bias added before the softcap: row_k =
     softcap(logits_before_cap(h_k) + bias_k)."""
     import mlx.core as mx
 
-    from port import heads
+    from spec_parity.port import heads
 
     chain = heads.markov_chain
 
@@ -57,7 +57,7 @@ def chain_before_softcap(logits_before_cap, cap):
 
 @control("dspark", "markov_before_softcap", "Markov bias added before the softcap")
 def _markov(case):
-    from port import dspark
+    from spec_parity.port import dspark
 
     tail = dspark.Model.tail
 
@@ -72,7 +72,7 @@ def _markov(case):
 def _cumulative(case):
     import mlx.core as mx
 
-    from port import dspark, targets
+    from spec_parity.port import dspark, targets
 
     def prefix_length(self, confidence, threshold):
         if confidence is None or threshold <= 0.0:
@@ -87,7 +87,7 @@ control("dspark", "rejected_rows", "rejected rows appended to the context")(reje
 
 @control("dspark", "rope_on_v", "RoPE applied to V")
 def _rope_on_v(case):
-    from port import dspark
+    from spec_parity.port import dspark
 
     kv = dspark.Attention.kv
 
@@ -100,7 +100,7 @@ def _rope_on_v(case):
 
 @control("dspark", "no_embed_scale", "the sqrt(H) embedding scale missing")
 def _no_embed_scale(case):
-    from port import dspark
+    from spec_parity.port import dspark
 
     return {(dspark.Model, "embed"): lambda self, ids: self.embed_tokens(ids)}
 
@@ -109,7 +109,7 @@ def _no_embed_scale(case):
 def _anchor(case):
     import mlx.core as mx
 
-    from port import dspark
+    from spec_parity.port import dspark
 
     def shifted(self, h):
         full = self.norm(h)[0, ...]
@@ -121,7 +121,7 @@ def _anchor(case):
 
 @control("dspark", "tap_index", "taps read hidden_states[l] instead of [l + 1]")
 def _tap_index(case):
-    from port import dspark
+    from spec_parity.port import dspark
 
     return {(dspark.Model, "tap_layers"): lambda self: [i - 1 if i >= 0 else i for i in self.args.target_layer_ids]}
 
@@ -132,6 +132,6 @@ control("dspark", "bucket_mask_off_by_one", "kv_bucket: the context mask lets th
 
 @control("dspark", "layer_scale", f"one drafter layer's output x{LAYER_SCALE} (the layer the case names)")
 def _layer_scale(case):
-    from port import dspark
+    from spec_parity.port import dspark
 
     return one_layer_scaled(dspark, "load", lambda m: m.layers, case)

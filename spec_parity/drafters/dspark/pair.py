@@ -118,12 +118,12 @@ class DSpark(Pair):
         return out
 
     def oracle_status(self, oracle: str) -> str | None:
-        from oracles.dspark import status
+        from spec_parity.oracles.dspark import status
 
         return status()
 
     def run_oracle(self, case: Case):
-        from oracles import dspark as oracle
+        from spec_parity.oracles import dspark as oracle
 
         p, o = case.prompt(*PROMPT), case.params
         if isinstance(o, DsparkSampled):

@@ -10,7 +10,7 @@ from ...protocol import Request
 def run(req: Request) -> dict:
     import mlx.core as mx
 
-    from port import targets as port
+    from spec_parity.port import targets as port
 
     target = port.load(req.target, getattr(mx, req.dtype))
     ids = req.prompt

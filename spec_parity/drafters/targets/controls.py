@@ -6,7 +6,7 @@ from __future__ import annotations
 from ...controls import control
 
 SEAMS = (   # the port names these controls swap (module:attribute), each held to the port by a test
-    "port.targets:load",
+    "spec_parity.port.targets:load",
 )
 
 ROPE_LAYERS = (1, 3)   # the layers the targets pair perturbs (Qwen3: 1, Gemma-4: 3)
@@ -31,7 +31,7 @@ def scale_rope_base(target, layer: int, factor: float) -> None:
 
 def _rope_base(layer: int):
     def swaps(case):
-        from port import targets
+        from spec_parity.port import targets
 
         load = targets.load
 

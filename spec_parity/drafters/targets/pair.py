@@ -40,13 +40,13 @@ class Targets(Pair):
     def oracle_status(self, oracle: str) -> str | None:
         missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
         if missing:
-            from oracles.targets import INSTALL
+            from spec_parity.oracles.targets import INSTALL
 
             return f"{', '.join(missing)} not installed: {INSTALL}"
         return None
 
     def run_oracle(self, case: Case):
-        from oracles import targets as oracle
+        from spec_parity.oracles import targets as oracle
 
         model = oracle.load(case.checkpoint_dir())
         ids = case.prompt(*PROMPT).astype(np.int64)
