@@ -106,11 +106,12 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def donor_layers(target: Target) -> dict[str, int]:
-    """The last sliding and last full attention layer that own K/V (not kv-shared)."""
+    """The last sliding and last full attention layer that own K/V (not kv-shared); a kind no
+    layer has is absent (a target of full layers only has no sliding donor)."""
     c = target.config
     owners = c["layer_types"][: c["num_hidden_layers"] - c.get("num_kv_shared_layers", 0)]
     return {kind.split("_")[0]: max(i for i, t in enumerate(owners) if t == kind)
-            for kind in ("sliding_attention", "full_attention")}
+            for kind in ("sliding_attention", "full_attention") if kind in owners}
 
 
 def donor_view(target: Target, caches: list) -> dict[str, tuple[mx.array, mx.array]]:

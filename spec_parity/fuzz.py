@@ -198,12 +198,15 @@ def fuzz(module: str, examples: int, seed: int, selection: ports.Selection = por
 
 def write_failure(outcome: Outcome, out: Path) -> Path:
     """The failing configuration as a case folder (`spec-parity export`'s layout: checkpoints,
-    request, the reference's inputs and our port's outputs) plus fuzz-config.json, the file the
-    reproducing command reads."""
+    request, the reference's inputs and our port's outputs, where it ran) plus fuzz-config.json,
+    the file the reproducing command reads."""
     c = case(outcome.config)
     ref, _, _ = harness.reference(c, "live")
     folder = Path(out) / c.module / re.sub(r"[^\w.+-]+", "-", c.name).strip("-")
-    expected = harness.port_run(c, ref)
+    try:
+        expected = harness.port_run(c, ref)
+    except Exception:      # the failure is our port's error: the folder holds no outputs of ours
+        expected = None
     exchange.write_case(harness.request(c, ref), folder, expected)
     (folder / "fuzz-config.json").write_text(outcome.config.to_json() + "\n")
     return folder

@@ -42,6 +42,16 @@ def test_donor_layers_are_last_owning_sliding_and_full():
     assert port.donor_layers(port.load(by_name["gemma4-ple-kvshared"].checkpoint_dir())) == {"sliding": 3, "full": 2}
 
 
+def test_a_target_of_full_layers_only_has_no_sliding_donor_and_runs():
+    """Found by `spec-parity fuzz --module targets`: the walk looked up a sliding donor every
+    Gemma-4 target was assumed to have."""
+    full = checkpoints.build("gemma4-target", 0, {"num_hidden_layers": 2, "layer_types": ["full_attention"] * 2})
+    target = port.load(full)
+    assert port.donor_layers(target) == {"full": 1}
+    trace = port.forward(target, mx.array([[5, 6, 7]]))
+    assert np.isfinite(np.array(trace.logits)).all()
+
+
 @pytest.fixture
 def fixture_copy(tmp_path, monkeypatch):
     shutil.copytree(goldens.root(), tmp_path / "fixtures")
