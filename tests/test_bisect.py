@@ -4,8 +4,9 @@ throwaway repositories in which one commit plants the bug.
 The fast bisects run a stub `spec_parity.cli` committed in the throwaway repository (the checkout
 goes first on PYTHONPATH, so it shadows ours; its package path extends into ours, so its reports
 are written by our own `report.write`); its verdict per commit is the VERDICT file. The slow one
-bisects a copy of our own `port/` with a planted scale on the target's logits, judged by the real
-harness against the targets goldens.
+bisects a copy of our own `port/` with a planted scale on the target's logits, answered through a
+fork's adapter (the copy stands in for spec_parity.port) and judged by the real harness against
+the targets goldens.
 """
 
 import shutil
@@ -46,6 +47,22 @@ result = Result("targets", args.case, "stub", "L2", verdict="ERROR" if verdict =
                 reason=reason)
 report.write(Path(args.out), [(result, "PASS")], "stub")
 sys.exit(0 if verdict == "PASS" else 1)
+'''
+
+
+# A fork's adapter: its copy of our port stands in for spec_parity.port, behind our own adapters.
+FORK = '''import importlib.util
+import sys
+from pathlib import Path
+
+import spec_parity
+
+here = Path(__file__).resolve().parent / "port"
+spec = importlib.util.spec_from_file_location("spec_parity.port", here / "__init__.py",
+                                              submodule_search_locations=[str(here)])
+sys.modules[spec.name] = spec_parity.port = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(spec_parity.port)
+from spec_parity.adapters import make_port  # noqa: E402,F401
 '''
 
 
@@ -241,6 +258,7 @@ def test_bisect_port_cmd_names_the_planted_commit(tmp_path, capsys):
 def test_bisect_finds_a_bug_planted_in_a_copy_of_our_port(tmp_path, capsys):
     repo = tmp_path / "myport"
     shutil.copytree(ROOT / "port", repo / "port", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "fork.py").write_text(FORK)
     git(repo, "init", "-q")
     shas = [commit(repo, "port: import the port")]
     for i in range(3):
@@ -253,6 +271,6 @@ def test_bisect_finds_a_bug_planted_in_a_copy_of_our_port(tmp_path, capsys):
     shas.append(commit(repo, "targets: scale the logits"))
     (repo / "NOTES").write_text("last\n")
     shas.append(commit(repo, "notes: harmless change after"))
-    assert bisect.bisect(str(repo), shas[0], shas[-1], CASE) == 0
+    assert bisect.bisect(str(repo), shas[0], shas[-1], CASE, ports=["targets=fork:make_port"]) == 0
     line = first_line(capsys.readouterr().out)
     assert line.startswith(f"first bad commit {shas[4]} 'targets: scale the logits': targets/{CASE} FAIL"), line
