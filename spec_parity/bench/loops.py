@@ -267,7 +267,7 @@ def run_case(condition: str, case: Case, opts: Options, env, root: Path, say) ->
     sides = loop_sides.sides_for(case.module, opts.sides)
     if condition == "agreeing-real":
         out["declined"] = {s.name: why for src, why in agreeing_real.DECLINED.items()
-                           for s in loop_sides.sides_for(src, opts.sides) if s.peer}
+                           for s in loop_sides.sides_for(src, None) if s.peer}
     try:
         ckpt = (agreeing_real.build if condition == "agreeing-real" else shapes.build)(case, root)
         vocab = ckpt.prompt_vocab or ckpt.target_config["vocab_size"]
