@@ -25,7 +25,9 @@ agreeing kinds, spec_parity/checkpoints/agreeing.py: the target's greedy stream 
 permutation and the drafter proposes it on a share `--agree-frac` of the tokens, the same weights
 for every side, so every side's tau is set by the weights, not by its loop). The agreeing kinds
 need hidden >= vocab (DFlash) and exact float32 margins, so they are built at the factory's own
-shapes in float32 whatever `--shapes` says; the report states each case's shapes.
+shapes in float32 whatever `--shapes` says; the report states each case's shapes. `agreeing-real`
+(spec_parity/bench/agreeing_real.py): DFlash on a Qwen3-8B shaped target at real widths in the
+run's dtype, the stream confined to the tokens a head carries, tau set exactly per case (`--tau`).
 Figures are reported, never asserted.
 """
 
@@ -47,7 +49,7 @@ import numpy as np
 
 from ..case import Case
 from ..goldens import atomic_write
-from . import loop_sides, shapes
+from . import agreeing_real, loop_sides, shapes
 from .loop_sides import Loop
 from .report import _identity, _mlx_env
 from .runner import _can_build, _reason, machine, project, versions
@@ -55,7 +57,7 @@ from .shapes import SOURCES
 from .sides import Side, torch_device
 from .timing import _memory, summary
 
-CONDITIONS = ("random", "agreeing")
+CONDITIONS = ("random", "agreeing", "agreeing-real")
 # The bench's case per source (spec_parity/bench/shapes.py) for the random condition.
 RANDOM_CASES = {"tiny": {"assistant": "assistant-tied", "dspark": "dspark-qwen3", "dflash": "dflash-qwen3"},
                 "real": {"assistant": "assistant-12b-tied", "dspark": "dspark-qwen3-4b", "dflash": "dflash-qwen3-4b"}}
@@ -67,11 +69,12 @@ class Options:
     shapes: str = "tiny"
     sources: tuple[str, ...] = SOURCES
     sides: list[str] | None = None        # None: every side of a source
-    conditions: tuple[str, ...] = CONDITIONS
+    conditions: tuple[str, ...] = CONDITIONS[:2]
     prompt_len: int = 2048
     new_tokens: int = 128
     runs: int = 3
     agree_frac: float = 0.8
+    taus: tuple[int, ...] = (2, 4, agreeing_real.BLOCK)   # agreeing-real: tau per case
     dtype: str = "float32"
     scale: int = 1
     target_layers: int | None = None
@@ -109,6 +112,9 @@ def cases(opts: Options) -> list[tuple[str, Case]]:
     if "agreeing" in opts.conditions:
         out += [("agreeing", c) for c in agreeing_cases(opts.agree_frac, opts.gamma, opts.prompt_len)
                 if c.module in opts.sources]
+    if "agreeing-real" in opts.conditions and "dflash" in opts.sources:
+        out += [("agreeing-real", c) for c in agreeing_real.cases(list(opts.taus), opts.shapes, opts.prompt_len,
+                                                                  opts.dtype)]
     return out
 
 
@@ -259,9 +265,13 @@ def run_case(condition: str, case: Case, opts: Options, env, root: Path, say) ->
     out = {"case": case.name, "condition": condition, "source": case.module, "shape": s.label, "dtype": case.dtype,
            "gamma": s.gamma, "notes": list(s.notes), "prompt_len": opts.prompt_len, "new_tokens": opts.new_tokens}
     sides = loop_sides.sides_for(case.module, opts.sides)
+    if condition == "agreeing-real":
+        out["declined"] = {s.name: why for src, why in agreeing_real.DECLINED.items()
+                           for s in loop_sides.sides_for(src, None) if s.peer}
     try:
-        ckpt = shapes.build(case, root)
-        check, split_prompt, per_side = prompt_plan(opts, len(sides), ckpt.target_config["vocab_size"], opts.seed)
+        ckpt = (agreeing_real.build if condition == "agreeing-real" else shapes.build)(case, root)
+        vocab = ckpt.prompt_vocab or ckpt.target_config["vocab_size"]
+        check, split_prompt, per_side = prompt_plan(opts, len(sides), vocab, opts.seed)
     except Exception as e:
         return {**out, "status": "failed", "reason": _reason(e)}
     # Two passes over the sides, the second in reverse order (A B C, then C B A), each side built
@@ -361,6 +371,7 @@ def markdown(doc: dict) -> str:
         lines += ["| side | status | tok/s | p10-p90 | x plain | tau | acceptance | split ms (d / v / a+t) | peak MiB "
                   "| stream = plain | notes / reason |", "|" + "---|" * 11]
         lines += [_row(s) for s in c["sides"]] + [""]
+        lines += [f"declined: {name}: {why}" for name, why in c.get("declined", {}).items()]
     return "\n".join(lines)
 
 
@@ -395,8 +406,12 @@ def main(args) -> int:
     conditions = tuple(x.strip() for x in args.conditions.split(",") if x.strip())
     if set(sources) - set(SOURCES) or set(conditions) - set(CONDITIONS):
         raise OptionError(f"--sources from {SOURCES}, --conditions from {CONDITIONS}")
+    try:
+        taus = tuple(agreeing_real.parse_taus(getattr(args, "tau", None) or "2,4,max"))
+    except ValueError as e:
+        raise OptionError(str(e)) from None
     opts = Options(shapes=args.shapes, sources=sources, sides=sides, conditions=conditions, prompt_len=args.prompt_len,
-                   new_tokens=args.new_tokens, runs=args.runs, agree_frac=args.agree_frac,
+                   new_tokens=args.new_tokens, runs=args.runs, agree_frac=args.agree_frac, taus=taus,
                    dtype=args.dtype or ("bfloat16" if real else "float32"), scale=args.scale,
                    target_layers=args.target_layers, gamma=args.gamma, torch_device=args.torch_device, seed=args.seed,
                    argv=list(args.argv))

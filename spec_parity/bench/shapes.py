@@ -47,6 +47,7 @@ class Checkpoints:
     drafter_dir: Path
     target_dir: Path
     tensors: dict[str, dict[str, mx.array]]   # realpath of a .safetensors -> its tensors
+    prompt_vocab: int | None = None           # prompts drawn from ids below this (None: the vocabulary)
 
     @property
     def dtype(self) -> str:
