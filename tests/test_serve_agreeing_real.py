@@ -96,7 +96,7 @@ def test_bf16_keeps_tau(tmp_path):
 def test_slot_weights_reach_the_lp():
     """The numpy solver comes within 0.02 of the factory's LP optimum (scipy), at both widths."""
     pytest.importorskip("scipy")
-    from spec_parity.checkpoints.dflash import _slot_weights
+    from spec_parity.drafters.dflash.checkpoints import _slot_weights
 
     for hd in (128, 32):
         thetas = 1e6 ** (-2 * np.arange(hd // 2) / hd)[: hd // 2 - 1]

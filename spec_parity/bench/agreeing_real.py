@@ -37,7 +37,7 @@ import numpy as np
 
 from ..case import Case
 from ..checkpoints.agreeing import SPECIALS, TARGET_LOGIT
-from ..checkpoints.dflash import SLOT_GAP, SLOT_WRITE
+from ..drafters.dflash.checkpoints import SLOT_GAP, SLOT_WRITE
 from . import shapes
 
 SHAPES = {
