@@ -293,6 +293,7 @@ def test_the_step_files_first_run_is_its_bench_json():
 @pytest.mark.parametrize("pasted, edited, check", [
     ("| 108.9 | 0.56–0.59× |", "| 109.0 | 0.56–0.59× |", tables_are_their_runs),
     ("| 2.197 | 3.15× |", "| 2.198 | 3.15× |", tables_are_their_runs),
+    ("| 870.7 | 6.65–8.51× |", "| 870.8 | 6.65–8.51× |", tables_are_their_runs),
     ("`benchmarks/serve-dspark-h200-peers-2.json` on\nNVIDIA H200, tree 32fcfe1",
      "`benchmarks/serve-dspark-h200-peers-2.json` on\nNVIDIA H100 80GB HBM3, tree 32fcfe1", tables_are_their_runs),
     ("`benchmarks/serve-assistant-h100-2.json` on NVIDIA\nH100 80GB HBM3, tree 3ae854a",
@@ -300,7 +301,7 @@ def test_the_step_files_first_run_is_its_bench_json():
     ("--new-tokens 64 --peers optiq`", "--new-tokens 128 --peers optiq`", tables_are_their_runs),
     ("| 0.900 / 0.937 / 0.897 |", "| 0.900 / 0.937 / 0.898 |", log_tables_are_their_logs),
     ("200 passed, 8 skipped, 3 xfailed", "201 passed, 8 skipped, 3 xfailed", log_tables_are_their_logs),
-], ids=["serving-median", "step-median", "machine", "tree", "command", "host-time", "gpu-tests"])
+], ids=["serving-median", "step-median", "tau-median", "machine", "tree", "command", "host-time", "gpu-tests"])
 def test_a_page_edit_the_runs_do_not_say_fails_its_check(pasted, edited, check):
     """Control of the page checks: one figure, machine, tree or command changed in the text fails
     its check, which passes on the text as it is."""
