@@ -6,7 +6,7 @@ as the last round's until the buffers grow by a bucket; only the offset moves. H
 as an int32 array and mlx-lm's own decoder layers are traced once per buffer length and row count
 (mx.compile), so a round replays one graph instead of building the whole target in Python: about 25
 ops a layer, 36 layers for Qwen3-4B, each host time while the GPU waits (the verify is most of a
-serve round on MLX CUDA: docs/benchmarks.md, "Serving: DFlash beside z-lab MLX's loop"). Nothing
+serve round on MLX CUDA: docs/benchmarks.md, "Serving beside every peer's own loop"). Nothing
 is re-written: the traced function is targets.walk over BufferViews, the same layers, masks and
 head; the writes and the mask read the offset array where the plain caches read an int (Gemma-4's
 kv-shared layers take it from their owner's, its sliding layers' window is in the mask). Bit for
