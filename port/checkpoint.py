@@ -205,6 +205,26 @@ LAYER_PATTERNS: dict[str, tuple[str, tuple[str, ...], bool, str]] = {
 }
 
 
+def check_gemma4_kv(cfg: dict, path: Path) -> None:
+    """Refuse a Gemma-4 K/V layout transformers cannot build: mlx-lm builds the first its own way
+    and fails on the second with a bare KeyError, so no reference defines either."""
+    level = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+    where = "text_config." if level is not cfg else ""
+    f = Path(path) / "config.json"
+    if level.get("attention_k_eq_v") and level.get("num_global_key_value_heads") is None:
+        raise CheckpointError(f"{f}: {where}attention_k_eq_v is set without {where}num_global_key_value_heads; "
+                              "transformers cannot build the full layers without it (mlx-lm falls back to "
+                              "num_key_value_heads): set it to the full layers' K/V head count")
+    types, shared = level.get("layer_types"), level.get("num_kv_shared_layers") or 0
+    if isinstance(types, list) and isinstance(shared, int) and 0 < shared < len(types):
+        owners = types[: len(types) - shared]
+        missing = sorted(set(types[len(owners):]) - set(owners))
+        if missing:
+            raise CheckpointError(f"{f}: {where}num_kv_shared_layers {shared} shares {missing} K/V that none of "
+                                  f"layers 0-{len(owners) - 1} owns; neither transformers nor mlx-lm builds it: "
+                                  "lower num_kv_shared_layers, or let an earlier layer of that type own K/V")
+
+
 def check_layer_types(cfg: dict, path: Path, fam: str) -> None:
     """Refuse a layer pattern the references would not run as written (LAYER_PATTERNS), naming
     config.json, the key and the fix."""

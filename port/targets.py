@@ -58,6 +58,9 @@ def load(path: str | Path, dtype: mx.Dtype | None = None, lazy: bool = False) ->
     """The target at `path` through mlx-lm's `load_model` (lazy: weights not read into memory, the
     CLI's preflight check of its tensors before the first case)."""
     path = Path(path)
+    written = checkpoint.read_config(path)
+    if written.get("model_type") == "gemma4_text":
+        checkpoint.check_gemma4_kv(written, path)
     try:
         model, config = load_model(path, lazy=lazy)
     except ValueError as e:

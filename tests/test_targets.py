@@ -13,6 +13,7 @@ from spec_parity import checkpoints, controls, goldens, harness
 from spec_parity.budgets import budget_for
 from spec_parity.drafters.targets import pair
 from spec_parity.port import targets as port
+from spec_parity.port.checkpoint import CheckpointError
 
 CASES = pair.PAIR.cases()
 
@@ -50,6 +51,21 @@ def test_a_target_of_full_layers_only_has_no_sliding_donor_and_runs():
     assert port.donor_layers(target) == {"full": 1}
     trace = port.forward(target, mx.array([[5, 6, 7]]))
     assert np.isfinite(np.array(trace.logits)).all()
+
+
+@pytest.mark.parametrize("overrides, named", [
+    ({"attention_k_eq_v": True, "num_global_key_value_heads": None}, "num_global_key_value_heads"),
+    ({"num_hidden_layers": 4, "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+      "num_kv_shared_layers": 1, "hidden_size_per_layer_input": 16}, "num_kv_shared_layers 1 shares ['full_attention']"),
+], ids=["k_eq_v-without-global-kv-heads", "shared-full-without-owner"])
+def test_a_gemma4_kv_layout_no_reference_builds_is_refused_in_one_line(overrides, named):
+    """Found by `spec-parity fuzz --module targets`: transformers raised on both, mlx-lm ran the
+    first with its own fallback and raised a bare KeyError on the second."""
+    path = checkpoints.build("gemma4-target", 0, overrides)
+    with pytest.raises(CheckpointError) as e:
+        port.load(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(path / "config.json")) and named in msg
 
 
 @pytest.fixture
