@@ -48,9 +48,10 @@ def layer_types(draw, base: list[str], n: int, last_full: bool = False) -> list[
     return types[:-1] + [full] if last_full else types
 
 
-def taps(draw, base: list[int], layers: int) -> list[int]:
-    """The target layers tapped: the built-in ones, or 1-4 of the target's layers."""
-    picked = [draw(st.integers(0, layers - 1)) for _ in range(4)][:draw(st.integers(1, 4))]
+def taps(draw, base: list[int], layers: int, low: int = 0) -> list[int]:
+    """The target layers tapped: the built-in ones, or 1-4 of layers low..layers - 1 (DeepSpec's
+    -1 is the embedding output)."""
+    picked = [draw(st.integers(low, layers - 1)) for _ in range(4)][:draw(st.integers(1, 4))]
     return sorted(set(picked)) if draw(st.booleans()) else base
 
 

@@ -4,6 +4,7 @@ are found by a small fuzz run, shrunk to the configuration that shows them; misu
 exit 2."""
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,7 @@ from spec_parity import cli, controls, fuzz, harness
 # (module, reference, examples): a fixed-seed sample per family, every example through the harness
 # at the pair's tier. The counts keep each family's sample near a minute on a 2-core machine.
 SAMPLES = [("dflash", "zlab-mlx", 12), ("assistant", "optiq", 10), ("assistant", "transformers", 8),
-           ("targets", "transformers", 8)]
+           ("targets", "transformers", 8), ("dspark", "deepspec", 12)]
 
 
 @pytest.mark.oracle
@@ -105,6 +106,22 @@ def test_shrinking_ends_at_the_built_in_values():
     assert {k: simplest.drafter[k] for k in ("num_draft_layers", "head_dim", "block_size", "rope_theta")} == {
         "num_draft_layers": 2, "head_dim": 16, "block_size": 8, "rope_theta": 1000000.0}
     assert fuzz.case(simplest).params.drafter[2]["target_layer_ids"] == [1, 2, 3]
+
+
+def test_dsparks_simplest_draw_builds_its_built_in_module_case():
+    """DSpark draws the target the drafter copies: its simplest draw is mod-gemma4's very target and
+    drafter, byte for byte."""
+    from hypothesis import find
+
+    from spec_parity.checkpoints import checkpoint_hash
+    from spec_parity.drafters.dspark.fuzz import FAMILY
+
+    simplest = find(FAMILY.strategy("dspark", ("deepspec",)), lambda c: True)
+    built_in = next(c for c in harness.pair("dspark").cases() if c.name == "mod-gemma4")
+    drawn = fuzz.case(simplest)
+    assert simplest.base == built_in.name and drawn.params == replace(built_in.params, drafter=drawn.params.drafter)
+    assert checkpoint_hash(drawn.checkpoint_dir()) == checkpoint_hash(built_in.checkpoint_dir())
+    assert checkpoint_hash(drawn.drafter_dir()) == checkpoint_hash(built_in.drafter_dir())
 
 
 def test_the_reproducing_command_names_the_port_it_ran_on():
