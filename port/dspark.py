@@ -70,6 +70,10 @@ class ModelArgs:
             raise DSparkError(f"{path}: architectures {c.get('architectures')} is not a DeepSpec DSpark drafter "
                               "(expected Gemma4DSparkModel or Qwen3DSparkModel)")
         checkpoint.check_required_when(c, path, f"dspark-{family}")
+        if c.get("enable_confidence_head") and c.get("confidence_head_with_markov") and not c.get("markov_rank"):
+            raise DSparkError(f"{path / 'config.json'}: confidence_head_with_markov with markov_rank 0: the confidence "
+                              "head reads the Markov head's W1[prev] and there is none (DeepSpec asserts); set "
+                              "markov_rank > 0, or confidence_head_with_markov false")
         gemma = family == "gemma4"
         keqv = bool(gemma and c.get("attention_k_eq_v"))
         if gemma:

@@ -43,6 +43,15 @@ def _drafter(ov=None):
     return checkpoints.build("dspark-drafter", 0, ov or {})
 
 
+def test_a_markov_fed_confidence_head_without_a_markov_head_is_refused():
+    """Found by `spec-parity fuzz --module dspark`: DeepSpec asserts on it; the port read the
+    hidden state alone."""
+    path = _drafter({"markov_rank": 0, "confidence_head_alpha": 1.0, "confidence_head_with_markov": True})
+    with pytest.raises(dspark.DSparkError) as e:
+        dspark.load(path)
+    assert str(e.value).startswith(str(path / "config.json")) and "markov_rank 0" in str(e.value)
+
+
 def test_wrong_family_target_is_refused_by_name():
     m = dspark.load(_drafter())
     with pytest.raises(dspark.DSparkError, match=r"config.json: .*gemma4 DSpark drafter, which needs a gemma4 target"):
