@@ -146,7 +146,8 @@ LAYER_INPUTS = {"layer.*": "the reference's output of each drafter layer in the 
                           "for the own-error run"}
 LAYER_RETURNS = (
     Quantity("layer.*", "[n, H]", "float32", "drafter layer i's output in the first draft (n: block rows, 1 for a step)"),
-    Quantity("own.*", "[n, H]", "float32", "layer i fed the reference's layer.{i-1} (own error; own.0 = layer.0)"),
+    Quantity("own.*", "[n, H]", "float32", "layer i fed the reference's layer.{i-1} and any other own-error "
+             "input (own error; layer 0 on its own input)"),
 )
 
 
@@ -211,7 +212,9 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
              + LAYER_RETURNS),
     Protocol("dspark", "modules", "the first DSpark draft round after prefill, module by module",
              {**PROMPT_LEN, "thresholds": "the confidence thresholds t of `prefix@t` and `proposal@t`"},
-             LAYER_INPUTS,
+             {**LAYER_INPUTS, "context_*": "the reference's context K/V of each drafter layer, for the own-error "
+                                           "run: each layer sees the reference's context, not one built from the "
+                                           "port's taps"},
              (Quantity("tokens", "[B-1]", "int32", "the block's draft tokens", True),
               Quantity("logits", "[B-1, V]", "float32", "Markov-corrected logits", True),
               Quantity("prefix@*", "[1]", "int32", "tokens kept at threshold t", True),

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from spec_parity import checkpoints, shared
+from spec_parity import checkpoints, harness, shared
 from spec_parity.drafters.dspark import pair
 from spec_parity.drafters.dspark.checkpoints import DSPARK
 from spec_parity.port import dspark, targets
@@ -115,3 +115,12 @@ def test_port_loads_what_deepspec_saves(variant, tmp_path, live_oracle):
         blocks.append(m.draft_block(5, m.context_kv(m.project(m.taps(trace.hidden)), 0), 12))
     assert blocks[0].tokens == blocks[1].tokens
     assert np.array_equal(np.array(blocks[0].logits), np.array(blocks[1].logits))
+
+
+def test_a_tap_bug_is_not_blamed_on_a_drafter_layer():
+    """The own-error run gives each layer the reference's context K/V as well as its input: a wrong
+    tap, on the target's side, leaves every drafter layer's own error in budget (it read layer 0
+    while the context came from the port's own taps)."""
+    case = next(c for c in harness.all_cases(["dspark"]) if c.name.endswith("control-tap_index"))
+    result = harness.evaluate(case, "golden")
+    assert result.verdict == "FAIL" and result.metrics["layers"]["first_divergent_layer"] is None, result.message()

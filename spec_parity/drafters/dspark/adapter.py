@@ -41,9 +41,11 @@ def run(req: Request) -> dict:
     with mlx_recorded(m.layers, recorded):
         block = m.draft_block(anchor, kv, p.shape[1])
     feed = layer_feeds(req.inputs)
-    if feed:                    # the own-error run: each layer on the reference's input to it
+    if feed:                    # the own-error run: each layer on the reference's input and context
+        ctx = [(mx.array(req.inputs[f"context_k.{i}"])[None], mx.array(req.inputs[f"context_v.{i}"])[None])
+               if f"context_k.{i}" in req.inputs else layer_kv for i, layer_kv in enumerate(kv)]
         with mlx_recorded(m.layers, recorded, "own", feed):
-            m.draft_block(anchor, kv, p.shape[1])
+            m.draft_block(anchor, ctx, p.shape[1])
     out = {"anchor": np.array([anchor], np.int32), "taps": taps[0], "context": c[0], "block_hidden": block.hidden,
            "base_logits": block.base_logits, "logits": block.logits, "tokens": np.array(block.tokens, np.int32)}
     for i, (k, v) in enumerate(kv):

@@ -136,6 +136,12 @@ class DSpark(Pair):
             arrays = oracle.modules(case.checkpoint_dir(), case.drafter_dir(), p, o.thresholds)
         return arrays, {"reference": {"name": ORACLE, "versions": oracle.versions()}}
 
+    def feeds(self, case: Case, ref: dict) -> dict:
+        """Module rounds: the reference's layer outputs and context K/V, so a layer's own error is its
+        own and not the target's taps carried into the context."""
+        feeds = super().feeds(case, ref)
+        return {**feeds, **{k: v for k, v in ref.items() if k.startswith("context_")}} if feeds else feeds
+
     def plan(self, case: Case, ref: dict) -> Plan:
         if isinstance(case.params, DsparkSampled):
             return Plan([Distribution(stat, P(f"sampled.{stat}"), R(f"sampled.{stat}"), FAMILY_ALPHA)
