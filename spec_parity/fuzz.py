@@ -304,8 +304,8 @@ def measure_table(run: Measured) -> str:
     for end in ("error", "refused", "declined", "invalid"):
         reasons = Counter(_generic(o.detail) for o in run.outcomes if o.end == end)
         lines += [f"  {end} x{k} (skipped): {why}" for why, k in reasons.most_common(5)]
-    lines.append(f"{'quantity':20s} {'dtype':8s} {'max |Δ|':>9s} {'atol':>8s} {'max/atol':>8s}  configuration")
-    lines += [f"{q:20s} {dtype:8s} {v:9.2e} {atol:8.0e} {v / atol:8.2f}  {config.name}"
+    lines.append(f"{'quantity':24s} {'dtype':8s} {'max |Δ|':>9s} {'atol':>8s} {'max/atol':>8s}  configuration")
+    lines += [f"{q:24s} {dtype:8s} {v:9.2e} {atol:8.0e} {v / atol:8.2f}  {config.name}"
               for q, dtype, v, atol, config in run.rows()]
     for config in {r[4].name: r[4] for r in run.rows()}.values():
         lines.append(f"  {config.name}: {config.to_json()}")

@@ -270,7 +270,7 @@ def measure(case: Case) -> dict[str, float]:
     ref, _, _ = reference(case, "live")
     p = pair(case.module)
     both = sides(case, port_run(case, ref), ref, p.plan(case, ref))
-    return {k: float(np.max(v)) for k, v in p.quantities({**both["port"], **both["greedy"]}, ref).items()}
+    return {k: float(np.max(v)) for k, v in p.quantities(case, {**both["port"], **both["greedy"]}, ref).items()}
 
 
 def check(case: Case, result: Result, require: tuple[str, ...] = ()) -> None:
