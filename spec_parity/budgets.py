@@ -90,6 +90,11 @@ _measured("assistant", "next_hidden.step1", 2e-4, _ASSISTANT.format("1.00e-05", 
 _measured("assistant", "next_hidden.step2", 2e-3, _ASSISTANT.format("5.50e-05", "5.24e-04 (ec71c772b6)"))
 _measured("assistant", "next_hidden.step3", 3e-2, _ASSISTANT.format("9.20e-05", "7.93e-03 (ec71c772b6)"))
 
+# Same framework, different grouping: the serve loop's batched verify rows vs mlx-lm's one-token decode
+# (MLX CPU), logits of every committed token along the shared path, tiny Gemma-4 target.
+_measured("assistant", "path_logits", 6e-4, "spec-parity measure --module assistant --case loop-random-* "
+          "--seeds 5: max |Δ| 1.67e-04 (g1 centroid, g3 centroid, g4 tied)")
+
 # DeepSpec afdfa7c (torch 2.13.0 CPU, sdpa, transformers 5.12.1) vs port/dspark.py, fp32: the first draft
 # round after a 12-token prompt, 8 variants (Gemma-4 plain / k_eq_v / gated / rnn / DFlash, Qwen3 plain /
 # embedding tap / DFlash); path logits: our loop's verify rows vs the plain decode (same framework).
