@@ -306,6 +306,10 @@ def _measure_fuzzed(args) -> int:
         if getattr(args, opt) is not None:
             raise BadInput(f"--{opt} {getattr(args, opt)}: --fuzz draws its own configurations; drop --{opt}")
     run = fuzz.measure(args.module, args.fuzz, args.seed or 0, args.reference)
+    if not run.outcomes:
+        raise BadInput(f"--module {args.module}" + (f" --reference {args.reference}" if args.reference else "")
+                       + ": no L2 configuration to draw (an L1 reference is held bit-exact, no budget); "
+                       "name an L2 reference or drop --reference")
     print(fuzz.measure_table(run))
     over, n = run.over(), run.counts()
     for q, dtype, v, atol, config in over:

@@ -245,7 +245,7 @@ class Measured:
     seed: int
     refs: tuple[str, ...]
     outcomes: list[Outcome] = field(default_factory=list)   # measured | invalid | refused | declined | error
-    worst: dict[tuple[str, str], tuple[float, Config]] = field(default_factory=dict)   # (quantity, dtype) ->
+    worst: dict[tuple[str, str], tuple[float, Config]] = field(default_factory=dict)  # (quantity, dtype): max, where
     seconds: float = 0.0
 
     def counts(self) -> Counter:

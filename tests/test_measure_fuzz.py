@@ -69,3 +69,10 @@ def test_misuse_is_one_line_and_exit_2(capsys, argv, message):
     assert cli.main(["measure", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.oracle
+def test_a_reference_held_bit_exact_has_nothing_to_measure(live_oracle, capsys):
+    live_oracle("assistant", "optiq")
+    assert cli.main(["measure", "--module", "assistant", "--fuzz", "2", "--reference", "optiq"]) == 2
+    assert "--reference optiq: no L2 configuration to draw" in capsys.readouterr().err
