@@ -5,7 +5,11 @@ Rule (torch.testing's): |port - ref| <= atol + rtol·|ref|, elementwise.
 Same-framework or unmeasured quantities get torch.testing's per-dtype defaults. A cross-framework
 fp32 budget is the largest error measured over seeds 0-4 of every case of the module, times a
 headroom factor of 3, rounded up to one significant digit; re-measure with
-`spec-parity measure --module M --seeds 5` before changing one.
+`spec-parity measure --module M --seeds 5` before changing one. Where the module has a fuzz space,
+`spec-parity measure --module M --fuzz N --seed 0` measures N configurations no case uses: a budget
+one of them exceeds is re-derived over both (the largest of either, x 3), with the configuration
+and why the error model (dtype epsilon x depth x reduction length x magnitude, times the gain the
+configuration's own arithmetic puts on a rounding error) explains it written beside it.
 """
 
 from __future__ import annotations
@@ -42,20 +46,49 @@ def _measured(module: str, quantity: str, atol: float, measured: str, dtype: str
 
 # transformers 5.12.1 (torch 2.13.0 CPU, eager attention) vs mlx-lm 0.32.2 (MLX 0.32.4 CPU), fp32,
 # tiny gemma4 plain / k_eq_v / ple+kv-shared and qwen3 targets, 20-token prompts (window 8).
+# `spec-parity measure --module targets --fuzz 100 --seed 0` (88 measured, 12 refused by transformers;
+# 35 s on 2 CPU cores): one configuration exceeded four budgets, fuzz-gemma4-440ec9a564 (Gemma-4, 6 layers,
+# one query and one KV head, head_dim 32, full layers' partial rotary 0.25, no softcap, untied head). Each
+# layer's own error stays 1.3e-05 (hidden_own, within budget); the free-running error grows x7 at layer 4
+# (2.8e-04) and reaches 5.3e-04 at layer 6: rounding of the earlier layers carried through a one-head
+# softmax. It is the configuration's conditioning, not our port: transformers in float32 is itself
+# 2.07e-03 (logits), 9.5e-04 (hidden.6), 1.77e-03 (final) off transformers in float64, more than it is
+# off our port. Those four are re-derived as 3 x the fuzzed max; the others hold (donor 0.79, hidden_own
+# 0.43 of their atol).
 _TARGETS = "spec-parity measure --module targets --seeds 5: max |Δ| {} over 4 variants x 5 seeds"
-_measured("targets", "logits", 4e-4, _TARGETS.format("1.22e-04"))
-_measured("targets", "hidden", 5e-4, _TARGETS.format("1.40e-04"))
-_measured("targets", "hidden_own", 3e-5, _TARGETS.format("7.63e-06") + " (teacher-forced, own error)")
-_measured("targets", "final", 6e-4, _TARGETS.format("1.83e-04"))
-_measured("targets", "donor", 2e-4, _TARGETS.format("3.76e-05"))
-_measured("targets", "stream_logits", 9e-4, _TARGETS.format("2.74e-04") + " (along the shared greedy path)")
+_TARGETS_FUZZ = "; --fuzz 100 --seed 0: {} (fuzz-gemma4-440ec9a564, above)"
+_measured("targets", "logits", 3e-3, _TARGETS.format("1.22e-04") + _TARGETS_FUZZ.format("7.74e-04"))
+_measured("targets", "hidden", 2e-3, _TARGETS.format("1.40e-04") + _TARGETS_FUZZ.format("5.28e-04"))
+_measured("targets", "hidden_own", 3e-5, _TARGETS.format("7.63e-06") + " (teacher-forced, own error); "
+          "--fuzz 100 --seed 0: 1.29e-05")
+_measured("targets", "final", 4e-3, _TARGETS.format("1.83e-04") + _TARGETS_FUZZ.format("1.33e-03"))
+_measured("targets", "donor", 2e-4, _TARGETS.format("3.76e-05") + "; --fuzz 100 --seed 0: 1.58e-04")
+_measured("targets", "stream_logits", 6e-3, _TARGETS.format("2.74e-04") + " (along the shared greedy path)"
+          + _TARGETS_FUZZ.format("1.76e-03"))
 
 # transformers 5.12.1 Gemma4AssistantForCausalLM (torch 2.13.0 CPU, eager) vs port/assistant.py, fp32,
-# identical inputs (the port's donor K/V, anchor and embedding), 4 chained draft steps (each side
-# chains its own next_hidden, so step 3 carries three steps of drift), 5 step cases.
-_ASSISTANT = "spec-parity measure --module assistant --seeds 5: max |Δ| {} over 5 step cases x 5 seeds"
-_measured("assistant", "logits", 1e-3, _ASSISTANT.format("3.21e-04"))
-_measured("assistant", "next_hidden", 2e-4, _ASSISTANT.format("5.56e-05"))
+# identical inputs (the port's donor K/V, anchor and embedding), 4 chained draft steps, each side chaining
+# its own next_hidden. Step 0 is one step's arithmetic (`logits`, `next_hidden`); step k carries the
+# rounding of steps 0..k-1 through the drafter, whose gain the weights and geometry set, so each step has
+# its own budget (`logits.stepK`, `next_hidden.stepK`). Over seeds the 8 step cases' gain is small; the
+# fuzz space holds drafters with a gain near 14 per step: `spec-parity measure --module assistant --fuzz
+# 400 --seed 0` (400 measured, 41 s on 2 CPU cores) found fuzz-step-gemma4-centroid-transformers-ec71c772b6
+# (a 48-wide drafter of 4 full layers, 12 query heads of head_dim 8 over 4 KV heads, partial rotary 0.5,
+# centroid head with top-k 1) at next_hidden 2.9e-06 (step 0, ~10 ULPs at |2.2|), 3.3e-05, 5.2e-04,
+# 7.9e-03 (step 3). transformers in float32 shows the same growth against transformers in float64 (8.3e-07,
+# 7.5e-06, 1.2e-04, 1.1e-03) and so does our port (2.6e-06 .. 8.1e-03): rounding at step 0 times the gain,
+# both sides. Budgets: 3 x the largest over seeds and fuzz, rounded up (step 0 now tighter than the
+# one budget all steps shared, 1e-3 / 2e-4).
+_ASSISTANT = ("spec-parity measure --module assistant --seeds 5: max |Δ| {} over 8 step cases x 5 seeds; "
+              "--fuzz 400 --seed 0: {}")
+_measured("assistant", "logits", 2e-4, _ASSISTANT.format("1.97e-05", "5.91e-05"))
+_measured("assistant", "logits.step1", 2e-3, _ASSISTANT.format("9.16e-05", "3.81e-04"))
+_measured("assistant", "logits.step2", 2e-2, _ASSISTANT.format("3.03e-04", "4.73e-03 (ec71c772b6)"))
+_measured("assistant", "logits.step3", 2e-1, _ASSISTANT.format("7.12e-04", "6.06e-02 (ec71c772b6)"))
+_measured("assistant", "next_hidden", 5e-5, _ASSISTANT.format("4.05e-06", "1.34e-05"))
+_measured("assistant", "next_hidden.step1", 2e-4, _ASSISTANT.format("1.00e-05", "5.62e-05"))
+_measured("assistant", "next_hidden.step2", 2e-3, _ASSISTANT.format("5.50e-05", "5.24e-04 (ec71c772b6)"))
+_measured("assistant", "next_hidden.step3", 3e-2, _ASSISTANT.format("9.20e-05", "7.93e-03 (ec71c772b6)"))
 
 # Same framework, different grouping: the serve loop's batched verify rows vs mlx-lm's one-token decode
 # (MLX CPU), logits of every committed token along the shared path, tiny Gemma-4 target.
@@ -81,25 +114,39 @@ _measured("dspark", "path_logits", 2e-4, _DSPARK.format("4.91e-05") + " (8 loop 
 # rounds (`-torch` cases), and the loops: the drafter's logits per round along the shared path (vs z-lab MLX our
 # loop prefills in one forward where z-lab splits off the last token: on Gemma-4 the taps then differ in the
 # last bits), and our loop's verify rows vs the target's plain one-token decode (same framework).
+# `SPEC_PARITY_TF515_PYTHON=... spec-parity measure --module dflash --fuzz 40 --seed 0` (28 measured, 11
+# declined by our port, 1 refused by z-lab MLX; 152 s on 2 CPU cores): every quantity within its budget,
+# the closest loop_draft_logits_torch at 0.39 of its atol (each one's max follows its `--fuzz 40` below).
 _DFLASH = "SPEC_PARITY_TF515_PYTHON=... spec-parity measure --module dflash --seeds 5: max |Δ| {}"
-_measured("dflash", "taps", 3e-4, _DFLASH.format("8.83e-05 (torch target vs mlx-lm, 6 variants x 5 seeds)"))
-_measured("dflash", "context_kv", 1e-4, _DFLASH.format("3.10e-05 (torch, 6 variants x 5 seeds)"))
-_measured("dflash", "hidden", 8e-5, _DFLASH.format("2.60e-05 (torch, 6 variants x 5 seeds)"))
-_measured("dflash", "logits", 5e-5, _DFLASH.format("1.41e-05 (torch, 6 variants x 5 seeds)"))
-_measured("dflash", "loop_draft_logits", 8e-6, _DFLASH.format("2.38e-06 (z-lab MLX loop, 6 loop cases x 5 seeds)"))
-_measured("dflash", "loop_draft_logits_torch", 6e-5, _DFLASH.format("1.99e-05 (torch loop, 5 loop cases x 5 seeds)"))
-_measured("dflash", "path_logits", 3e-4, _DFLASH.format("8.89e-05 (11 loop cases x 5 seeds)"))
+_measured("dflash", "taps", 3e-4, _DFLASH.format("8.83e-05 (torch target vs mlx-lm, 6 variants x 5 seeds)")
+          + "; --fuzz 40: 3.06e-05")
+_measured("dflash", "context_kv", 1e-4, _DFLASH.format("3.10e-05 (torch, 6 variants x 5 seeds)")
+          + "; --fuzz 40: 8.23e-06")
+_measured("dflash", "hidden", 8e-5, _DFLASH.format("2.60e-05 (torch, 6 variants x 5 seeds)")
+          + "; --fuzz 40: 1.84e-05")
+_measured("dflash", "logits", 5e-5, _DFLASH.format("1.41e-05 (torch, 6 variants x 5 seeds)")
+          + "; --fuzz 40: 9.86e-06")
+_measured("dflash", "loop_draft_logits", 8e-6, _DFLASH.format("2.38e-06 (z-lab MLX loop, 6 loop cases x 5 seeds)")
+          + "; --fuzz 40: 1.43e-06")
+_measured("dflash", "loop_draft_logits_torch", 6e-5, _DFLASH.format("1.99e-05 (torch loop, 5 loop cases x 5 seeds)")
+          + "; --fuzz 40: 2.34e-05")
+_measured("dflash", "path_logits", 3e-4, _DFLASH.format("8.89e-05 (11 loop cases x 5 seeds)")
+          + "; --fuzz 40: 6.56e-05")
 
 # Drafter layers: each layer's output in the first block / step, free-running (`layer`) and fed the
 # reference's input to it (`layer_own`), over the L2 module and step cases (transformers, DeepSpec,
 # z-lab torch, set up as above) x seeds 0-4; against z-lab MLX and optiq the layers are L1 (bit-exact).
 _LAYERS = "spec-parity measure --module {} --seeds 5: max |Δ| {} over its L2 module / step cases x 5 seeds"
-_measured("assistant", "layer", 2e-5, _LAYERS.format("assistant", "6.20e-06"))
-_measured("assistant", "layer_own", 2e-5, _LAYERS.format("assistant", "3.34e-06") + " (own error)")
+# The assistant's `layer` (free-running, step 0): --fuzz 400 --seed 0 gave 4.48e-05 on
+# fuzz-step-gemma4-centroid-transformers-05908593e2 (layer 2, |ref| 8.4, ~47 ULPs): transformers in float32
+# is itself 3.15e-05 off float64 there, our port 1.34e-05; re-derived as 3 x 4.48e-05.
+_measured("assistant", "layer", 2e-4, _LAYERS.format("assistant", "6.20e-06") + "; --fuzz 400 --seed 0: 4.48e-05")
+_measured("assistant", "layer_own", 2e-5, _LAYERS.format("assistant", "3.34e-06") + " (own error); "
+          "--fuzz 400 --seed 0: 1.22e-05")
 _measured("dspark", "layer", 3e-4, _LAYERS.format("dspark", "8.56e-05"))
 _measured("dspark", "layer_own", 2e-4, _LAYERS.format("dspark", "5.96e-05") + " (own error)")
-_measured("dflash", "layer", 8e-5, _LAYERS.format("dflash", "2.35e-05"))
-_measured("dflash", "layer_own", 5e-5, _LAYERS.format("dflash", "1.43e-05") + " (own error)")
+_measured("dflash", "layer", 8e-5, _LAYERS.format("dflash", "2.35e-05") + "; --fuzz 40 --seed 0: 8.82e-06")
+_measured("dflash", "layer_own", 5e-5, _LAYERS.format("dflash", "1.43e-05") + " (own error); --fuzz 40 --seed 0: 6.79e-06")
 
 # The DSpark-on-DFlash extension's heads (port/heads.py) vs DeepSpec's own head functions (oracles/dspark.py
 # extension_heads; DeepSpec afdfa7c, torch 2.13.0 CPU vs MLX 0.32.4 CPU), fp32, fed the same seeded rows,

@@ -15,8 +15,6 @@ import time
 import traceback
 from pathlib import Path
 
-import numpy as np
-
 from . import cli_args, compare, exchange, goldens, harness, ports, report, report_schema
 from .goldens import atomic_write
 
@@ -273,22 +271,52 @@ def cmd_regen(args) -> int:
 
 
 def cmd_measure(args) -> int:
-    """Max |Δ| per quantity over seeds 0..N-1 of every non-control case: the numbers behind budgets.py."""
+    """Max |Δ| per quantity over seeds 0..N-1 of every non-control case: the numbers behind budgets.py.
+    With --fuzz N, over N configurations drawn from the module's fuzz space instead."""
+    if args.fuzz is not None:
+        return _measure_fuzzed(args)
+    for opt in ("seed", "reference"):
+        if getattr(args, opt) is not None:
+            raise BadInput(f"--{opt} {getattr(args, opt)}: applies to --fuzz N only; add --fuzz N or drop --{opt}")
+    args.seeds = 5 if args.seeds is None else args.seeds
     _preflight(args, ("drafter",))
     worst: dict[str, float] = {}
     for case in _select(args):
         if case.control:
             continue
         for seed in range(args.seeds):
-            c = dataclasses.replace(case, seed=seed)
-            ref, _, _ = harness.reference(c, "live")
-            p = harness.pair(c.module)
-            sides = harness.sides(c, harness.port_run(c, ref), ref, p.plan(c, ref))
-            for key, val in p.quantities({**sides["port"], **sides["greedy"]}, ref).items():
-                worst[key] = max(worst.get(key, 0.0), float(np.max(val)))
+            for key, val in harness.measure(dataclasses.replace(case, seed=seed)).items():
+                worst[key] = max(worst.get(key, 0.0), val)
     for k, v in sorted(worst.items()):
         print(f"{k:20s} {v:.2e}")
     return 0
+
+
+def _measure_fuzzed(args) -> int:
+    """`measure --fuzz N`: the budgets held to configurations no case uses. Exit 1 where a max |Δ|
+    exceeds its budget's atol, a configuration raised an error in our port, or none was measured."""
+    from . import fuzz
+
+    if args.fuzz < 1:
+        raise BadInput(f"--fuzz {args.fuzz}: draw at least 1 configuration")
+    if not args.module or args.module not in fuzz.modules():
+        raise BadInput(f"--fuzz needs --module with a fuzz space (--module {args.module or 'missing'}): one of "
+                       f"{', '.join(fuzz.modules())}; measure any other module over seeds with --seeds N")
+    for opt in ("case", "target", "drafter", "seeds"):
+        if getattr(args, opt) is not None:
+            raise BadInput(f"--{opt} {getattr(args, opt)}: --fuzz draws its own configurations; drop --{opt}")
+    run = fuzz.measure(args.module, args.fuzz, args.seed or 0, args.reference)
+    if not run.outcomes:
+        raise BadInput(f"--module {args.module}" + (f" --reference {args.reference}" if args.reference else "")
+                       + ": no L2 configuration to draw (an L1 reference is held bit-exact, no budget); "
+                       "name an L2 reference or drop --reference")
+    print(fuzz.measure_table(run))
+    over, n = run.over(), run.counts()
+    for q, dtype, v, atol, config in over:
+        print(f"over budget: {q} ({dtype}) max |Δ| {v:.2e} > atol {atol:g} on {config.name}")
+    if not n["measured"]:
+        print("nothing measured: every configuration was skipped")
+    return 1 if over or n["error"] or not n["measured"] else 0
 
 
 def cmd_ab(args) -> int:

@@ -131,10 +131,19 @@ def regen(p: argparse.ArgumentParser) -> None:
 
 
 def measure(p: argparse.ArgumentParser) -> None:
-    """`spec-parity measure`: the cases whose errors are measured over seeds."""
+    """`spec-parity measure`: the cases whose errors are measured over seeds, or --fuzz N drawn
+    configurations."""
+    p.description = ("Max |Δ| per budget quantity of our port against the live references: over seeds of the "
+                     "built-in cases, or (--fuzz N) over N configurations drawn from the module's fuzz space, "
+                     "each quantity beside its budget (exit 1 where one exceeds it). 2 on bad input.")
     p.add_argument("--module")
     p.add_argument("--case")
-    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--seeds", type=int, help="seeds 0..N-1 of every non-control case (default: 5)")
+    p.add_argument("--fuzz", type=int, metavar="N", help="measure N configurations drawn from the module's fuzz "
+                   "space instead (`spec-parity fuzz`'s spaces; default: off)")
+    p.add_argument("--seed", type=int, help="--fuzz: the draw's seed, the same configurations every time (default: 0)")
+    p.add_argument("--reference", help="--fuzz: only this reference (default: every reference of the module that "
+                   "runs here; only L2 configurations are drawn, an L1 one is held bit-exact)")
     p.add_argument("--target", help="a real target checkpoint directory: measure the cases that apply to it, "
                    "as `run --target` (the seed then moves the prompt only)")
     p.add_argument("--drafter", help="a real drafter checkpoint directory, as `run --drafter`")

@@ -27,7 +27,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import controls, exchange, harness, ports
+from . import budgets, controls, exchange, harness, ports
 from .case import Case
 from .compare import Result
 from .goldens import atomic_write
@@ -99,8 +99,9 @@ class Outcome:
     result: Result | None = None
 
 
-def evaluate(config: Config, selection: ports.Selection = ports.OURS_ONLY) -> Outcome:
-    """One configuration through the harness, its end classified (module docstring)."""
+def _prepared(config: Config) -> Case | Outcome:
+    """The configuration's case, built and its live reference run, or how it ended before any port
+    ran: invalid (the factory cannot build it) or refused (the reference raised on it)."""
     try:
         c = case(config)
         c.checkpoint_dir()
@@ -112,6 +113,14 @@ def evaluate(config: Config, selection: ports.Selection = ports.OURS_ONLY) -> Ou
         harness.reference(c, "live")
     except Exception as e:     # the reference's own refusal of a configuration it does not support
         return Outcome(config, "refused", _line(e))
+    return c
+
+
+def evaluate(config: Config, selection: ports.Selection = ports.OURS_ONLY) -> Outcome:
+    """One configuration through the harness, its end classified (module docstring)."""
+    c = _prepared(config)
+    if isinstance(c, Outcome):
+        return c
     try:
         result = harness.evaluate(c, "live", selection)
     except Exception as e:
@@ -157,16 +166,7 @@ def fuzz(module: str, examples: int, seed: int, selection: ports.Selection = por
     from hypothesis import HealthCheck, Phase, assume, find, settings
     from hypothesis.errors import NoSuchExample
 
-    family = _families().get(module)
-    if family is None:
-        raise FuzzError(f"no config space for module {module!r}; fuzzable: {', '.join(modules())}")
-    if reference is not None and reference not in family.references:
-        raise FuzzError(f"{module}: reference {reference!r} is not fuzzed; one of {', '.join(family.references)}")
-    refs = (reference,) if reference else family.references
-    unavailable = {r: harness.pair(module).oracle_status(r) for r in refs}
-    refs = tuple(r for r in refs if unavailable[r] is None)
-    if not refs:
-        raise FuzzError(f"{module}: no reference runs here: " + "; ".join(f"{r}: {s}" for r, s in unavailable.items()))
+    family, refs = _references(module, reference)
     run, seen, t0 = Run(module, seed), {}, time.time()
     state = {"generated": 0, "shrink_from": None, "last_failure": None}
 
@@ -194,6 +194,122 @@ def fuzz(module: str, examples: int, seed: int, selection: ports.Selection = por
         run.failure = state["last_failure"]
     run.seconds = time.time() - t0
     return run
+
+
+def _references(module: str, reference: str | None):
+    """The module's family and the references drawn from: `reference`, else every reference of
+    the family that runs here; FuzzError where none does."""
+    family = _families().get(module)
+    if family is None:
+        raise FuzzError(f"no config space for module {module!r}; fuzzable: {', '.join(modules())}")
+    if reference is not None and reference not in family.references:
+        raise FuzzError(f"{module}: reference {reference!r} is not fuzzed; one of {', '.join(family.references)}")
+    refs = (reference,) if reference else family.references
+    unavailable = {r: harness.pair(module).oracle_status(r) for r in refs}
+    refs = tuple(r for r in refs if unavailable[r] is None)
+    if not refs:
+        raise FuzzError(f"{module}: no reference runs here: " + "; ".join(f"{r}: {s}" for r, s in unavailable.items()))
+    return family, refs
+
+
+def draw(module: str, examples: int, seed: int, refs: tuple[str, ...], wanted=lambda config: True) -> list[Config]:
+    """`examples` distinct configurations of the module's space that are `wanted`, nothing run:
+    hypothesis' generation seeded as fuzz() seeds it, so a seed draws the same configurations
+    every time (fewer where the space holds fewer)."""
+    from hypothesis import HealthCheck, Phase, find, settings
+    from hypothesis.errors import NoSuchExample
+
+    drawn: dict[str, Config] = {}
+
+    def keep(config: Config) -> bool:
+        if wanted(config):
+            drawn.setdefault(config.to_json(), config)
+        if len(drawn) == examples:
+            raise _Stop
+        return False
+
+    opts = settings(max_examples=20 * examples, database=None, deadline=None, phases=[Phase.generate],
+                    suppress_health_check=list(HealthCheck))
+    try:
+        find(_families()[module].strategy(module, refs), keep, settings=opts, random=random.Random(seed))
+    except (NoSuchExample, _Stop):
+        pass
+    return list(drawn.values())
+
+
+@dataclass
+class Measured:
+    """Max |Δ| per budget quantity over fuzzed configurations (`spec-parity measure --fuzz`)."""
+
+    module: str
+    seed: int
+    refs: tuple[str, ...]
+    outcomes: list[Outcome] = field(default_factory=list)   # measured | invalid | refused | declined | error
+    worst: dict[tuple[str, str], tuple[float, Config]] = field(default_factory=dict)  # (quantity, dtype): max, where
+    seconds: float = 0.0
+
+    def counts(self) -> Counter:
+        return Counter(o.end for o in self.outcomes)
+
+    def rows(self, budget_for=budgets.budget_for) -> list[tuple[str, str, float, float, Config]]:
+        """(quantity, dtype, max |Δ|, the budget's atol, the configuration that gave the max)."""
+        return [(q, dtype, v, budget_for(self.module, q, dtype).atol, config)
+                for (q, dtype), (v, config) in sorted(self.worst.items())]
+
+    def over(self, budget_for=budgets.budget_for) -> list[tuple[str, str, float, float, Config]]:
+        """The rows whose max |Δ| exceeds the budget's atol."""
+        return [r for r in self.rows(budget_for) if r[2] > r[3]]
+
+
+def _budgeted(config: Config) -> bool:
+    """A configuration a budget bounds: its case is L2 (an L1 case is held bit-exact)."""
+    try:
+        return case(config).tier == "L2"
+    except (ValueError, KeyError, AssertionError):
+        return True     # the factory's refusal, counted as invalid when measured
+
+
+def measure(module: str, examples: int, seed: int, reference: str | None = None) -> Measured:
+    """Draw `examples` L2 configurations (seeded) and measure our port on each against the live
+    reference (harness.measure, as over seeds): the largest |Δ| per quantity and the configuration
+    that gave it. A configuration the factory cannot build, the reference refuses or our port
+    declines is counted apart; an error of our port is counted as one."""
+    _, refs = _references(module, reference)
+    run, t0 = Measured(module, seed, refs), time.time()
+    for config in draw(module, examples, seed, refs, _budgeted):
+        c = _prepared(config)
+        if isinstance(c, Outcome):
+            run.outcomes.append(c)
+            continue
+        try:
+            values = harness.measure(c)
+        except Exception as e:
+            run.outcomes.append(Outcome(config, "declined" if _refusal(e) else "error", _line(e)))
+            continue
+        run.outcomes.append(Outcome(config, "measured"))
+        for q, v in values.items():
+            if v >= run.worst.get((q, c.dtype), (-1.0, None))[0]:
+                run.worst[(q, c.dtype)] = (v, config)
+    run.seconds = time.time() - t0
+    return run
+
+
+def measure_table(run: Measured) -> str:
+    """What `measure --fuzz` prints: the counts, why configurations were skipped, and per quantity
+    the max |Δ|, the budget's atol, their ratio and the configuration that gave the max."""
+    n = run.counts()
+    lines = [f"{run.module}: {len(run.outcomes)} configurations drawn (seed {run.seed}, references "
+             f"{', '.join(run.refs)}) in {run.seconds:.0f} s: "
+             + ", ".join(f"{n[k]} {k}" for k in ("measured", "error", "refused", "declined", "invalid") if n[k])]
+    for end in ("error", "refused", "declined", "invalid"):
+        reasons = Counter(_generic(o.detail) for o in run.outcomes if o.end == end)
+        lines += [f"  {end} x{k} (skipped): {why}" for why, k in reasons.most_common(5)]
+    lines.append(f"{'quantity':24s} {'dtype':8s} {'max |Δ|':>9s} {'atol':>8s} {'max/atol':>8s}  configuration")
+    lines += [f"{q:24s} {dtype:8s} {v:9.2e} {atol:8.0e} {v / atol:8.2f}  {config.name}"
+              for q, dtype, v, atol, config in run.rows()]
+    for config in {r[4].name: r[4] for r in run.rows()}.values():
+        lines.append(f"  {config.name}: {config.to_json()}")
+    return "\n".join(lines)
 
 
 def write_failure(outcome: Outcome, out: Path) -> Path:

@@ -264,6 +264,15 @@ def evaluate(case: Case, source: str = "auto", selection: ports.Selection = port
     return result
 
 
+def measure(case: Case) -> dict[str, float]:
+    """Max |Δ| per budget quantity of our port against the live reference on one case: what
+    `spec-parity measure` aggregates into budgets.py, over seeds or over fuzzed configurations."""
+    ref, _, _ = reference(case, "live")
+    p = pair(case.module)
+    both = sides(case, port_run(case, ref), ref, p.plan(case, ref))
+    return {k: float(np.max(v)) for k, v in p.quantities(case, {**both["port"], **both["greedy"]}, ref).items()}
+
+
 def check(case: Case, result: Result, require: tuple[str, ...] = ()) -> None:
     """The test-side verdict, read as `spec-parity run --require` reads it: a case must pass, a
     negative control must be caught; a PASS-PARTIAL fails unless `require` holds "outputs" (it is

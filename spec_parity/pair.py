@@ -12,7 +12,7 @@ What the harness reads of a pair:
   conventions(case) -> dict  the reference's conventions the port is told (port options no case param sets)
   feeds(case, ref) -> dict the reference arrays the port is given (teacher-forced inputs)
   plan(case, ref) -> Plan  what to check (spec_parity.checks)
-  quantities(port, ref) -> dict  max |delta| per budget quantity (`spec-parity measure`)
+  quantities(case, port, ref) -> dict  max |delta| per budget quantity (`spec-parity measure`)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class Pair:
     def plan(self, case: Case, ref: dict) -> Plan:
         raise NotImplementedError(f"{type(self).__name__} has no plan()")
 
-    def quantities(self, port: dict, ref: dict) -> dict[str, float]:
+    def quantities(self, case: Case, port: dict, ref: dict) -> dict[str, float]:
         raise NotImplementedError(f"{type(self).__name__} has no quantities()")
 
     def kind(self, case: Case) -> str:

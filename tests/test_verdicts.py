@@ -210,8 +210,8 @@ def _planted_public(key, public):
     return ports.Port(f"{key}-public-{public}", "0", {"targets": run}, (__file__,))
 
 
-ROPE = [("qwen3", "rope-L3", "PASS-PARTIAL"), ("qwen3", "rope-L1", "PASS-PARTIAL"), ("gemma4", "rope-L3", "FAIL"),
-        ("gemma4", "rope-L1", "FAIL")]
+ROPE = [("qwen3", "rope-L3", "PASS-PARTIAL"), ("qwen3", "rope-L1", "PASS-PARTIAL"), ("gemma4", "rope-L3", "PASS-PARTIAL"),
+        ("gemma4", "rope-L1", "PASS-PARTIAL")]
 
 
 def _doc_row(case: str, key: str) -> list[str]:
@@ -224,7 +224,7 @@ def _doc_row(case: str, key: str) -> list[str]:
 @pytest.mark.parametrize("case, key, public_verdict", harness.slow_except(ROPE, ROPE[0]))
 def test_what_a_public_outputs_only_check_cannot_catch(case, key, public_verdict):
     """docs/harness.md's measured example, each row: one layer's RoPE base x1.001 (a control of
-    spec_parity.controls). On the Qwen3 target it moves the logits by less than their L2 budget and
+    spec_parity.controls). On either target it moves the logits by less than their L2 budget and
     no greedy token: returning only the public outputs the port reads PASS-PARTIAL (never PASS);
     exposing its layers, it fails naming the layer. The doc's max|Δ| is this measurement's (±20 %)."""
     atol = budget_for("targets", "logits", "float32").atol
@@ -234,7 +234,7 @@ def test_what_a_public_outputs_only_check_cannot_catch(case, key, public_verdict
     worst = public.metrics["logits"]["max_abs"]
     assert public.verdict == public_verdict and public.metrics["stream"]["equal"], public.message()
     assert (worst < atol) == (public_verdict == "PASS-PARTIAL")
-    assert full.verdict == "FAIL" and full.first_failure == ("layers" if worst < atol else "logits"), full.message()
+    assert full.verdict == "FAIL" and (full.first_failure == "logits") == (worst >= atol), full.message()
     if worst < atol:
         assert full.metrics["layers"]["first_divergent_layer"] == layer, full.message()
     assert full.metrics["teacher_forced"]["agree"] == full.metrics["teacher_forced"]["positions"]

@@ -209,14 +209,16 @@ class Assistant(Pair):
                                                           "donor.sliding_attention.v", "donor.full_attention.k",
                                                           "donor.full_attention.v")]
         for i in range(gamma):
-            checks += [Tensor(f"step{i}.next_hidden", P(f"step{i}.next_hidden"), R(f"step{i}.next_hidden"), "next_hidden"),
-                       Tensor(f"step{i}.logits", P(f"step{i}.logits"), R(f"step{i}.logits"), "logits", candidates=True)]
+            checks += [Tensor(f"step{i}.next_hidden", P(f"step{i}.next_hidden"), R(f"step{i}.next_hidden"),
+                              chained("next_hidden", i)),
+                       Tensor(f"step{i}.logits", P(f"step{i}.logits"), R(f"step{i}.logits"), chained("logits", i),
+                              candidates=True)]
         steps = [f"step{i}" for i in range(gamma)]
         checks.append(Tokens("draft_tokens", P(*[s + ".token" for s in steps]), R(*[s + ".token" for s in steps]),
                              R(*[s + ".logits" for s in steps]), "draft token", finding="module"))
         return Plan(checks + drafter_layers(ref))
 
-    def quantities(self, port: dict, ref: dict) -> dict[str, float]:
+    def quantities(self, case: Case, port: dict, ref: dict) -> dict[str, float]:
         if "sampled.first" in port:
             return {}
         if "greedy.logits" in port:
@@ -224,12 +226,20 @@ class Assistant(Pair):
             return {"path_logits": float(np.abs(port["stream.logits"][:n] - port["greedy.logits"][:n]).max())}
         out = {"logits": 0.0, "next_hidden": 0.0}
         for k in ref:
-            if k.endswith(".next_hidden"):
-                out["next_hidden"] = max(out["next_hidden"], float(np.abs(port[k] - ref[k]).max()))
-            if k.endswith(".logits"):
-                m = (port[k] > -1e29) & (ref[k] > ref[k].min()) if (port[k] <= -1e29).any() else np.ones_like(port[k], bool)
-                out["logits"] = max(out["logits"], float(np.abs(port[k][m] - ref[k][m]).max()))
+            step, _, q = k.partition(".")
+            if not step.startswith("step") or q not in ("next_hidden", "logits"):
+                continue
+            m = (port[k] > -1e29) & (ref[k] > ref[k].min()) if (port[k] <= -1e29).any() else np.ones_like(port[k], bool)
+            q = chained(q, int(step[4:]))
+            out[q] = max(out.get(q, 0.0), float(np.abs(port[k][m] - ref[k][m]).max()))
         return {**out, **layers.quantities(port, ref)}
+
+
+def chained(quantity: str, step: int) -> str:
+    """The budget quantity of draft step `step`: step 0 is one step's arithmetic; step k carries the
+    earlier steps' rounding through the drafter's own gain, k times over (budgets.py), so each
+    later step has its own budget."""
+    return quantity if step == 0 else f"{quantity}.step{step}"
 
 
 PAIR = Assistant()

@@ -301,12 +301,12 @@ class DFlash(Pair):
         checks.append(FirstRound("rounds", tuple(f"logits.{r}" for r in range(rounds))))
         return Plan(checks + drafter_layers(ref))
 
-    def quantities(self, port: dict, ref: dict) -> dict[str, float]:
+    def quantities(self, case: Case, port: dict, ref: dict) -> dict[str, float]:
         def gap(a, b):
             m = min(len(a), len(b))
             return float(np.abs(a[:m].astype(np.float64) - b[:m].astype(np.float64)).max()) if m else 0.0
 
-        torch = bool(port.get("meta.torch", [False])[0])
+        torch = case.oracle == TORCH
         if "ext.confidence" in port:
             return {q: gap(port[k], ref[k]) for _, k, q in HEAD_CHECKS if k in port and k in ref}
         if "greedy.logits" in port:

@@ -162,7 +162,7 @@ class DSpark(Pair):
                        Same(f"proposal@{t}", P(f"proposal@{t}"), R(f"proposal@{t}"), f"proposal at threshold {t}")]
         return Plan(checks + drafter_layers(ref))
 
-    def quantities(self, port: dict, ref: dict) -> dict[str, float]:
+    def quantities(self, case: Case, port: dict, ref: dict) -> dict[str, float]:
         if "sampled.first" in port:
             return {}
         if "greedy.logits" in port:

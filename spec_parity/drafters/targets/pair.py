@@ -72,7 +72,7 @@ class Targets(Pair):
                    Scored("teacher_forced", "teacher_forced", (P("tf.logits"), R("stream.logits"), R("stream.tokens")))]
         return Plan(checks)
 
-    def quantities(self, port: dict, ref: dict) -> dict[str, float]:
+    def quantities(self, case: Case, port: dict, ref: dict) -> dict[str, float]:
         """Max |Δ| per budget quantity (what `spec-parity measure` aggregates into budgets.py)."""
         def worst(keys, pkey=lambda k: k):
             return max(float(np.max(np.abs(port[pkey(k)].astype(np.float64) - ref[k]))) for k in keys)
