@@ -215,6 +215,13 @@ def check_gemma4_kv(cfg: dict, path: Path) -> None:
         raise CheckpointError(f"{f}: {where}attention_k_eq_v is set without {where}num_global_key_value_heads; "
                               "transformers cannot build the full layers without it (mlx-lm falls back to "
                               "num_key_value_heads): set it to the full layers' K/V head count")
+    heads = level.get("num_attention_heads")
+    for key in ("num_key_value_heads", "num_global_key_value_heads"):
+        kv = level.get(key)
+        if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:
+            raise CheckpointError(f"{f}: {where}num_attention_heads {heads} is not a multiple of {where}{key} {kv}; "
+                                  "grouped-query attention needs whole groups (transformers and MLX refuse it): "
+                                  "fix the head counts")
     types, shared = level.get("layer_types"), level.get("num_kv_shared_layers") or 0
     if isinstance(types, list) and isinstance(shared, int) and 0 < shared < len(types):
         owners = types[: len(types) - shared]

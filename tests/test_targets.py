@@ -57,7 +57,9 @@ def test_a_target_of_full_layers_only_has_no_sliding_donor_and_runs():
     ({"attention_k_eq_v": True, "num_global_key_value_heads": None}, "num_global_key_value_heads"),
     ({"num_hidden_layers": 4, "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
       "num_kv_shared_layers": 1, "hidden_size_per_layer_input": 16}, "num_kv_shared_layers 1 shares ['full_attention']"),
-], ids=["k_eq_v-without-global-kv-heads", "shared-full-without-owner"])
+    ({"attention_k_eq_v": True, "num_attention_heads": 3, "num_key_value_heads": 1, "num_global_key_value_heads": 2},
+     "num_attention_heads 3 is not a multiple of num_global_key_value_heads 2"),
+], ids=["k_eq_v-without-global-kv-heads", "shared-full-without-owner", "heads-not-whole-groups"])
 def test_a_gemma4_kv_layout_no_reference_builds_is_refused_in_one_line(overrides, named):
     """Found by `spec-parity fuzz --module targets`: transformers raised on both, mlx-lm ran the
     first with its own fallback and raised a bare KeyError on the second."""
