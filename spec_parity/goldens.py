@@ -21,7 +21,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-if TYPE_CHECKING:   # the checkpoint factory reads shipped(): case.py imports it
+from .shipped import shipped
+
+if TYPE_CHECKING:
     from .case import Case
 
 
@@ -49,13 +51,6 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def shipped() -> Path:
-    """fixtures/ as it ships: package data beside this file when installed, the repository's top
-    folder in a checkout."""
-    here = Path(__file__).resolve().parent
-    return here / "fixtures" if (here / "fixtures").is_dir() else here.parent / "fixtures"
 
 
 def root() -> Path:

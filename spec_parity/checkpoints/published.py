@@ -22,7 +22,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ..goldens import shipped
+from ..shipped import shipped
 from .core import QWEN_NORMS, build, draw, kind
 
 ROOT = shipped() / "configs"
