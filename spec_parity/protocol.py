@@ -231,7 +231,9 @@ PROTOCOLS = {p.module + "/" + p.kind: p for p in (
              {**DFLASH_CONVENTIONS, **PROMPT_LEN,
               "accepts": "one entry a round: round r accepts its first min(accepts[r], B-1) drafts whatever the "
                          "target says; the next anchor is the target's greedy token after them"},
-             LAYER_INPUTS, (Quantity("tokens.*", "[B-1]", "int32", "round r's draft tokens", True),
+             {**LAYER_INPUTS, "taps.0": "the reference's prefill taps, for the own-error run: the drafter's "
+                                        "context from them, not from the port's taps"},
+             (Quantity("tokens.*", "[B-1]", "int32", "round r's draft tokens", True),
                   Quantity("logits.*", "[B-1, V]", "float32", "round r's drafter logits", True),
                   Quantity("anchors", "[R+1]", "int32", "each round's anchor", True),
                   Quantity("hidden.*", "[B-1, H]", "float32", "round r's final-normed block hidden (rows 1..B-1)"),

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from spec_parity import checkpoints, goldens, harness, shared
+from spec_parity import checkpoints, controls, goldens, harness, shared
 from spec_parity.drafters.dflash import adapter, pair
 from spec_parity.port import dflash, serve, targets
 from spec_parity.port.sources.dflash import DflashProvider, DflashSource
@@ -265,3 +265,14 @@ def test_qwen3_loop_twins_share_a_run_that_is_each_twins_own():
     g, gt = adapter.run_loop(harness.request(_case("loop-gemma4"), {})), adapter.run_loop(harness.request(_case("loop-gemma4-torch"), {}))
     assert not np.array_equal(g["stream.draft_logits"], gt["stream.draft_logits"])
     assert not any(gt[k] is v for k, v in g.items())
+
+
+def test_a_target_side_bug_is_not_blamed_on_a_drafter_layer():
+    """The own-error run drafts from the reference's prefill taps: a bug in the target (RoPE in its
+    layer 1) moves the taps and every free-running drafter layer, and no drafter layer's own error."""
+    case = next(c for c in harness.all_cases(["dflash"]) if c.name == "mod-qwen3")
+    with controls.planted("targets", "rope-L1", case):
+        result = harness.evaluate(case, "golden")
+    layers = result.metrics["layers"]
+    assert result.verdict == "FAIL" and layers["first_free_running_failure"] is not None, result.message()
+    assert layers["first_divergent_layer"] is None, result.message()

@@ -73,7 +73,7 @@ def run_modules(req: Request) -> dict:
     or in time order, sliding layers their newest W-1 rows (torch's DynamicSlidingWindowLayer),
     with each row's position (`ctx_pos.i`), so the harness compares them as attended.
     Each drafter layer's output in round 0 is recorded (`layer.i`); fed the reference's, a second
-    prefill and round 0 give each layer's own error (`own.i`)."""
+    prefill on the reference's taps and round 0 give each layer's own error (`own.i`)."""
     import mlx.core as mx
     from mlx_lm.models.cache import RotatingKVCache
 
@@ -99,6 +99,8 @@ def run_modules(req: Request) -> dict:
     feed = layer_feeds(req.inputs)
     if feed:
         own_src, _, _, first = _prefilled(req, target, m)
+        if "taps.0" in req.inputs:   # the context from the reference's taps, as many rows as ours
+            own_src.pending = mx.array(req.inputs["taps.0"])[-own_src.pending.shape[1]:][None]
         with mlx_recorded(m.layers, recorded, "own", feed):
             own_src.draft([first], bs - 1, None)
     for i, c in enumerate(src.caches):

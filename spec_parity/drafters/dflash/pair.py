@@ -257,11 +257,13 @@ class DFlash(Pair):
         return {"scales": "nested" if case.oracle == ORACLE else "either"}
 
     def feeds(self, case: Case, ref: dict) -> dict:
-        """Module rounds: the reference's layer outputs; the extension: the rows and tokens its heads
-        are fed (teacher-forced)."""
+        """Module rounds: the reference's layer outputs and prefill taps (a layer's own error is its
+        own, not the target's taps carried into the context); the extension: the rows and tokens its
+        heads are fed (teacher-forced)."""
         if isinstance(case.params, DflashExtension):
             return {k: ref[k] for k in HEAD_INPUTS if k in ref}
-        return super().feeds(case, ref)
+        feeds = super().feeds(case, ref)
+        return {**feeds, "taps.0": ref["taps.0"]} if feeds and "taps.0" in ref else feeds
 
     def plan(self, case: Case, ref: dict) -> Plan:
         if isinstance(case.params, DflashExtension):
