@@ -58,7 +58,6 @@ def test_a_seed_draws_the_same_configurations():
 
 @pytest.mark.parametrize("argv, message", [
     (["--module", "targets", "--fuzz", "0"], "--fuzz 0: draw at least 1 configuration"),
-    (["--module", "dspark", "--fuzz", "3"], "--fuzz needs --module with a fuzz space (--module dspark)"),
     (["--fuzz", "3"], "--fuzz needs --module with a fuzz space (--module missing)"),
     (["--module", "targets", "--fuzz", "3", "--case", "qwen3"], "--case qwen3: --fuzz draws its own configurations"),
     (["--module", "targets", "--fuzz", "3", "--seeds", "5"], "--seeds 5: --fuzz draws its own configurations"),

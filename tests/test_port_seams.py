@@ -52,7 +52,7 @@ from pathlib import Path
 from spec_parity import exchange, ports
 req = exchange.read_case(Path(sys.argv[1]))
 out = ports.ours().runs[req.module](req)
-out["logits"] = out["logits"] + 1e-3
+out["logits"] = out["logits"] + 1e-2
 exchange.write_outputs(Path(sys.argv[2]), out)
 """
 
