@@ -379,8 +379,10 @@ def draft_chain(drafter: Model, target, donors: dict, token: int, hidden, positi
     """n draft steps against a frozen donor snapshot. Step 0 reads the last emitted token and the
     target hidden that predicted it; step k>0 chains the previous draft token and next_hidden.
     positions: "optiq" = position + k, "hf" = position for every step. `pick` (logits -> token)
-    replaces the argmax, e.g. to sample drafts from q. Greedy, the chain never leaves the device."""
-    steps, token_id = [], mx.array([[token]])
+    replaces the argmax, e.g. to sample drafts from q. Greedy, the chain never leaves the device;
+    `token` may be a scalar array (port/fast/seeded.py vmaps the chain over requests)."""
+    steps = []
+    token_id = token.reshape(1, 1) if isinstance(token, mx.array) else mx.array([[token]])
     views = None if n == 0 else drafter.views(donors, window)
     for k in range(n):
         emb = targets.embed_scaled(target, token_id)

@@ -56,8 +56,8 @@ class ConfidenceHead(nn.Module):
 def markov_chain(head: MarkovHead | None, hidden, base, anchor: mx.array, pick=None):
     """Rows and tokens of a block through a Markov head: row_k = base_k + bias(prev_k, h_k) (after
     the softcap), prev_0 = the anchor ([1] uint32), prev_k = token k-1. Greedy (pick None) the
-    tokens stay on the device, chained into the next slot's bias; `pick(row)` chooses each on the
-    host instead. Returns (rows [n, V], tokens [n] uint32, on the device)."""
+    tokens stay on the device, chained into the next slot's bias; `pick(row)` chooses each instead
+    (a host int, or a scalar array). Returns (rows [n, V], tokens [n] uint32, on the device)."""
     if head is None and pick is None:
         return base, mx.argmax(base, axis=-1)
     # Rows stay [1, V] slices (base[k:k + 1], one Slice node; base[k] would be a Gather, base[k, ...] a
@@ -69,9 +69,15 @@ def markov_chain(head: MarkovHead | None, hidden, base, anchor: mx.array, pick=N
             bias, state = head(prev, hidden[k:k + 1], state)
             row = row + bias
         rows.append(row)
-        prev = mx.argmax(row, axis=-1) if pick is None else mx.array([int(pick(row[0, ...]))])
+        prev = mx.argmax(row, axis=-1) if pick is None else _picked(pick(row[0, ...]))
         tokens.append(prev.astype(mx.uint32))
     return mx.concatenate(rows), mx.concatenate(tokens)
+
+
+def _picked(token) -> mx.array:
+    """A pick as the [1] token array the next slot reads: a host int, or a scalar array (a pick
+    that stays on the device, as port/fast/seeded.py's vmapped one does)."""
+    return token.reshape(1) if isinstance(token, mx.array) else mx.array([int(token)])
 
 
 def previous_tokens(anchor: mx.array, tokens: mx.array) -> mx.array:

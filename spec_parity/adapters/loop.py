@@ -59,21 +59,37 @@ def run(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, eos: 
     return out
 
 
+# Seeds a sampled case also runs through serve.generate, one by one, and holds the lockstep
+# requests to (port/fast/seeded.py): any difference and every seed runs through serve.generate.
+CROSS_CHECKED = 16
+
+
 def seeded_requests(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, options: dict,
                     mode: str = "match") -> list[tuple[list[int], list[tuple[int, int, int]]]]:
     """A sampled case's requests: our loop at options["temperature"], EOS off, once per seed from
     options["seed0"] (options["runs"] of them); each request's tokens and trace (drafted, accepted,
-    emitted)."""
+    emitted). Where port/fast/seeded.py runs the requests in lockstep and its first CROSS_CHECKED
+    equal serve.generate's, those; else serve.generate's for every seed."""
     from spec_parity.port import sampling, serve
+    from spec_parity.port.fast import seeded
 
-    seeds = range(options["seed0"], options["seed0"] + options["runs"])
-    out = []
-    for seed in seeds:
+    seeds = list(range(options["seed0"], options["seed0"] + options["runs"]))
+    sampler = sampling.Sampler(options["temperature"])
+
+    def plain(seed):
         tokens, stats = serve.generate(target, prompt[0].tolist(), max_tokens, provider,
                                        serve.ServeOptions(gamma=gamma, eos=set(), mode=mode,
                                                           sampler=sampling.Sampler(options["temperature"], seed=seed)))
-        out.append((tokens, stats.trace))
-    return out
+        return tokens, stats.trace
+
+    checked = [plain(s) for s in seeds[:CROSS_CHECKED]]
+    try:
+        fast = seeded.generate(target, prompt[0].tolist(), max_tokens, provider, gamma, sampler, seeds, mode=mode)
+    except seeded.Unsupported:
+        fast = None
+    if fast is not None and fast[:CROSS_CHECKED] == checked:
+        return fast
+    return checked + [plain(s) for s in seeds[CROSS_CHECKED:]]
 
 
 def first_round(tokens: list[int], trace: list[tuple[int, int, int]]) -> tuple[int, int, int | None]:
