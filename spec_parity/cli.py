@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import platform
 import re
@@ -15,7 +16,7 @@ import time
 import traceback
 from pathlib import Path
 
-from . import cli_args, compare, exchange, goldens, harness, ports, report, report_schema
+from . import cli_args, exchange, goldens, harness, ports, report, report_schema, runner
 from .goldens import atomic_write
 
 
@@ -139,67 +140,48 @@ def _error(case, e: Exception, debug: bool, port: ports.Port):
     return harness.Result(case.module, case.name, "-", case.tier, verdict="ERROR", reason=reason, trace=trace)
 
 
-def cmd_run(args) -> int:
-    _preflight(args, ("drafter",))
+def _prepare_run(args) -> tuple[ports.Selection, list]:
+    """The run's ports and cases, as the parent and each worker (runner.py) build them."""
     selection = _ports(args, *_modules(args))
     cases = _select(args, selection)
     if args.target:
         _answered(args, cases)
-    rows, t0, started = [], time.time(), datetime.datetime.now(datetime.timezone.utc)
+    return selection, cases
+
+
+def _run_one(args, selection: ports.Selection, case):
+    try:
+        return harness.evaluate(case, args.source, selection)
+    except Exception as e:  # a case that cannot run is a failure with its reason, not a crash
+        return _failed(args, selection, case, e)
+
+
+def _failed(args, selection: ports.Selection, case, e: Exception):
+    return _error(case, e, args.debug, selection.port(case.module))
+
+
+def _worker(args):
+    selection, cases = _prepare_run(args)
+    return cases, functools.partial(_run_one, args, selection)
+
+
+def cmd_run(args) -> int:
+    _preflight(args, ("drafter",))
+    selection, cases = _prepare_run(args)
+    t0, started = time.time(), datetime.datetime.now(datetime.timezone.utc)
     with report.Progress(len(cases)) as bar:
-        for case in cases:
-            bar.start(case.id)
-            try:
-                result = harness.evaluate(case, args.source, selection)
-            except Exception as e:  # a case that cannot run is a failure with its reason, not a crash
-                result = _error(case, e, args.debug, selection.port(case.module))
-            rows.append((result, case.expect))
-            bar.done(case.id, result.shown_verdict)
+        results = runner.run(cases, functools.partial(_run_one, args, selection),
+                             runner.workers(args.jobs, bool(args.target)), bar,
+                             functools.partial(_worker, args), functools.partial(_failed, args, selection))
+    rows = [(r, c.expect) for r, c in zip(results, cases)]
     header = f"{_header()}; ports: {selection.describe()}; {len(cases)} cases in {time.time() - t0:.1f} s"
     print(report.table(rows))
     out = Path(args.out)
     require = (args.require,) if args.require else ()
     report.write(out, rows, header, report_schema.run_info(args.argv, started, time.time() - t0, require),
                  report_schema.port_entries(selection, [c.module for c in cases]))
-    print(_summary(rows, require, out, selection))
-    return _exit_status(rows, require, selection)
-
-
-def _unexpected(rows: list, require: tuple[str, ...]) -> list:
-    """Results whose verdict is not the case's expected one (a DELTA or a decline is counted apart)."""
-    return [r for r, e in rows if r.verdict not in ("DELTA", "DECLINED") and not compare.as_expected(r.verdict, e, require)]
-
-
-def _silent_ports(rows: list, selection: ports.Selection) -> list[str]:
-    """The plug-in ports `selection` chose that answered none of the run's cases (each declined, or
-    none of their modules' cases selected): a run that checked nothing of the user's port."""
-    theirs = sorted({selection.port(m).identity for m in selection.theirs()})
-    answered = {r.metrics.get("port", {}).get("identity") for r, _ in rows if r.verdict != "DECLINED"}
-    return [p for p in theirs if p not in answered]
-
-
-def _summary(rows: list, require: tuple[str, ...], out: Path, selection: ports.Selection) -> str:
-    """The run's closing lines: verdicts as expected, the ones counted apart, every unexpected
-    one's message, and a line per plug-in port that checked nothing."""
-    bad = _unexpected(rows, require)
-    seen = {id(r) for r in bad}
-    apart = {v: [r for r, _ in rows if r.verdict == v and id(r) not in seen] for v in (compare.PARTIAL, "DELTA", "DECLINED")}
-    tally = report_schema.tally([{"category": report_schema.category(r.verdict, e, require)} for r, e in rows])
-    lines = [f"\n{tally}; reports in {out}/"]
-    lines += [r.message() for r in bad + apart["DELTA"] + apart["DECLINED"]]
-    lines += [f"[{r.verdict}] {r.module}/{r.case}: {r.reason}" for r in apart[compare.PARTIAL]]
-    lines += [f"port {p} checked nothing: it answered none of the {len(rows)} cases run (each declined, or none "
-              f"of its module's cases selected); not a pass" for p in _silent_ports(rows, selection)]
-    return "\n".join(lines)
-
-
-def _exit_status(rows: list, require: tuple[str, ...], selection: ports.Selection) -> int:
-    """1 on any unexpected verdict, or when a plug-in port checked nothing; compare.PARTIAL_EXIT when a
-    pass left checks unrun and the run does not accept it; else 0."""
-    if _unexpected(rows, require) or _silent_ports(rows, selection):
-        return 1
-    partial = any(r.verdict == compare.PARTIAL for r, _ in rows)
-    return compare.PARTIAL_EXIT if partial and "outputs" not in require else 0
+    print(runner.summary(rows, require, out, selection))
+    return runner.exit_status(rows, require, selection)
 
 
 def cmd_export(args) -> int:

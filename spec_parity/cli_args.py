@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping, Sequence
 
-from . import compare, exchange, harness
+from . import compare, exchange, harness, runner
 
 DEBUG = dict(action="store_true", help="on bad input, the traceback instead of the one-line message "
              "(default: off, the one line and exit 2); `run`: also each ERROR case's traceback (report.json "
@@ -78,6 +78,9 @@ def run(p: argparse.ArgumentParser) -> None:
                    "DSpark-on-DFlash) is read off its config.json (default: none, the target's own cases)")
     for opt in ("--port", "--port-cmd", "--timeout", "--port-id"):
         p.add_argument(opt, **_PORT_OPTIONS[opt])
+    p.add_argument("--jobs", type=_jobs, default=runner.AUTO,
+                   help="worker processes the cases are spread over, a case and its controls in one (default: "
+                   "auto, one a core, or one with --target; 1: every case in this process)")
     p.add_argument("--require", choices=("outputs", "internals"),
                    help="what a pass must have checked. A PASS-PARTIAL (a port that passed every check it "
                    "exposed arrays for, but left optional quantities out, so some checks did not run) is "
@@ -282,3 +285,10 @@ def _csv(text: str, known, what: str) -> list[str]:
     if bad or not items:
         raise ValueError(f"--{what} {text!r}: unknown {bad or 'empty list'}; known: {', '.join(known)}")
     return items
+
+
+def _jobs(value: str) -> int | str:
+    try:
+        return runner.jobs(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).split(": ", 1)[1]) from e

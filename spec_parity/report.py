@@ -51,12 +51,14 @@ class Progress:
         if self.bar is not None:
             self.bar.update(self.task, description=label, since=self.t0)
 
-    def done(self, label: str, verdict: str) -> None:
+    def done(self, label: str, verdict: str, seconds: float | None = None) -> None:
+        """A finished case; `seconds`: its own time where it ran elsewhere (a worker)."""
         self.done_n += 1
         if self.bar is not None:
             self.bar.update(self.task, advance=1)
         else:
-            self.stream.write(f"[{self.done_n}/{self.total}] {verdict} {label} ({time.time() - self.t0:.1f} s)\n")
+            took = time.time() - self.t0 if seconds is None else seconds
+            self.stream.write(f"[{self.done_n}/{self.total}] {verdict} {label} ({took:.1f} s)\n")
             self.stream.flush()
 
     def __exit__(self, *exc) -> None:
