@@ -161,8 +161,9 @@ def _failed(args, selection: ports.Selection, case, e: Exception):
 
 
 def _worker(args):
+    """A worker's runner of a case by its index in the selection, built as the parent builds it."""
     selection, cases = _prepare_run(args)
-    return cases, functools.partial(_run_one, args, selection)
+    return lambda i: _run_one(args, selection, cases[i])
 
 
 def cmd_run(args) -> int:
@@ -210,7 +211,18 @@ def cmd_fuzz(args) -> int:
 
     fuzz.check_args(args)
     _preflight(args)
-    return fuzz.command(args, _ports(args, [args.module], f"--module {args.module}"))
+    return fuzz.command(args, _fuzz_ports(args), functools.partial(_fuzz_worker, args))
+
+
+def _fuzz_ports(args) -> ports.Selection:
+    return _ports(args, [args.module], f"--module {args.module}")
+
+
+def _fuzz_worker(args):
+    """A --jobs worker's runner of one draw, its ports built as the parent builds them."""
+    from . import fuzz
+
+    return functools.partial(fuzz.run_stream, args, _fuzz_ports(args))
 
 
 def cmd_protocol(args) -> int:

@@ -116,6 +116,9 @@ def fuzz(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", help="only this reference (default: every reference of the module that runs here)")
     p.add_argument("--config", metavar="FILE", help="run one configuration again: a fuzz-config.json a failure "
                    "wrote (default: draw)")
+    p.add_argument("--jobs", type=int, default=1, help="independent draws sharing --examples, each fuzzed and shrunk "
+                   "in its own worker process: the first draws --seed, so 1 draws what the seed always drew "
+                   "(default: 1)")
     p.add_argument("--shrink-s", type=float, default=SHRINK_S, metavar="S",
                    help=f"seconds shrinking may take; then the smallest failure so far is kept (default: {SHRINK_S:g})")
     p.add_argument("--out", default="fuzz-report", help="folder for the shrunk failure's case folder and "

@@ -27,7 +27,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from . import budgets, controls, exchange, harness, ports
+from . import budgets, controls, exchange, harness, ports, runner
 from .case import Case
 from .compare import Result
 from .goldens import atomic_write
@@ -151,9 +151,41 @@ class Run:
     outcomes: list[Outcome] = field(default_factory=list)
     failure: Outcome | None = None
     seconds: float = 0.0
+    streams: list[tuple[int, int]] = field(default_factory=list)   # (seed, examples) of each, --jobs > 1
 
     def counts(self) -> Counter:
         return Counter(o.end for o in self.outcomes)
+
+
+def streams(seed: int, examples: int, jobs: int) -> list[tuple[int, int]]:
+    """(seed, examples) of each of `jobs` independent draws that share the run's examples: the
+    first draws the run's own seed (so --jobs 1 draws what the seed always drew), draw i > 0 the
+    seed seed * 1000003 + i. A (seed, jobs) pair reproduces."""
+    n = max(1, min(jobs, examples))
+    return [(seed if i == 0 else seed * 1000003 + i, examples // n + (i < examples % n)) for i in range(n)]
+
+
+def run_stream(args, selection: ports.Selection, stream: tuple[int, int]) -> Run:
+    """One draw of a --jobs run, in its worker, under the run's --plant."""
+    with controls.planted(*args.plant.split(":", 1)) if args.plant else nullcontext():
+        return fuzz(args.module, stream[1], stream[0], selection, args.reference, args.shrink_s)
+
+
+def fuzz_spread(args, prepare) -> Run:
+    """`args.jobs` draws (`streams`), each fuzzed and shrunk in its own worker (`prepare()` -> a
+    worker's run_stream); their outcomes in draw order, the failure the first draw's that found one."""
+    t0, parts = time.time(), {}
+    for (stream,), done, error in runner.spread([[s] for s in streams(args.seed, args.examples, args.jobs)], prepare,
+                                                args.jobs):
+        if error is not None:
+            raise FuzzError(f"a fuzz worker died ({type(error).__name__}); --jobs 1 draws in this process")
+        parts[stream] = done[0][0]
+    ordered = [parts[s] for s in streams(args.seed, args.examples, args.jobs)]
+    run = Run(args.module, args.seed, [o for r in ordered for o in r.outcomes],
+              streams=streams(args.seed, args.examples, args.jobs))
+    run.failure = next((r.failure for r in ordered if r.failure), None)
+    run.seconds = time.time() - t0
+    return run
 
 
 class _Stop(Exception):
@@ -335,7 +367,9 @@ def _generic(detail: str) -> str:
 
 def summary(run: Run) -> str:
     n = run.counts()
-    lines = [f"{run.module}: {len(run.outcomes)} configurations in {run.seconds:.0f} s (seed {run.seed}): "
+    drawn = f"seed {run.seed}" + (f", {len(run.streams)} draws: seeds {', '.join(str(s) for s, _ in run.streams)}"
+                                  if run.streams else "")
+    lines = [f"{run.module}: {len(run.outcomes)} configurations in {run.seconds:.0f} s ({drawn}): "
              + ", ".join(f"{n[k]} {k}" for k in ("passed", "failed", "delta", "refused", "declined", "invalid") if n[k])]
     for end in ("refused", "declined", "delta"):
         reasons = Counter(_generic(o.detail) for o in run.outcomes if o.end == end)
@@ -350,6 +384,7 @@ def summary(run: Run) -> str:
 def as_json(run: Run) -> dict:
     """Every outcome of a run (fuzz.json): the configuration, how it ended and why."""
     return {"module": run.module, "seed": run.seed, "seconds": round(run.seconds, 1), "counts": dict(run.counts()),
+            "streams": [{"seed": s, "examples": n} for s, n in run.streams],
             "failure": json.loads(run.failure.config.to_json()) if run.failure else None,
             "outcomes": [{"config": json.loads(o.config.to_json()), "end": o.end, "detail": _generic(o.detail)}
                          for o in run.outcomes]}
@@ -361,6 +396,8 @@ def check_args(args) -> None:
         raise FuzzError(f"--module {args.module}: no config space to fuzz; one of {', '.join(modules())}")
     if args.examples < 1:
         raise FuzzError(f"--examples {args.examples}: draw at least 1")
+    if args.jobs < 1:
+        raise FuzzError(f"--jobs {args.jobs}: at least 1 worker (1: one draw in this process)")
     if args.plant:
         module, _, key = args.plant.partition(":")
         try:
@@ -369,9 +406,10 @@ def check_args(args) -> None:
             raise FuzzError(f"--plant {args.plant}: {e}; give MODULE:KEY") from e
 
 
-def command(args, selection: ports.Selection) -> int:
+def command(args, selection: ports.Selection, prepare=None) -> int:
     """`spec-parity fuzz`: draw (or run --config again) under --plant, print the summary, write the
-    shrunk failure's case folder and fuzz.json; 1 when a configuration failed."""
+    shrunk failure's case folder and fuzz.json; 1 when a configuration failed. `prepare()` -> a
+    worker's run_stream, for --jobs > 1."""
     if args.plant and not selection.port(args.module).ours:
         raise FuzzError(f"--plant {args.plant}: a control plants its bug in our own port; drop --port/--port-cmd "
                         "or --plant")
@@ -380,6 +418,8 @@ def command(args, selection: ports.Selection) -> int:
             config = _read_config(args.config, args.module)
             run = Run(config.module, args.seed, [evaluate(config, selection)])
             run.failure = run.outcomes[0] if run.outcomes[0].end == "failed" else None
+        elif args.jobs > 1:
+            run = fuzz_spread(args, prepare)
         else:
             run = fuzz(args.module, args.examples, args.seed, selection, args.reference, args.shrink_s)
         print(summary(run))

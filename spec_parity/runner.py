@@ -55,27 +55,41 @@ def groups(cases: list) -> list[list[int]]:
     return sorted(by.values(), key=lambda g: (cases[g[0]].params.KIND != "sampled", g[0]))
 
 
-# A worker's cases and case runner, built once per process by `_start` (the parent's are not sent:
-# a plug-in port's loaded modules need not pickle).
+# A worker's function of one item, built once per process by `_start` from the picklable `prepare`
+# the parent hands down (the parent's own is not sent: a plug-in port's loaded modules need not pickle).
 _WORKER: dict = {}
 
 
 def _start(prepare: Callable) -> None:
-    _WORKER["cases"], _WORKER["run_one"] = prepare()
+    _WORKER["fn"] = prepare()
 
 
-def _run_group(indices: list[int]) -> list[tuple[int, object, float]]:
+def _run_group(items: list) -> list[tuple[object, float]]:
     out = []
-    for i in indices:
+    for item in items:
         t0 = time.time()
-        out.append((i, _WORKER["run_one"](_WORKER["cases"][i]), time.time() - t0))
+        out.append((_WORKER["fn"](item), time.time() - t0))
     return out
+
+
+def spread(item_groups: list[list], prepare: Callable, n_jobs: int):
+    """Each group's items through `prepare()`'s function in spawned workers, a group in one worker,
+    the groups in the order given; yields (group, [(result, seconds)], None) as each finishes, or
+    (group, None, error) for the groups left unfinished when a worker died (the pool dies with it)."""
+    with cf.ProcessPoolExecutor(n_jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
+                                initargs=(prepare,)) as pool:
+        pending = {pool.submit(_run_group, g): g for g in item_groups}
+        for future in cf.as_completed(pending):
+            try:
+                yield pending[future], future.result(), None
+            except Exception as e:
+                yield pending[future], None, e
 
 
 def run(cases: list, run_one: Callable, n_jobs: int, bar, prepare: Callable, failed: Callable) -> list:
     """Each case's result, in order. `run_one(case)` -> Result (a case that raises is its own
-    ERROR there); `prepare()` -> (cases, run_one), rebuilt in a worker; `failed(case, error)` -> the
-    Result of a case that did not finish because a worker died (the pool is lost with it)."""
+    ERROR there); `prepare()` -> a worker's run_one of a case's index, built in the worker;
+    `failed(case, error)` -> the Result of a case that did not finish because a worker died."""
     gs = groups(cases)
     if n_jobs <= 1 or len(gs) <= 1:
         results = []
@@ -86,19 +100,14 @@ def run(cases: list, run_one: Callable, n_jobs: int, bar, prepare: Callable, fai
         return results
     results: list = [None] * len(cases)
     bar.start(f"{min(n_jobs, len(gs))} workers")
-    with cf.ProcessPoolExecutor(min(n_jobs, len(gs)), mp_context=multiprocessing.get_context("spawn"),
-                                initializer=_start, initargs=(prepare,)) as pool:
-        pending = {pool.submit(_run_group, g): g for g in gs}
-        for future in cf.as_completed(pending):
-            try:
-                done = future.result()
-            except Exception as e:  # a worker died: every group not finished by then is an error
-                e = RuntimeError(f"a worker process died before this case finished ({type(e).__name__}); "
+    for group, done, error in spread(gs, prepare, min(n_jobs, len(gs))):
+        if error is not None:
+            error = RuntimeError(f"a worker process died before this case finished ({type(error).__name__}); "
                                  "--jobs 1 runs every case in one process and names the one that kills it")
-                done = [(i, failed(cases[i], e), 0.0) for i in pending[future]]
-            for i, result, seconds in done:
-                results[i] = result
-                bar.done(cases[i].id, result.shown_verdict, seconds)
+            done = [(failed(cases[i], error), 0.0) for i in group]
+        for i, (result, seconds) in zip(group, done):
+            results[i] = result
+            bar.done(cases[i].id, result.shown_verdict, seconds)
     return results
 
 

@@ -22,4 +22,4 @@ def run_one(c):
 
 
 def prepare():
-    return CASES, run_one
+    return lambda i: run_one(CASES[i])

@@ -72,9 +72,31 @@ def test_a_failure_is_written_as_a_case_folder_that_reproduces(live_oracle, tmp_
     assert report["counts"] == {"passed": 1} and report["failure"] is None
 
 
+@pytest.mark.oracle
+@pytest.mark.slow
+def test_draws_spread_over_workers_find_what_one_draw_finds(live_oracle, tmp_path, capsys):
+    """--jobs 2: the first of two draws is --seed's own (10 of the 20 examples), which finds the
+    planted bug in one process (OFF_THE_PATH), so the spread run finds and shrinks it too."""
+    live_oracle("dflash", "zlab-mlx")
+    argv = ["fuzz", "--module", "dflash", "--reference", "zlab-mlx", "--examples", "20", "--seed", "0", "--jobs", "2",
+            "--plant", "dflash:rope_theta_fixed", "--shrink-s", "60", "--out", str(tmp_path)]
+    assert cli.main(argv) == 1
+    assert "2 draws: seeds 0, 1" in capsys.readouterr().out
+    report = json.loads((tmp_path / "fuzz.json").read_text())
+    assert report["streams"] == [{"seed": 0, "examples": 10}, {"seed": 1, "examples": 10}]
+    assert report["failure"]["drafter"]["rope_theta"] == 10000.0
+
+
+def test_draws_share_the_examples_and_the_first_is_the_seeds_own():
+    assert fuzz.streams(7, 50, 1) == [(7, 50)]
+    assert fuzz.streams(7, 7, 3) == [(7, 3), (7000022, 2), (7000023, 2)]
+    assert fuzz.streams(0, 2, 8) == [(0, 1), (1, 1)]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--module", "nope"], "--module nope: no config space to fuzz; one of"),
     (["--module", "dflash", "--examples", "0"], "--examples 0: draw at least 1"),
+    (["--module", "dflash", "--jobs", "0"], "--jobs 0: at least 1 worker"),
     (["--module", "dflash", "--plant", "dflash:nope"], "--plant dflash:nope: no control 'nope'"),
     (["--module", "dflash", "--config", "/nonexistent/fuzz-config.json"], "--config /nonexistent/fuzz-config.json: "),
 ])
