@@ -28,6 +28,15 @@ def one_by_one(target, prompt, provider, sampler, seeds, eos=frozenset(), mode="
     return out
 
 
+def test_lockstep_requests_are_serve_generate_on_a_few_seeds():
+    target, providers, k = setup("agreeing")
+    for provider, mode in ((providers["assistant"], "match"), (providers["dspark"], "rejection")):
+        plain = one_by_one(target, k["prompt"], provider, k["sampler"], range(6), mode=mode)
+        assert seeded.generate(target, k["prompt"], MAX_TOKENS, provider, GAMMA, k["sampler"], list(range(6)),
+                               mode=mode) == plain
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("setup_name,top_k", [("agreeing", 0), ("random", 0), ("agreeing", 8)])
 def test_lockstep_requests_are_serve_generate_per_seed(setup_name, top_k):
     """"random" starts past the sliding window: the rotating caches are cut and rebuilt."""
@@ -42,6 +51,7 @@ def test_lockstep_requests_are_serve_generate_per_seed(setup_name, top_k):
     assert seeded.generate(target, k["prompt"], MAX_TOKENS, providers["assistant"], GAMMA, sampler, seeds, eos) == plain
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", ["accept_wrong_row", "target_no_temperature"])
 def test_lockstep_requests_follow_a_planted_sampling_bug(bug):
     """Both paths run port/sampling.py's rule, so a control planted there moves both alike."""
@@ -60,6 +70,7 @@ def _requests(target, k, provider, runs):
     return loop.seeded_requests(target, np.array([k["prompt"]]), MAX_TOKENS, provider, GAMMA, options)
 
 
+@pytest.mark.slow
 def test_a_lockstep_that_departs_from_the_loop_is_not_used(monkeypatch):
     """The negative control of the runner's cross-check: a lockstep whose drafter proposes token 0
     every time departs on the checked seeds (a different trace), and every seed runs one by one."""
@@ -79,6 +90,7 @@ def test_a_lockstep_that_departs_from_the_loop_is_not_used(monkeypatch):
     assert _requests(target, k, providers["assistant"], runs) == plain
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup_name,threshold", [("agreeing", 0.0), ("agreeing", 0.5), ("random", 0.5)])
 def test_lockstep_dspark_requests_are_serve_generate_per_seed(setup_name, threshold):
     """Rejection mode: each slot drawn from q through the Markov head, the confidence threshold
@@ -103,6 +115,7 @@ def test_what_the_lockstep_does_not_run_is_refused():
         seeded.generate(target, k["prompt"], MAX_TOKENS, providers["assistant"], GAMMA, sampling.Sampler(), [0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug", ["accept_wrong_row", "target_no_temperature"])
 def test_lockstep_requests_follow_a_planted_sampling_bug_in_rejection_mode(bug):
     target, providers, k = setup("agreeing")
