@@ -42,6 +42,27 @@ class Group:
     context: list[tuple]     # the drafter's own per-row state (its context K/V), batch first
 
 
+@dataclass
+class Fragment:
+    """Rows of one verify that continue into the same next group: a Group's fields, one piece."""
+
+    rows: list[int]
+    kv: list[tuple]
+    anchor: mx.array
+    pending: mx.array
+    context: list[tuple]
+
+
+def _joined(length: int, pieces: list[Fragment]) -> Group:
+    """The next round's group of committed length `length`: its fragments stacked, in order."""
+    def stack(pairs_of: list[list[tuple]]) -> list[tuple]:
+        return [tuple(mx.concatenate([f[c][i] for f in pairs_of]) for i in (0, 1)) for c in range(len(pairs_of[0]))]
+
+    return Group([r for f in pieces for r in f.rows], length, stack([f.kv for f in pieces]),
+                 mx.concatenate([f.anchor for f in pieces]), mx.concatenate([f.pending for f in pieces]),
+                 stack([f.context for f in pieces]) if pieces[0].context else [])
+
+
 def _live(c) -> tuple[mx.array, mx.array]:
     """A cache's K/V in time order, every row it holds."""
     if isinstance(c, RotatingKVCache):
@@ -187,78 +208,97 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     accepted, emitted)], every request in lockstep."""
     if sampler.greedy or gamma < 1:
         raise Unsupported("the lockstep path runs a sampler at T > 0 with gamma >= 1")
-    drafts = _drafts_for(provider, mode)
-    templates = targets.make_caches(target)
-    if any(type(c) not in (KVCache, RotatingKVCache) or getattr(c, "keep", 0) for c in templates):
-        raise Unsupported("the target's caches are not mlx-lm's KVCache / RotatingKVCache")
-    keys = RowKeys(seeds)
-    pre = targets.forward(target, mx.array([prompt]), caches=templates)
-    p0 = sampler.probs(pre.logits[0, -1:])       # serve's first draw: the sampler's, not the verify's
-    if float(p0.sum().item()) < 0.5:
-        raise sampling.SamplingError("the logits processors left no token the target may emit")
-    first = sampling.sample(mx.broadcast_to(p0, (len(seeds), p0.shape[-1])),
-                            keys.uniform(mx.arange(len(seeds)), (1,))[:, 0]).tolist()
-    committed, traces, left = [[t] for t in first], [[] for _ in seeds], [max_tokens - 1] * len(seeds)
-    live = [i for i, t in enumerate(first) if t not in eos and max_tokens > 1]
-    B, P = len(live), len(prompt)
-
-    def rep(kv):
-        return tuple(mx.repeat(a, B, axis=0) for a in kv)
-
-    groups = [Group(live, P, [rep(_kept(c, _live(c), P)) for c in templates], mx.repeat(pre.final[:, -1:, :], B, axis=0),
-                    mx.array([first[i] for i in live], mx.int32), [rep(kv) for kv in drafts.start(pre)])] if B else []
+    run = _Lockstep(target, _drafts_for(provider, mode), sampler, gamma, seeds, eos, max_tokens)
+    groups = run.prefill(prompt)
     while groups:
-        fragments: dict[int, list] = {}
+        fragments: dict[int, list[Fragment]] = {}
         for g in groups:
-            caches = [_cache(c, kv, g.length) for c, kv in zip(templates, g.kv)]
-            drafted, counts, q = drafts.draft(target, caches, g, keys, sampler, gamma)
-            mx.eval(drafted, counts, q)     # once: each proposal length's verify slices them
-            counts = counts.tolist()
-            for n in sorted(set(counts)):
-                js = [j for j, c in enumerate(counts) if c == n]
-                idx = mx.array(js)
-                _verify(target, templates, g, js, idx, n, drafted[idx, :n], None if q is None else q[idx, :n],
-                        keys, sampler, drafts, eos, gamma, committed, traces, left, fragments)
-        groups = [Group([r for f in fs for r in f[0]], length,
-                        [tuple(mx.concatenate([f[1][c][i] for f in fs]) for i in (0, 1)) for c in range(len(templates))],
-                        mx.concatenate([f[2] for f in fs]), mx.concatenate([f[3] for f in fs]),
-                        [tuple(mx.concatenate([f[4][c][i] for f in fs]) for i in (0, 1)) for c in range(len(fs[0][4]))])
-                  for length, fs in sorted(fragments.items())]
-    return [(c[:-1] if c[-1] in eos else c, tr) for c, tr in zip(committed, traces)]
+            run.round(g, fragments)
+        groups = [_joined(length, pieces) for length, pieces in sorted(fragments.items())]
+    return [(c[:-1] if c[-1] in eos else c, tr) for c, tr in zip(run.committed, run.traces)]
 
 
-def _verify(target, templates, g: Group, js: list[int], idx: mx.array, n: int, d: mx.array, q, keys, sampler,
-            drafts, eos, gamma, committed, traces, left, fragments) -> None:
-    """The rows js of group g, each with n drafts d: one verify, the rule, the bookkeeping, and the
-    fragments of the next round's groups (keyed by committed length)."""
-    rows = [g.rows[j] for j in js]
-    caches = [_cache(c, (k[idx], v[idx]), g.length) for c, (k, v) in zip(templates, g.kv)]
-    trace = targets.forward(target, mx.concatenate([g.pending[idx][:, None], d], axis=1), caches=caches)
-    p = sampling.verify_probs(sampler, trace.logits)
-    drawing = mx.array(rows)
-    if drafts.mode == "match":
-        k, nxt = sampling.accept_match(d, p, keys.uniform(drawing, (1, n + 1))[:, 0])
-    else:
-        ua = keys.uniform(drawing, (1, n))[:, 0]
-        k, nxt = sampling.accept_rejection(d, q, p, ua, keys.uniform(drawing, (1,))[:, 0])
-    after = [_live(c) for c in caches]
-    ks, nexts, dl = k.tolist(), nxt.tolist(), d.tolist()
-    by_k: dict[int, list[int]] = {}
-    for j, r in enumerate(rows):
-        new = dl[j][: ks[j]] + [nexts[j]]
-        stop = next((i for i, t in enumerate(new) if t in eos), n + 1)
-        kept = ks[j] + 1
-        emitted = min(left[r], stop + 1 if stop < kept else kept)
-        traces[r].append((n, ks[j], emitted))
-        committed[r] += new[:emitted]
-        left[r] -= emitted
-        if emitted == kept and nexts[j] not in eos and left[r] > 0:
-            by_k.setdefault(ks[j], []).append(j)
-    for a, sub in by_k.items():
-        at, length = mx.array(sub), g.length + 1 + a
-        kv = [_kept(c, (kk[at, :, : kk.shape[2] - n + a], vv[at, :, : vv.shape[2] - n + a]), length)
-              for c, (kk, vv) in zip(templates, after)]
-        context = drafts.commit([(ck[idx], cv[idx]) for ck, cv in g.context], trace, at, a, g.length)
-        piece = (kv, trace.final[at, a: a + 1, :], nxt[at], context)
-        mx.eval(piece)                      # once: the next round's groups each read some of them
-        fragments.setdefault(length, []).append(([rows[j] for j in sub], *piece))
+class _Lockstep:
+    """The requests' state (committed tokens, traces, what max_tokens leaves, key chains) and
+    what a round does to a group."""
+
+    def __init__(self, target, drafts, sampler, gamma: int, seeds: list[int], eos: set[int], max_tokens: int):
+        self.target, self.drafts, self.sampler, self.gamma, self.eos = target, drafts, sampler, gamma, eos
+        self.templates = targets.make_caches(target)
+        if any(type(c) not in (KVCache, RotatingKVCache) or getattr(c, "keep", 0) for c in self.templates):
+            raise Unsupported("the target's caches are not mlx-lm's KVCache / RotatingKVCache")
+        self.keys, self.max_tokens = RowKeys(seeds), max_tokens
+        self.committed: list[list[int]] = []
+        self.traces: list[list[tuple[int, int, int]]] = [[] for _ in seeds]
+        self.left = [max_tokens - 1] * len(seeds)
+
+    def prefill(self, prompt: list[int]) -> list[Group]:
+        """One prefill for every request and each one's first token: the first group."""
+        pre = targets.forward(self.target, mx.array([prompt]), caches=self.templates)
+        p0 = self.sampler.probs(pre.logits[0, -1:])     # serve's first draw: the sampler's, not the verify's
+        if float(p0.sum().item()) < 0.5:
+            raise sampling.SamplingError("the logits processors left no token the target may emit")
+        n = len(self.left)
+        first = sampling.sample(mx.broadcast_to(p0, (n, p0.shape[-1])),
+                                self.keys.uniform(mx.arange(n), (1,))[:, 0]).tolist()
+        self.committed = [[t] for t in first]
+        live = [i for i, t in enumerate(first) if t not in self.eos and self.max_tokens > 1]
+        if not live:
+            return []
+        B, P = len(live), len(prompt)
+
+        def rep(kv):
+            return tuple(mx.repeat(a, B, axis=0) for a in kv)
+
+        return [Group(live, P, [rep(_kept(c, _live(c), P)) for c in self.templates],
+                      mx.repeat(pre.final[:, -1:, :], B, axis=0), mx.array([first[i] for i in live], mx.int32),
+                      [rep(kv) for kv in self.drafts.start(pre)])]
+
+    def round(self, g: Group, fragments: dict[int, list[Fragment]]) -> None:
+        """Group g drafts, then each set of its rows with the same number of drafts verifies."""
+        caches = [_cache(c, kv, g.length) for c, kv in zip(self.templates, g.kv)]
+        drafted, counts, q = self.drafts.draft(self.target, caches, g, self.keys, self.sampler, self.gamma)
+        mx.eval(drafted, counts, q)     # once: each proposal length's verify slices them
+        counts = counts.tolist()
+        for n in sorted(set(counts)):
+            js = [j for j, c in enumerate(counts) if c == n]
+            idx = mx.array(js)
+            self.verify(g, js, idx, n, drafted[idx, :n], None if q is None else q[idx, :n], fragments)
+
+    def verify(self, g: Group, js: list[int], idx: mx.array, n: int, d: mx.array, q, fragments) -> None:
+        """The rows js of group g, each with n drafts d: one verify, the rule, the bookkeeping, and the
+        fragments of the next round's groups (keyed by committed length)."""
+        rows, keys = [g.rows[j] for j in js], self.keys
+        caches = [_cache(c, (k[idx], v[idx]), g.length) for c, (k, v) in zip(self.templates, g.kv)]
+        trace = targets.forward(self.target, mx.concatenate([g.pending[idx][:, None], d], axis=1), caches=caches)
+        p = sampling.verify_probs(self.sampler, trace.logits)
+        drawing = mx.array(rows)
+        if self.drafts.mode == "match":
+            k, nxt = sampling.accept_match(d, p, keys.uniform(drawing, (1, n + 1))[:, 0])
+        else:
+            ua = keys.uniform(drawing, (1, n))[:, 0]
+            k, nxt = sampling.accept_rejection(d, q, p, ua, keys.uniform(drawing, (1,))[:, 0])
+        after = [_live(c) for c in caches]
+        by_k: dict[int, list[int]] = {}
+        for j, (r, a, last, drafts) in enumerate(zip(rows, k.tolist(), nxt.tolist(), d.tolist())):
+            if self.settle(r, n, a, drafts[:a] + [last]):
+                by_k.setdefault(a, []).append(j)
+        for a, sub in by_k.items():
+            at, length = mx.array(sub), g.length + 1 + a
+            kv = [_kept(c, (kk[at, :, : kk.shape[2] - n + a], vv[at, :, : vv.shape[2] - n + a]), length)
+                  for c, (kk, vv) in zip(self.templates, after)]
+            context = self.drafts.commit([(ck[idx], cv[idx]) for ck, cv in g.context], trace, at, a, g.length)
+            piece = Fragment([rows[j] for j in sub], kv, trace.final[at, a: a + 1, :], nxt[at], context)
+            mx.eval(piece.kv, piece.anchor, piece.pending, piece.context)   # once: several next groups read them
+            fragments.setdefault(length, []).append(piece)
+
+    def settle(self, r: int, n: int, accepted: int, new: list[int]) -> bool:
+        """Request r's round of n drafts, `accepted` of them, its new tokens `new` (the accepted
+        drafts and the correction or bonus), as serve.generate counts it; whether it goes on."""
+        stop = next((i for i, t in enumerate(new) if t in self.eos), n + 1)
+        kept = accepted + 1
+        emitted = min(self.left[r], stop + 1 if stop < kept else kept)
+        self.traces[r].append((n, accepted, emitted))
+        self.committed[r] += new[:emitted]
+        self.left[r] -= emitted
+        return emitted == kept and new[-1] not in self.eos and self.left[r] > 0
