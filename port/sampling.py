@@ -170,13 +170,18 @@ def residual(p: mx.array, q: mx.array) -> mx.array:
     return mx.where(mass <= RESIDUAL_FLOOR, p, r / mx.maximum(mass, RESIDUAL_FLOOR))
 
 
-def verify_probs(sampler: Sampler, rows: mx.array) -> mx.array:
-    """The target's p at verify: its (processed) logits rows through the request's sampler; rows
-    the processors left with no token the target may emit are refused."""
-    p = sampler.probs(rows)
+def emittable(p: mx.array) -> mx.array:
+    """The target's probabilities p [..., V], refused where the processors left a row no token the
+    target may emit (Sampler.probs gives such a row zero mass)."""
     if float(p.sum(axis=-1).min().item()) < 0.5:
         raise SamplingError("the logits processors left no token the target may emit")
     return p
+
+
+def verify_probs(sampler: Sampler, rows: mx.array) -> mx.array:
+    """The target's p at verify: its (processed) logits rows through the request's sampler,
+    `emittable`."""
+    return emittable(sampler.probs(rows))
 
 
 def drafting_sampler(sampler: Sampler, mode: str, draft_sampler: Sampler | None = None) -> Sampler:

@@ -163,9 +163,7 @@ class _Sampled:
                          for i in range(logits.shape[0])])
 
     def first(self, logits, history: list[int]) -> int:
-        p = self.sampler.probs(self._rows(logits[None], history, []))
-        if float(p.sum().item()) < 0.5:
-            raise sampling.SamplingError("the logits processors left no token the target may emit")
+        p = sampling.emittable(self.sampler.probs(self._rows(logits[None], history, [])))
         return int(sampling.sample(p, self.keys.uniform((1,)))[0].item())
 
     def draft(self, source, pending: int, gamma: int, anchor, history: list[int]):

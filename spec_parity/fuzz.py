@@ -174,15 +174,13 @@ def run_stream(args, selection: ports.Selection, stream: tuple[int, int]) -> Run
 def fuzz_spread(args, prepare) -> Run:
     """`args.jobs` draws (`streams`), each fuzzed and shrunk in its own worker (`prepare()` -> a
     worker's run_stream); their outcomes in draw order, the failure the first draw's that found one."""
-    t0, parts = time.time(), {}
-    for (stream,), done, error in runner.spread([[s] for s in streams(args.seed, args.examples, args.jobs)], prepare,
-                                                args.jobs):
+    t0, parts, draws = time.time(), {}, streams(args.seed, args.examples, args.jobs)
+    for (stream,), done, error in runner.spread([[s] for s in draws], prepare, args.jobs):
         if error is not None:
             raise FuzzError(f"a fuzz worker died ({type(error).__name__}); --jobs 1 draws in this process")
         parts[stream] = done[0][0]
-    ordered = [parts[s] for s in streams(args.seed, args.examples, args.jobs)]
-    run = Run(args.module, args.seed, [o for r in ordered for o in r.outcomes],
-              streams=streams(args.seed, args.examples, args.jobs))
+    ordered = [parts[s] for s in draws]
+    run = Run(args.module, args.seed, [o for r in ordered for o in r.outcomes], streams=draws)
     run.failure = next((r.failure for r in ordered if r.failure), None)
     run.seconds = time.time() - t0
     return run

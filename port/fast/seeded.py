@@ -42,25 +42,14 @@ class Group:
     context: list[tuple]     # the drafter's own per-row state (its context K/V), batch first
 
 
-@dataclass
-class Fragment:
-    """Rows of one verify that continue into the same next group: a Group's fields, one piece."""
-
-    rows: list[int]
-    kv: list[tuple]
-    anchor: mx.array
-    pending: mx.array
-    context: list[tuple]
-
-
-def _joined(length: int, pieces: list[Fragment]) -> Group:
-    """The next round's group of committed length `length`: its fragments stacked, in order."""
+def _joined(pieces: list[Group]) -> Group:
+    """Groups of one committed length (the rows of several verifies that go on to it) as one."""
     def stack(pairs_of: list[list[tuple]]) -> list[tuple]:
         return [tuple(mx.concatenate([f[c][i] for f in pairs_of]) for i in (0, 1)) for c in range(len(pairs_of[0]))]
 
-    return Group([r for f in pieces for r in f.rows], length, stack([f.kv for f in pieces]),
+    return Group([r for f in pieces for r in f.rows], pieces[0].length, stack([f.kv for f in pieces]),
                  mx.concatenate([f.anchor for f in pieces]), mx.concatenate([f.pending for f in pieces]),
-                 stack([f.context for f in pieces]) if pieces[0].context else [])
+                 stack([f.context for f in pieces]))
 
 
 def _live(c) -> tuple[mx.array, mx.array]:
@@ -134,7 +123,7 @@ class AssistantDrafts:
         drafts = mx.vmap(one)(g.pending, g.anchor, donors).astype(mx.int32)
         return drafts, mx.full((drafts.shape[0],), gamma, mx.int32), None
 
-    def commit(self, context: list, trace: targets.Trace, idx: mx.array, accepted: int, length: int) -> list:
+    def commit(self, context: list, trace: targets.Trace, at: mx.array, accepted: int, length: int) -> list:
         return []
 
 
@@ -149,12 +138,13 @@ class DsparkDrafts:
         self.m, self.threshold = provider.drafter, provider.threshold
         self.taps = self.m.tap_layers()
 
-    def _context_kv(self, trace: targets.Trace, rows: slice, offset: int) -> list:
-        tapped = mx.concatenate([trace.hidden[layer + 1][:, rows] for layer in self.taps], axis=-1)
+    def _context_kv(self, trace: targets.Trace, batch, rows: slice, offset: int) -> list:
+        """The context K/V of the tapped rows `rows` of the requests `batch` of a target forward."""
+        tapped = mx.concatenate([trace.hidden[layer + 1][batch, rows] for layer in self.taps], axis=-1)
         return dspark.Model.context_kv(self.m, self.m.project(tapped), offset)
 
     def start(self, prefill: targets.Trace) -> list:
-        return self._context_kv(prefill, slice(None), 0)
+        return self._context_kv(prefill, slice(None), slice(None), 0)
 
     def draft(self, target, caches, g: Group, keys, sampler, gamma: int):
         """(drafts [b, bs], each row's count, q [b, bs, V])."""
@@ -182,10 +172,11 @@ class DsparkDrafts:
             n = mx.full((tokens.shape[0],), bs, mx.int32)
         return tokens, mx.minimum(n, gamma), q
 
-    def commit(self, context: list, trace: targets.Trace, idx: mx.array, accepted: int, length: int) -> list:
-        new = self._context_kv(trace, slice(0, accepted + 1), length)
-        return [(mx.concatenate([k[idx], nk[idx]], axis=2), mx.concatenate([v[idx], nv[idx]], axis=2))
-                for (k, v), (nk, nv) in zip(context, new)]
+    def commit(self, context: list, trace: targets.Trace, at: mx.array, accepted: int, length: int) -> list:
+        """The context of the verify's rows `at` (context: theirs so far), their pending token's
+        and accepted drafts' tapped rows appended at `length`, as DeepspecSource.commit queues them."""
+        new = self._context_kv(trace, at, slice(0, accepted + 1), length)
+        return [(mx.concatenate([k, nk], axis=2), mx.concatenate([v, nv], axis=2)) for (k, v), (nk, nv) in zip(context, new)]
 
 
 def _drafts_for(provider, mode: str):
@@ -211,10 +202,10 @@ def generate(target: targets.Target, prompt: list[int], max_tokens: int, provide
     run = _Lockstep(target, _drafts_for(provider, mode), sampler, gamma, seeds, eos, max_tokens)
     groups = run.prefill(prompt)
     while groups:
-        fragments: dict[int, list[Fragment]] = {}
+        fragments: dict[int, list[Group]] = {}
         for g in groups:
             run.round(g, fragments)
-        groups = [_joined(length, pieces) for length, pieces in sorted(fragments.items())]
+        groups = [_joined(pieces) for _, pieces in sorted(fragments.items())]
     return [(c[:-1] if c[-1] in eos else c, tr) for c, tr in zip(run.committed, run.traces)]
 
 
@@ -235,9 +226,7 @@ class _Lockstep:
     def prefill(self, prompt: list[int]) -> list[Group]:
         """One prefill for every request and each one's first token: the first group."""
         pre = targets.forward(self.target, mx.array([prompt]), caches=self.templates)
-        p0 = self.sampler.probs(pre.logits[0, -1:])     # serve's first draw: the sampler's, not the verify's
-        if float(p0.sum().item()) < 0.5:
-            raise sampling.SamplingError("the logits processors left no token the target may emit")
+        p0 = sampling.emittable(self.sampler.probs(pre.logits[0, -1:]))   # serve's first draw: not verify_probs
         n = len(self.left)
         first = sampling.sample(mx.broadcast_to(p0, (n, p0.shape[-1])),
                                 self.keys.uniform(mx.arange(n), (1,))[:, 0]).tolist()
@@ -254,7 +243,7 @@ class _Lockstep:
                       mx.repeat(pre.final[:, -1:, :], B, axis=0), mx.array([first[i] for i in live], mx.int32),
                       [rep(kv) for kv in self.drafts.start(pre)])]
 
-    def round(self, g: Group, fragments: dict[int, list[Fragment]]) -> None:
+    def round(self, g: Group, fragments: dict[int, list[Group]]) -> None:
         """Group g drafts, then each set of its rows with the same number of drafts verifies."""
         caches = [_cache(c, kv, g.length) for c, kv in zip(self.templates, g.kv)]
         drafted, counts, q = self.drafts.draft(self.target, caches, g, self.keys, self.sampler, self.gamma)
@@ -287,8 +276,10 @@ class _Lockstep:
             at, length = mx.array(sub), g.length + 1 + a
             kv = [_kept(c, (kk[at, :, : kk.shape[2] - n + a], vv[at, :, : vv.shape[2] - n + a]), length)
                   for c, (kk, vv) in zip(self.templates, after)]
-            context = self.drafts.commit([(ck[idx], cv[idx]) for ck, cv in g.context], trace, at, a, g.length)
-            piece = Fragment([rows[j] for j in sub], kv, trace.final[at, a: a + 1, :], nxt[at], context)
+            rows_of_g = idx[at]
+            context = self.drafts.commit([(ck[rows_of_g], cv[rows_of_g]) for ck, cv in g.context], trace, at, a,
+                                         g.length)
+            piece = Group([rows[j] for j in sub], length, kv, trace.final[at, a: a + 1, :], nxt[at], context)
             mx.eval(piece.kv, piece.anchor, piece.pending, piece.context)   # once: several next groups read them
             fragments.setdefault(length, []).append(piece)
 

@@ -3,6 +3,8 @@ arrays named as protocol */loop has them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 
@@ -79,7 +81,7 @@ def seeded_requests(target, prompt: np.ndarray, max_tokens: int, provider, gamma
     def plain(seed):
         tokens, stats = serve.generate(target, prompt[0].tolist(), max_tokens, provider,
                                        serve.ServeOptions(gamma=gamma, eos=set(), mode=mode,
-                                                          sampler=sampling.Sampler(options["temperature"], seed=seed)))
+                                                          sampler=replace(sampler, seed=seed)))
         return tokens, stats.trace
 
     checked = [plain(s) for s in seeds[:CROSS_CHECKED]]
