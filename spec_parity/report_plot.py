@@ -30,8 +30,11 @@ def layer_chart(panels: list[tuple[str, str, dict]], title: str = "") -> bytes:
 
     cols = 2 if len(panels) > 1 else 1
     rows = (len(panels) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(6.4 * cols, 3.3 * rows + 0.6),
-                             layout="constrained")
+    width, height = 6.4 * cols, 3.3 * rows + 0.6
+    fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(width, height))
+    # Fixed margins in inches (a constrained layout measured every label: 4 of a module's 10 s).
+    fig.subplots_adjust(left=0.7 / width, right=1 - 0.2 / width, top=1 - 0.95 / height, bottom=0.45 / height,
+                        hspace=0.95 / 2.35, wspace=0.9 / 5.5)
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
     for ax, (name, tier, lay) in zip(axes.flat, panels):
@@ -82,6 +85,9 @@ def _panel(ax, name: str, tier: str, lay: dict) -> None:
     if identical:
         ax.text(0.5, 0.3, "every layer identical (max|Δ| = 0)", transform=ax.transAxes, ha="center",
                 fontsize=9, color="#555555")
+    decades = np.arange(np.log10(FLOOR), np.log10(top * 1e6) + 1, 2)
+    ax.set_yticks(10.0 ** decades, [f"$10^{{{d:.0f}}}$" for d in decades])   # fixed: no locator per draw
+    ax.minorticks_off()
     ax.set_xticks(x)
     ax.set_xlabel("layer", fontsize=8)
     ax.set_ylabel("max |port − reference|", fontsize=8)
