@@ -208,6 +208,10 @@ def runs_live(case: Case) -> bool:
     return case.tier != "L3" or case.oracle == HEADS
 
 
+def affinity(case: Case) -> str:
+    return pair(case.module).affinity(case)
+
+
 def oracle_name(case: Case) -> str:
     return case.oracle or pair(case.module).ORACLE
 

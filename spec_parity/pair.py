@@ -41,6 +41,11 @@ class Pair:
     def quantities(self, case: Case, port: dict, ref: dict) -> dict[str, float]:
         raise NotImplementedError(f"{type(self).__name__} has no quantities()")
 
+    def affinity(self, case: Case) -> str:
+        """Cases of one affinity run in one process, where they share its results (spec_parity.shared):
+        a case and its negative controls read one reference run."""
+        return case.golden_name
+
     def kind(self, case: Case) -> str:
         """The protocol kind of the case's parameters."""
         return case.params.KIND

@@ -2,7 +2,8 @@
 what the run comes to (its closing lines and exit status).
 
 A case and its negative controls read one reference run (spec_parity/shared.py keys it by the
-manifest they share), so they go to one worker together; the groups go out largest first (the
+manifest they share), so they go to one worker together, as do the cases a pair says share a
+port run (Pair.affinity); the groups go out largest first (the
 sampled cases: a thousand requests a side), each worker taking the next group as it finishes
 one. Workers are spawned (a forked MLX or torch process may hang on its threads) and build their
 own selection from the command line, as the parent did. The results come back in the
@@ -46,12 +47,12 @@ def workers(n_jobs: int | str, real: bool) -> int:
     return n_jobs if n_jobs != AUTO else 1 if real else cores()
 
 
-def groups(cases: list) -> list[list[int]]:
-    """Indices of the cases that share a reference run (a case and its controls), the sampled
-    groups first, then in selection order."""
+def groups(cases: list, affinity: Callable) -> list[list[int]]:
+    """Indices of the cases of one `affinity(case)` (a case and its controls, which share a reference
+    run: Pair.affinity), the sampled groups first, then in selection order."""
     by: dict[tuple, list[int]] = {}
     for i, c in enumerate(cases):
-        by.setdefault((c.module, c.control["base"] if c.control else c.name), []).append(i)
+        by.setdefault((c.module, affinity(c)), []).append(i)
     return sorted(by.values(), key=lambda g: (cases[g[0]].params.KIND != "sampled", g[0]))
 
 
@@ -86,11 +87,13 @@ def spread(item_groups: list[list], prepare: Callable, n_jobs: int):
                 yield pending[future], None, e
 
 
-def run(cases: list, run_one: Callable, n_jobs: int, bar, prepare: Callable, failed: Callable) -> list:
+def run(cases: list, run_one: Callable, n_jobs: int, bar, prepare: Callable, failed: Callable,
+        affinity: Callable) -> list:
     """Each case's result, in order. `run_one(case)` -> Result (a case that raises is its own
     ERROR there); `prepare()` -> a worker's run_one of a case's index, built in the worker;
-    `failed(case, error)` -> the Result of a case that did not finish because a worker died."""
-    gs = groups(cases)
+    `failed(case, error)` -> the Result of a case that did not finish because a worker died;
+    `affinity(case)`: the cases that go to one worker together (`groups`)."""
+    gs = groups(cases, affinity)
     if n_jobs <= 1 or len(gs) <= 1:
         results = []
         for case in cases:

@@ -15,6 +15,10 @@ def case(name: str, base: str | None = None, kind: str = "loop"):
 CASES = [case("a"), case("a-control", "a"), case("b", kind="sampled"), case("c"), case("dies")]
 
 
+def affinity(c) -> str:
+    return c.control["base"] if c.control else c.name
+
+
 def run_one(c):
     if c.name == "dies":
         os._exit(3)

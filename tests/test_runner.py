@@ -23,7 +23,7 @@ class Bar:
 
 def test_a_case_and_its_controls_are_one_group_and_the_sampled_go_first():
     cases = harness.all_cases(["assistant", "dspark"])
-    gs = runner.groups(cases)
+    gs = runner.groups(cases, harness.affinity)
     assert sorted(i for g in gs for i in g) == list(range(len(cases)))
     where = {i: n for n, g in enumerate(gs) for i in g}
     names = {(c.module, c.name): i for i, c in enumerate(cases)}
@@ -34,12 +34,24 @@ def test_a_case_and_its_controls_are_one_group_and_the_sampled_go_first():
     assert kinds[:2] == ["sampled", "sampled"] and "sampled" not in kinds[2:]
 
 
+def test_a_dflash_torch_twin_goes_with_its_mlx_case():
+    """The z-lab MLX and torch twins of a Qwen3 loop share one port run in a process
+    (drafters/dflash/adapter.py run_loop): one group, so one worker runs it once."""
+    cases = harness.all_cases(["dflash"])
+    where = {c.name: n for n, g in enumerate(runner.groups(cases, harness.affinity)) for i in g for c in [cases[i]]}
+    twins = [c.name for c in cases if c.name.endswith("-torch")]
+    assert "loop-agree-qwen3-bs16-torch" in twins
+    for name in twins:
+        assert where[name] == where[name.removesuffix("-torch")], name
+    assert where["loop-qwen3"] != where["loop-gemma4"]
+
+
 def test_a_worker_that_dies_is_an_error_not_a_lost_case():
     bar = Bar()
     failed = {}
     results = runner.run(runner_workers.CASES, runner_workers.run_one, 2, bar, runner_workers.prepare,
                          lambda case, e: failed.setdefault(case.name, str(e)) and
-                         SimpleNamespace(shown_verdict="ERROR", name=case.name))
+                         SimpleNamespace(shown_verdict="ERROR", name=case.name), runner_workers.affinity)
     assert [r.name for r in results] == [c.name for c in runner_workers.CASES]
     assert "dies" in failed and "--jobs 1" in failed["dies"]
     ran = {r.name: r.pid for r in results if getattr(r, "pid", None)}

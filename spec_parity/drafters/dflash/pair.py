@@ -252,6 +252,11 @@ class DFlash(Pair):
         arrays = oracle.loop(t, d, p, o.max_tokens, o.eos) if loop else oracle.modules(t, d, p, o.accepts)
         return arrays, {"reference": {"name": "z-lab dflash.model_mlx", "versions": oracle.versions()}}
 
+    def affinity(self, case: Case) -> str:
+        """A z-lab torch case with its z-lab MLX twin: on a Qwen3 target the two loops share one port
+        run (adapter.run_loop), on any target one loaded target and greedy stream."""
+        return super().affinity(case).removesuffix("-torch")
+
     def conventions(self, case: Case) -> dict:
         """Where the drafter's scales are read (port/dflash.py SCALES): as z-lab MLX, or as z-lab torch."""
         return {"scales": "nested" if case.oracle == ORACLE else "either"}
