@@ -173,7 +173,8 @@ def cmd_run(args) -> int:
     with report.Progress(len(cases)) as bar:
         results = runner.run(cases, functools.partial(_run_one, args, selection),
                              runner.workers(args.jobs, bool(args.target)), bar,
-                             functools.partial(_worker, args), functools.partial(_failed, args, selection), harness.affinity)
+                             functools.partial(_worker, args), functools.partial(_failed, args, selection),
+                             harness.affinity)
     rows = [(r, c.expect) for r, c in zip(results, cases)]
     header = f"{_header()}; ports: {selection.describe()}; {len(cases)} cases in {time.time() - t0:.1f} s"
     print(report.table(rows))

@@ -30,11 +30,13 @@ def layer_chart(panels: list[tuple[str, str, dict]], title: str = "") -> bytes:
 
     cols = 2 if len(panels) > 1 else 1
     rows = (len(panels) + cols - 1) // cols
-    width, height = 6.4 * cols, 3.3 * rows + 0.6
+    panel_w, panel_h, gap_w, gap_h = 6.4, 3.3, 0.9, 0.95    # inches; a gap holds titles and labels
+    width, height = panel_w * cols, panel_h * rows + 0.6
     fig, axes = plt.subplots(rows, cols, squeeze=False, figsize=(width, height))
-    # Fixed margins in inches (a constrained layout measured every label: 4 of a module's 10 s).
-    fig.subplots_adjust(left=0.7 / width, right=1 - 0.2 / width, top=1 - 0.95 / height, bottom=0.45 / height,
-                        hspace=0.95 / 2.35, wspace=0.9 / 5.5)
+    # Fixed margins (a constrained layout measured every label: 4 of a module's 10 s); subplots_adjust
+    # takes the gaps as fractions of an axis's own width and height.
+    fig.subplots_adjust(left=0.7 / width, right=1 - 0.2 / width, top=1 - gap_h / height, bottom=0.45 / height,
+                        hspace=gap_h / (panel_h - gap_h), wspace=gap_w / (panel_w - gap_w))
     for ax in axes.flat[len(panels):]:
         ax.axis("off")
     for ax, (name, tier, lay) in zip(axes.flat, panels):

@@ -3,9 +3,8 @@ what the run comes to (its closing lines and exit status).
 
 A case and its negative controls read one reference run (spec_parity/shared.py keys it by the
 manifest they share), so they go to one worker together, as do the cases a pair says share a
-port run (Pair.affinity); the groups go out largest first (the
-sampled cases: a thousand requests a side), each worker taking the next group as it finishes
-one. Workers are spawned (a forked MLX or torch process may hang on its threads) and build their
+port run (Pair.affinity); the groups go out largest first (the sampled cases: a thousand
+requests a side), each worker taking the next group as it finishes one. Workers are spawned (a forked MLX or torch process may hang on its threads) and build their
 own selection from the command line, as the parent did. The results come back in the
 selection's order, whatever order they finished in.
 """
