@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .layers import as_numpy, mlx_recorded
+from .layers import as_numpy, mlx_recorded, to_numpy
 
 INSTALL = "pip install --no-deps dflash==0.1.0   (it imports huggingface_hub: pip install huggingface_hub)"
 
@@ -72,16 +72,16 @@ def draft_block(draft, block, hidden, cache) -> tuple:
     return h, draft.compute_logits(h)
 
 
-def _load(target_dir: Path, drafter_dir: Path):
-    """The mlx-lm target and z-lab's drafter at float32, the dtype the DFlash cases run at (a
-    checkpoint stored in bf16 or fp16 is cast exactly, as transformers' dtype=float32 loads it)."""
+def _load(target_dir: Path, drafter_dir: Path, dtype: str = "float32"):
+    """The mlx-lm target and z-lab's drafter cast to the case's dtype, whatever dtype the
+    checkpoints are stored in (as transformers' `dtype=` loads them on the torch side)."""
     import mlx.core as mx
     from mlx_lm.utils import load_model
 
     target, _ = load_model(Path(target_dir))
     draft = load_draft(drafter_dir)
-    target.set_dtype(mx.float32)
-    draft.set_dtype(mx.float32)
+    target.set_dtype(getattr(mx, dtype))
+    draft.set_dtype(getattr(mx, dtype))
     return target, draft
 
 
@@ -119,11 +119,8 @@ def stream(target, draft, prompt: list[int], max_tokens: int, eos: set[int]):
                              temperature=0.0)
 
 
-def _np(a) -> np.ndarray:
-    return np.array(a)
-
-
-def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accepts: list[int]) -> dict:
+def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accepts: list[int],
+            dtype: str = "float32") -> dict:
     """Draft rounds on z-lab's own pieces: `_prefill_target` (taps through its layer hooks), then per
     round the block [anchor, MASK x (bs-1)] through `hidden_states` + `compute_logits` with the
     draft cache, a verify of [anchor, drafts] through the hooked target, the target cache trimmed
@@ -134,7 +131,7 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accepts: li
     from dflash import model_mlx as z
     from mlx_lm.models.cache import make_prompt_cache
 
-    model, draft = _load(target_dir, drafter_dir)
+    model, draft = _load(target_dir, drafter_dir, dtype)
     cfg = draft.config
     z._patch_model(model, cfg.target_layer_ids)
     cache, dcache = make_prompt_cache(model), bind(draft, model)
@@ -164,7 +161,7 @@ def modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accepts: li
     for i, c in enumerate(dcache):
         out[f"ctx_k.{i}"], out[f"ctx_v.{i}"] = c.keys[0, :, : _stored(c)], c.values[0, :, : _stored(c)]
     out["anchors"] = mx.array(anchors, dtype=mx.int32)
-    return {**{k: _np(v) for k, v in out.items()}, **as_numpy(layers)}
+    return {**{k: to_numpy(v) for k, v in out.items()}, **as_numpy(layers)}
 
 
 def ring_positions(start: int, sizes: list[int], window: int) -> tuple[int, ...]:
@@ -191,14 +188,15 @@ def _stored(c) -> int:
     return c.keys.shape[2] if isinstance(c, RotatingKVCache) else c.offset
 
 
-def loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_tokens: int, eos: list[int]) -> dict:
+def loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_tokens: int, eos: list[int],
+         dtype: str = "float32") -> dict:
     """z-lab's own T=0 loop, `stream_generate`. Recorded per round: the drafter's logits (its
     `__call__`, rows 1..bs-1), its greedy block, the target's verify argmax, and the tokens each
     response emits; accepted = the longest prefix where the block equals the verify's argmax
     (z-lab's own rule)."""
     import mlx.core as mx
 
-    model, draft = _load(target_dir, drafter_dir)
+    model, draft = _load(target_dir, drafter_dir, dtype)
     drafts, verifies = [], []
 
     class RecordingDraft(type(draft)):
@@ -233,7 +231,7 @@ def loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_tokens: in
             "stream.drafted": np.array(drafted, np.int32), "stream.accepted": np.array(accepted, np.int32),
             "stream.emitted": np.array([len(e) for e in rounds], np.int32),
             "stream.proposals": np.array(proposals, np.int32),
-            "stream.draft_logits": np.array(mx.concatenate(logits, axis=0)) if logits else np.zeros((0, V), np.float32)}
+            "stream.draft_logits": to_numpy(mx.concatenate(logits, axis=0)) if logits else np.zeros((0, V), np.float32)}
 
 
 # ---- z-lab torch (`dflash.model`), in its own environment ---------------------------------------
@@ -319,9 +317,10 @@ def torch_versions() -> dict[str, str]:
     return dict(_VERSIONS)
 
 
-def torch_modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accepts: list[int]) -> dict:
+def torch_modules(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, accepts: list[int],
+                  dtype: str = "float32") -> dict:
     return _run_torch({"mode": "modules", "target": str(target_dir), "drafter": str(drafter_dir),
-                       "prompt": [int(t) for t in prompt[0]], "accepts": list(accepts)})
+                       "prompt": [int(t) for t in prompt[0]], "accepts": list(accepts), "dtype": dtype})
 
 
 def torch_save(drafter_dir: Path, out_dir: Path) -> Path:
@@ -330,6 +329,7 @@ def torch_save(drafter_dir: Path, out_dir: Path) -> Path:
     return Path(out_dir)
 
 
-def torch_loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_tokens: int) -> dict:
+def torch_loop(target_dir: Path, drafter_dir: Path, prompt: np.ndarray, max_tokens: int,
+               dtype: str = "float32") -> dict:
     return _run_torch({"mode": "loop", "target": str(target_dir), "drafter": str(drafter_dir),
-                       "prompt": [int(t) for t in prompt[0]], "max_tokens": int(max_tokens)})
+                       "prompt": [int(t) for t in prompt[0]], "max_tokens": int(max_tokens), "dtype": dtype})

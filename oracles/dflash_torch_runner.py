@@ -8,7 +8,11 @@ script with that environment's python:
     python dflash_torch_runner.py request.json out.npz
 
 request: {"mode": "modules" | "loop" | "save", "target": dir, "drafter": dir, "prompt": [ids],
-          "accepts": [a per round] (modules), "max_tokens": n (loop), "out": dir (save)}
+          "accepts": [a per round] (modules), "max_tokens": n (loop), "out": dir (save),
+          "dtype": "float32" (default) | "bfloat16" | "float16" (modules, loop)}
+
+Floating arrays come back as float32 (`.float()`: every half type, exactly), as the MLX side
+returns them.
 
 It imports only numpy, torch, transformers and z-lab's `dflash.model`, and calls z-lab's own
 functions: `DFlashDraftModel.from_pretrained`, `extract_context_feature`, `_make_cache`,
@@ -35,7 +39,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 import numpy as np  # noqa: E402
 
 
-def _load(target_dir: str, drafter_dir: str):
+def _load(target_dir: str, drafter_dir: str, dtype: str = "float32"):
+    """The target and z-lab's drafter cast to `dtype` on load, whatever dtype they are stored in."""
     import torch
     from dflash.model import DFlashDraftModel
     from transformers import AutoModelForCausalLM
@@ -43,9 +48,9 @@ def _load(target_dir: str, drafter_dir: str):
 
     logging.disable_progress_bar()
     logging.set_verbosity_error()
-    target = AutoModelForCausalLM.from_pretrained(Path(target_dir), dtype=torch.float32,
-                                                  attn_implementation="eager").eval()
-    draft = DFlashDraftModel.from_pretrained(Path(drafter_dir), dtype=torch.float32).eval()
+    dt = getattr(torch, dtype)
+    target = AutoModelForCausalLM.from_pretrained(Path(target_dir), dtype=dt, attn_implementation="eager").eval()
+    draft = DFlashDraftModel.from_pretrained(Path(drafter_dir), dtype=dt).eval()
     return target, draft
 
 
@@ -107,7 +112,7 @@ def modules(req: dict) -> dict:
     import torch
     from dflash import model as z
 
-    target, m = _load(req["target"], req["drafter"])
+    target, m = _load(req["target"], req["drafter"], req.get("dtype", "float32"))
     ids = torch.tensor([req["prompt"]], dtype=torch.long)
     P, bs = ids.shape[1], int(m.block_size)
     ies = embedding_scale(m)
@@ -153,7 +158,7 @@ def loop(req: dict) -> dict:
     import torch
     from dflash import model as z
 
-    target, m = _load(req["target"], req["drafter"])
+    target, m = _load(req["target"], req["drafter"], req.get("dtype", "float32"))
     drafts, verifies = [], []
     compute_logits, forward = m.compute_logits, target.forward
 

@@ -67,18 +67,20 @@ def torch_recorded(layers, out: dict):
             h.remove()
 
 
-def as_numpy(recorded: dict) -> dict:
-    """Recorded layer outputs as float32 numpy [n, H] (batch dropped; bf16 through fp32, which
-    holds it exactly)."""
+def to_numpy(a):
+    """An MLX or torch array as numpy, every half type (bfloat16 and float16) through float32,
+    which holds it exactly: the protocol's arrays are float32 whatever the case's dtype (numpy has
+    no bfloat16, and a float16 left as it is would be compared in float16)."""
     import numpy as np
 
-    out = {}
-    for k, y in recorded.items():
-        if hasattr(y, "detach"):
-            a = y.float().numpy()
-        else:
-            import mlx.core as mx
+    if hasattr(a, "detach"):
+        a = a.detach()
+        return a.float().numpy() if a.is_floating_point() else a.numpy()
+    import mlx.core as mx
 
-            a = np.array(y.astype(mx.float32))
-        out[k] = a[0]
-    return out
+    return np.array(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
+
+
+def as_numpy(recorded: dict) -> dict:
+    """Recorded layer outputs as float32 numpy [n, H] (batch dropped; `to_numpy`)."""
+    return {k: to_numpy(y)[0] for k, y in recorded.items()}

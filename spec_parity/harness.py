@@ -153,11 +153,13 @@ def port_run(case: Case, ref: dict, port: ports.Port | None = None) -> dict:
 def sides(case: Case, port: dict, ref: dict, plan: checks.Plan) -> dict:
     """The three sides a plan reads: the port's arrays, the reference's, and the target's plain
     greedy stream (computed here, by our target port, which the targets pair holds to transformers)."""
+    from spec_parity.oracles.layers import to_numpy
+
     greedy = {}
     if plan.greedy is not None:
         n, eos = plan.greedy
         tokens, logits = shared.greedy(case.checkpoint_dir(), prompt(case), n, eos, case.dtype)
-        greedy = {"greedy.tokens": np.array(tokens, np.int32), "greedy.logits": np.array(logits)}
+        greedy = {"greedy.tokens": np.array(tokens, np.int32), "greedy.logits": to_numpy(logits)}
     return {"port": port, "ref": ref, "greedy": greedy}
 
 

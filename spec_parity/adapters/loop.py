@@ -7,6 +7,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from spec_parity.oracles.layers import to_numpy
+
 
 def _recording(provider, blocks: list):
     """`provider`, observed: (block, tokens proposed) of each draft call that made a block, where
@@ -28,12 +30,12 @@ def _blocks(blocks: list, V: int) -> dict:
     import mlx.core as mx
 
     proposed = [b for b, n in blocks if n]
-    out = {"stream.draft_logits": np.array(mx.concatenate([b.logits for b in proposed], axis=0)) if proposed
+    out = {"stream.draft_logits": to_numpy(mx.concatenate([b.logits for b in proposed], axis=0)) if proposed
            else np.zeros((0, V), np.float32)}
     if blocks and blocks[0][0].confidence is not None:
-        out["ext.base_logits"] = np.array(mx.concatenate([b.base_logits for b, _ in blocks], axis=0))
-        out["ext.logits"] = np.array(mx.concatenate([b.logits for b, _ in blocks], axis=0))
-        out["ext.confidence"] = np.array(mx.concatenate([b.confidence for b, _ in blocks]))
+        out["ext.base_logits"] = to_numpy(mx.concatenate([b.base_logits for b, _ in blocks], axis=0))
+        out["ext.logits"] = to_numpy(mx.concatenate([b.logits for b, _ in blocks], axis=0))
+        out["ext.confidence"] = to_numpy(mx.concatenate([b.confidence for b, _ in blocks]))
         out["ext.block_len"] = np.array([b.confidence.shape[0] for b, _ in blocks], np.int32)
         out["ext.proposed"] = np.array([n for _, n in blocks], np.int32)
     return out
@@ -55,7 +57,7 @@ def run(target, prompt: np.ndarray, max_tokens: int, provider, gamma: int, eos: 
            "stream.accepted": np.array([k for _, k, _ in stats.trace], np.int32),
            "stream.emitted": np.array([e for _, _, e in stats.trace], np.int32),
            "stream.proposals": np.array([t for q in stats.proposals for t in q], np.int32),
-           "stream.logits": np.array(mx.stack(stats.logits)), "tau": np.array([stats.tau])}
+           "stream.logits": to_numpy(mx.stack(stats.logits)), "tau": np.array([stats.tau])}
     if blocks or not stats.drafted:
         out.update(_blocks(blocks, target.config["vocab_size"]))
     return out

@@ -7,7 +7,7 @@ import functools
 
 import numpy as np
 
-from spec_parity.oracles.layers import as_numpy, mlx_recorded
+from spec_parity.oracles.layers import as_numpy, mlx_recorded, to_numpy
 
 from ... import controls, shared
 from ...adapters import loop
@@ -55,9 +55,9 @@ def fed_heads(extension, inputs: dict) -> dict:
                                                               "heads.tokens"))):
         r, _, c = extension(mx.array(h), mx.array(base), mx.array([int(anchor)], mx.uint32),
                             functools.partial(_fed, iter(tokens.tolist())))
-        rows.append(np.array(r))
+        rows.append(to_numpy(r))
         if c is not None:
-            conf.append(np.array(c))
+            conf.append(to_numpy(c))
     return {"heads.logits": np.stack(rows), **({"heads.confidence": np.stack(conf)} if conf else {})}
 
 
@@ -100,7 +100,7 @@ def run_modules(req: Request) -> dict:
     if feed:
         own_src, _, _, first = _prefilled(req, target, m)
         if "taps.0" in req.inputs:   # the context from the reference's taps, as many rows as ours
-            own_src.pending = mx.array(req.inputs["taps.0"])[-own_src.pending.shape[1]:][None]
+            own_src.pending = mx.array(req.inputs["taps.0"]).astype(dt)[-own_src.pending.shape[1]:][None]
         with mlx_recorded(m.layers, recorded, "own", feed):
             own_src.draft([first], bs - 1, None)
     for i, c in enumerate(src.caches):
@@ -114,7 +114,7 @@ def run_modules(req: Request) -> dict:
             pos = np.arange(c.offset - n, c.offset)
         out[f"ctx_k.{i}"], out[f"ctx_v.{i}"], out[f"ctx_pos.{i}"] = k[0], v[0], mx.array(pos, dtype=mx.int32)
     out["anchors"] = mx.array(anchors, dtype=mx.int32)
-    return {**{k: np.array(v) for k, v in out.items()}, **as_numpy(recorded)}
+    return {**{k: to_numpy(v) for k, v in out.items()}, **as_numpy(recorded)}
 
 
 def _ring_positions(c) -> np.ndarray:

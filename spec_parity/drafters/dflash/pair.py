@@ -242,14 +242,15 @@ class DFlash(Pair):
     def run_oracle(self, case: Case):
         from spec_parity.oracles import dflash as oracle
 
-        t, d, p, o = case.checkpoint_dir(), case.drafter_dir(), case.prompt(*PROMPT), case.params
+        t, d, p, o, dt = case.checkpoint_dir(), case.drafter_dir(), case.prompt(*PROMPT), case.params, case.dtype
         if isinstance(o, DflashExtension):
             return _heads_reference(case)
         loop = isinstance(o, DflashLoop)
         if case.oracle == TORCH:
-            arrays = oracle.torch_loop(t, d, p, o.max_tokens) if loop else oracle.torch_modules(t, d, p, o.accepts)
+            arrays = (oracle.torch_loop(t, d, p, o.max_tokens, dt) if loop
+                      else oracle.torch_modules(t, d, p, o.accepts, dt))
             return arrays, {"reference": {"name": "z-lab dflash.model (torch)", "versions": oracle.torch_versions()}}
-        arrays = oracle.loop(t, d, p, o.max_tokens, o.eos) if loop else oracle.modules(t, d, p, o.accepts)
+        arrays = oracle.loop(t, d, p, o.max_tokens, o.eos, dt) if loop else oracle.modules(t, d, p, o.accepts, dt)
         return arrays, {"reference": {"name": "z-lab dflash.model_mlx", "versions": oracle.versions()}}
 
     def affinity(self, case: Case) -> str:
