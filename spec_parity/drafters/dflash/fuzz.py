@@ -14,7 +14,7 @@ from .pair import GEMMA4, ORACLE, TORCH
 
 
 # DFlash: z-lab's drafter on a Qwen3 or Gemma-4 target, its module rounds or its loop, against
-# z-lab's MLX model (L1) or its torch model (L2).
+# z-lab's MLX model (L1) or its torch model (L2), both sides at the drawn dtype.
 @st.composite
 def dflash_configs(draw, module: str, refs: tuple[str, ...]) -> Config:
     ref = draw(st.sampled_from(refs))
@@ -41,17 +41,24 @@ def dflash_configs(draw, module: str, refs: tuple[str, ...]) -> Config:
         target_kind = ov["target_kind"] = "gemma4-target"
         target = GEMMA4_VARIANTS[draw(first("gemma4", "gemma4-keqv", "gemma4-ple-kvshared"))]
         ov["target_overrides"] = target
-    return Config(module, base, target_kind, target, ov, draw(st.sampled_from(SEEDS)))
+    seed = draw(st.sampled_from(SEEDS))
+    dtype = draw(first("float32", "bfloat16", "float16"))
+    if dtype != "float32":      # left out at the default: fuzz-config.json files without one stay valid
+        ov["dtype"] = dtype
+    return Config(module, base, target_kind, target, ov, seed)
 
 
 def dflash_case(base: Case, config: Config) -> Case:
-    """The base case on the drawn drafter; against z-lab MLX a sliding drafter runs in its window
-    convention (as the built-in cases do: pairs/dflash.py)."""
-    params = replace(base.params, drafter=("dflash-drafter", config.seed, config.drafter))
+    """The base case on the drawn drafter at the drawn dtype (not a checkpoint override: the
+    checkpoints are built as stored, each side casts them); against z-lab MLX a sliding drafter
+    runs in its window convention (as the built-in cases do: pairs/dflash.py)."""
+    drafter = {k: v for k, v in config.drafter.items() if k != "dtype"}
+    params = replace(base.params, drafter=("dflash-drafter", config.seed, drafter))
     if base.oracle == ORACLE:
         params = replace(params, window="zlab-mlx" if "sliding_attention" in (config.drafter.get("layer_types") or [])
                          else "positional")
-    return replace(base, kind=config.target_kind, overrides=config.target, params=params)
+    return replace(base, kind=config.target_kind, overrides=config.target, params=params,
+                   dtype=config.drafter.get("dtype", "float32"))
 
 
 
