@@ -130,6 +130,16 @@ def test_shrinking_ends_at_the_built_in_values():
     assert fuzz.case(simplest).params.drafter[2]["target_layer_ids"] == [1, 2, 3]
 
 
+def test_dflash_draws_half_precision_against_z_lab_mlx_alone():
+    """Both references run at the drawn dtype; half precision is drawn against z-lab MLX only,
+    where the target is the same framework's (docs/fuzz.md), and reaches the case's dtype."""
+    drawn = fuzz.draw("dflash", 60, 0, ("zlab-mlx", "zlab-torch"))
+    dtypes = {ref: {fuzz.case(c).dtype for c in drawn if c.base.endswith("-torch") == (ref == "zlab-torch")}
+              for ref in ("zlab-mlx", "zlab-torch")}
+    assert dtypes == {"zlab-mlx": {"float32", "bfloat16", "float16"}, "zlab-torch": {"float32"}}, dtypes
+    assert all(fuzz.case(c).dtype == c.drafter.get("dtype", "float32") for c in drawn)
+
+
 def test_dsparks_simplest_draw_builds_its_built_in_module_case():
     """DSpark draws the target the drafter copies: its simplest draw is mod-gemma4's very target and
     drafter, byte for byte."""
