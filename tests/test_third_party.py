@@ -105,6 +105,23 @@ def test_a_fed_layer_that_returns_a_tuple_keeps_its_tuple():
     assert np.array_equal(np.array(out["own.1"][0]), fed * 2)      # layer 1 ran on the fed h
 
 
+def test_every_half_type_reaches_numpy_as_float32_exactly():
+    """numpy has no bfloat16 and a float16 left as it is would be compared in float16: both half
+    types come back float32, holding every value (the protocol's arrays are float32 at any dtype)."""
+    import mlx.core as mx
+    import torch
+
+    from spec_parity.oracles.layers import to_numpy
+
+    values = [1.0, -2.5, 3.140625, 65504.0, 2.0 ** -14]
+    for mdt, tdt in ((mx.bfloat16, torch.bfloat16), (mx.float16, torch.float16)):
+        expect = np.array(mx.array(values).astype(mdt).astype(mx.float32))
+        for a in (mx.array(values).astype(mdt), torch.tensor(values).to(tdt)):
+            got = to_numpy(a)
+            assert got.dtype == np.float32 and np.array_equal(got, expect), (a.dtype, got)
+    assert to_numpy(mx.array([1, 2])).dtype.kind == "i" and to_numpy(torch.tensor([1, 2])).dtype.kind == "i"
+
+
 def test_an_adapter_whose_package_is_absent_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     """An adapter's factory imports its package: absent, `run --port` names the port and the fix
     in one line and exits 2, before any case runs (it once ended in a traceback)."""
