@@ -93,6 +93,20 @@ def test_bf16_keeps_tau(tmp_path):
     assert (1 - TOLERANCE) * 4 <= got <= 4, got
 
 
+MLX_PEERS = {"zlab-mlx": "dflash", "dflash-mlx": "dflash_mlx"}     # side: the package it imports
+
+
+@pytest.mark.parametrize("side", [s for s, package in MLX_PEERS.items() if importlib.util.find_spec(package)])
+def test_every_mlx_peer_runs_at_the_runs_dtype(tmp_path, side):
+    """A peer left in float32 beside bf16 sides would be timed on twice the bytes."""
+    from mlx.utils import tree_flatten
+
+    ckpt = agreeing_real.build(agreeing_real.cases([4], "tiny", 64, "bfloat16")[0], tmp_path)
+    loop = loop_sides.SIDES[side].build(ckpt, ENV)
+    dtypes = {str(v.dtype) for m in loop.keep for _, v in tree_flatten(m.parameters())}
+    assert dtypes == {"mlx.core.bfloat16"}, dtypes
+
+
 def test_slot_weights_reach_the_lp():
     """The numpy solver comes within 0.02 of the factory's LP optimum (scipy), at both widths."""
     pytest.importorskip("scipy")

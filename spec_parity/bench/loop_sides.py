@@ -155,12 +155,12 @@ def optiq_side(ckpt: Checkpoints, env) -> Loop:
 
 
 def zlab_mlx_side(ckpt: Checkpoints, env) -> Loop:
-    """z-lab's `stream_generate` at T=0: one response per round (spec_parity.oracles.dflash builds the models
-    and the id-only tokenizer)."""
+    """z-lab's `stream_generate` at T=0: one response per round (spec_parity.oracles.dflash builds the models,
+    at the run's dtype as every side, and the id-only tokenizer)."""
     from spec_parity.oracles import dflash
 
     with serve_weights(ckpt):
-        model, draft = dflash._load(ckpt.target_dir, ckpt.drafter_dir)
+        model, draft = dflash._load(ckpt.target_dir, ckpt.drafter_dir, ckpt.dtype)
 
     def generate(prompt, n):
         responses, times = _timed(dflash.stream(model, draft, prompt, n, set()))
