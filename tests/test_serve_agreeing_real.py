@@ -71,7 +71,7 @@ SIDES = ["port"] + (["zlab-mlx"] if importlib.util.find_spec("dflash") else [])
 @pytest.mark.parametrize("side", SIDES)
 @pytest.mark.parametrize("tau", [1, 4, 16])
 def test_loop_measures_tau(tmp_path, side, tau):
-    case = agreeing_real.cases([tau], "tiny", 64, "float32")[0]
+    case = agreeing_real.cases("dflash", [tau], "tiny", 64, "float32")[0]
     got, tokens, plain = _measure(case, tmp_path, side)
     assert tokens == plain
     assert (1 - TOLERANCE) * tau <= got <= tau + 1e-9, got
@@ -79,7 +79,7 @@ def test_loop_measures_tau(tmp_path, side, tau):
 
 def test_broken_drafter_falls_to_tau_1(tmp_path):
     """The negative control: the tau-16 weights with layer 0's slot writes zeroed."""
-    case = agreeing_real.cases([16], "tiny", 64, "float32")[0]
+    case = agreeing_real.cases("dflash", [16], "tiny", 64, "float32")[0]
     got, tokens, plain = _measure(case, tmp_path, "port", corrupt=True)
     assert tokens == plain
     assert got < 1.2, got
@@ -87,7 +87,7 @@ def test_broken_drafter_falls_to_tau_1(tmp_path):
 
 def test_bf16_keeps_tau(tmp_path):
     """The device runs bf16: the construction's margins hold there too."""
-    case = agreeing_real.cases([4], "tiny", 64, "bfloat16")[0]
+    case = agreeing_real.cases("dflash", [4], "tiny", 64, "bfloat16")[0]
     got, tokens, plain = _measure(case, tmp_path, "port")
     assert tokens == plain
     assert (1 - TOLERANCE) * 4 <= got <= 4, got

@@ -27,7 +27,8 @@ for every side, so every side's tau is set by the weights, not by its loop). The
 need hidden >= vocab (DFlash) and exact float32 margins, so they are built at the factory's own
 shapes in float32 whatever `--shapes` says; the report states each case's shapes. `agreeing-real`
 (spec_parity/bench/agreeing_real.py): DFlash on a Qwen3-8B shaped target at real widths in the
-run's dtype, the stream confined to the tokens a head carries, tau set exactly per case (`--tau`).
+run's dtype, the stream confined to tokens each on a coordinate of its own, tau set exactly per
+case (`--tau`).
 Figures are reported, never asserted.
 """
 
@@ -74,7 +75,7 @@ class Options:
     new_tokens: int = 128
     runs: int = 3
     agree_frac: float = 0.8
-    taus: tuple[int, ...] = (2, 4, agreeing_real.BLOCK)   # agreeing-real: tau per case
+    taus: str = "2,4,max"                 # agreeing-real: tau per case (max: the family's, parse_taus)
     dtype: str = "float32"
     scale: int = 1
     target_layers: int | None = None
@@ -112,10 +113,16 @@ def cases(opts: Options) -> list[tuple[str, Case]]:
     if "agreeing" in opts.conditions:
         out += [("agreeing", c) for c in agreeing_cases(opts.agree_frac, opts.gamma, opts.prompt_len)
                 if c.module in opts.sources]
-    if "agreeing-real" in opts.conditions and "dflash" in opts.sources:
-        out += [("agreeing-real", c) for c in agreeing_real.cases(list(opts.taus), opts.shapes, opts.prompt_len,
-                                                                  opts.dtype)]
+    if "agreeing-real" in opts.conditions:
+        for src in (s for s in SOURCES if s in opts.sources and s in agreeing_real.FAMILIES):
+            taus = agreeing_real.parse_taus(opts.taus, agreeing_real.tau_max(src, opts.gamma), _tau_why(src))
+            out += [("agreeing-real", c) for c in agreeing_real.cases(src, taus, opts.shapes, opts.prompt_len,
+                                                                      opts.dtype, opts.gamma, opts.target_layers)]
     return out
+
+
+def _tau_why(source: str) -> str:
+    return " (the assistant's tau max is --gamma + 1)" if source == "assistant" else f" ({source})"
 
 
 def our_sides(source: str, shape: str, names: list[str]) -> tuple[Options, Case, list[Side], SimpleNamespace]:
@@ -406,8 +413,12 @@ def main(args) -> int:
     conditions = tuple(x.strip() for x in args.conditions.split(",") if x.strip())
     if set(sources) - set(SOURCES) or set(conditions) - set(CONDITIONS):
         raise OptionError(f"--sources from {SOURCES}, --conditions from {CONDITIONS}")
+    taus = getattr(args, "tau", None) or "2,4,max"
     try:
-        taus = tuple(agreeing_real.parse_taus(getattr(args, "tau", None) or "2,4,max"))
+        agreeing_real.parse_taus(taus, max(agreeing_real.BLOCK, args.gamma + 1))
+        if "agreeing-real" in conditions:
+            for src in set(sources) & set(agreeing_real.FAMILIES):
+                agreeing_real.parse_taus(taus, agreeing_real.tau_max(src, args.gamma), _tau_why(src))
     except ValueError as e:
         raise OptionError(str(e)) from None
     opts = Options(shapes=args.shapes, sources=sources, sides=sides, conditions=conditions, prompt_len=args.prompt_len,
