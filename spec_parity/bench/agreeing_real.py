@@ -1,11 +1,11 @@
 """The `agreeing-real` condition of `spec-parity bench --serve`: a drafter and its target at their
 real widths, in the run's dtype (bf16 at `--shapes real`), with tau set by the weights and the
 same for every loop that runs them. One family per source (FAMILIES): DFlash (block 16) on a
-Qwen3-8B shaped target.
+Qwen3-8B shaped target, the Gemma-4 assistant (12B, tied head) on its Gemma-4 target.
 
 The factory's agreeing kinds need hidden >= vocab: one vector must carry any token's identity.
 At real widths the stream is instead confined to K cycle tokens (ids 3 .. K + 2), each embedded
-on a coordinate of its own. What the families share (`_stream_target`, `plan`):
+on a coordinate of its own. What both families share (`_stream_target`, `plan`):
   * target: E[c] = e_code(c) + e_U (its own coordinate plus one shared one), every other row 0
     but the family's extras; every layer's o_proj and down_proj 0 (the layers run, at full cost,
     and write nothing; a per-layer input's projection too), so the residual stream carries the
@@ -16,8 +16,8 @@ on a coordinate of its own. What the families share (`_stream_target`, `plan`):
     From a run start a round accepts tau - 1 drafts and commits tau tokens, landing on the next
     run start: tau per round exactly, after at most one shorter first round. tau 1: every token
     is out (h = f o f, no draft ever accepted); tau = the most a round commits (DFlash: the block,
-    16): no token is out (every draft accepted). K is the largest multiple of tau the family's
-    widths carry.
+    16; the assistant: gamma + 1): no token is out (every draft accepted). K is the largest
+    multiple of tau the family's widths carry.
 DFlash (`_lift_dflash`):
   * target (untied head): final norm weight 1, head row f(c) = g e_code(c); the mask token's
     embedding row e_U + e_M.
@@ -27,6 +27,20 @@ DFlash (`_lift_dflash`):
     dims of every KV head, head k-1's o_proj writes the code of f^-1(h^k(anchor)), so slot k
     drafts h^k(anchor) through the target's head. fc is 0 (context keys and values exactly 0:
     the sink); every other write is 0. K <= head_dim.
+Gemma-4 assistant (`_lift_assistant`):
+  * target (tied head: logits = E x, so a layer must move c to f(c)): the last layer's MLP is the
+    map, its gate reading e_U alone (one constant activation), up_proj row j reading e_code(j),
+    down_proj column j writing e_code(f(j)); its post-feedforward norm (weight MAP_WRITE) makes the
+    write MAP_WRITE sqrt(H) e_code(f(c)) against sqrt(H) (e_code(c) + e_U) of the embedding, and
+    the final norm weight sets the successor's logit to TARGET_LOGIT (before the softcap, 30:
+    it keeps the argmax). Layer scalars 1, so no layer rescales the embedding against the write.
+  * drafter: pre_projection's embedding half maps the target's sqrt(H)-scaled e_code(j) onto the
+    drafter's coordinate j, its hidden half is 0 (the target's hidden and the drafter's own next
+    hidden are read, at full cost, and weigh nothing); every layer's o_proj and down_proj 0 (its
+    Q-only attention over the target's donor K/V runs and writes nothing); final norm weight 1;
+    the head (the drafter's own embedding, tied; an untied lm_head the same) has row h(j) =
+    (TARGET_LOGIT / sqrt(D)) e_j: the step fed token j drafts h(j), logit TARGET_LOGIT against 0.
+    K <= the drafter's hidden D.
 Prompts are drawn from the cycle tokens (`prompt_vocab`), so every request stays on the cycle.
 Every other weight is random (mx.random), so every matmul costs what the real model's does; the
 constructed matrices are built on the device (`_sparse`), never as dense host arrays.
@@ -49,9 +63,11 @@ from ..drafters.dflash.checkpoints import SLOT_GAP, SLOT_WRITE
 from . import shapes
 
 BLOCK = 16                      # DFlash's block: its tau max
+MAP_WRITE = 8.0                 # assistant target: the map layer's post-feedforward norm weight
+MAP_GATE = 2.5                  # assistant target: the map MLP's (constant) gate pre-activation
+REAL_ASSISTANT = "assistant-12b-tied"   # the bench's real assistant case (loops.RANDOM_CASES)
 # Where the condition has no construction (yet): the sides of other sources are declined with this.
-DECLINED = {"assistant": "no real-width agreeing construction for the Gemma-4 assistant (optiq) yet",
-            "dspark": "no real-width agreeing construction for DSpark (dspark-mlx, DeepSpec) yet"}
+DECLINED = {"dspark": "no real-width agreeing construction for DSpark (dspark-mlx, DeepSpec) yet"}
 
 
 # ---- what the families share ---------------------------------------------------------------------
@@ -279,5 +295,88 @@ def _lift_dflash(ckpt: shapes.Checkpoints, tau: int, seed: int) -> int:
     return k
 
 
+# ---- the Gemma-4 assistant on a Gemma-4 target -----------------------------------------------------
 
-FAMILIES = {"dflash": Family(lambda gamma: BLOCK, _dflash_cases, _lift_dflash)}
+def _assistant_tiny(target_layers: int | None) -> tuple[dict, dict, str]:
+    """The 12B case's structure (unified tied assistant, k_eq_v full layer with one global KV
+    head, sliding window crossed by the prompts) at widths a CPU runs."""
+    layers = target_layers or 6
+    t = {**shapes._gemma_target(1, layers, 128, 256, 4, 2, 1, True, 16, 512), "head_dim": 32, "global_head_dim": 64}
+    a = {"model_type": "gemma4_unified_assistant", "backbone_hidden_size": t["hidden_size"],
+         "use_ordered_embeddings": False, "tie_word_embeddings": True,
+         "text_config": {**shapes._assistant_text(t, 64, 128, 4, 1), "head_dim": 32, "global_head_dim": 64}}
+    return a, t, f"small tied assistant (128->64, 4 layers, 4 heads, 32/64, window 16, vocab 512; {layers} target layers)"
+
+
+def _assistant_cases(taus: list[int], size: str, ctx: int, dtype: str, gamma: int = 4,
+                     target_layers: int | None = None) -> list[Case]:
+    """One assistant case per requested tau: the bench's real assistant case (REAL_ASSISTANT, its
+    shapes and stand-in depth), or its structure at tiny widths; gamma drafts per round."""
+    if size == "real":
+        base = next(c for c in shapes.real_cases(ctx, 1, target_layers, gamma, dtype) if c.name == REAL_ASSISTANT)
+        a, t, label, notes = base.params.drafter[2], base.overrides, base.shapes.label, base.shapes.notes
+    else:
+        (a, t, label), notes = _assistant_tiny(target_layers), ()
+    cap = _assistant_capacity(t, a)
+    out = []
+    for tau in taus:
+        note = _note(tau, cycle_size(tau, cap), f"target layer {t['num_hidden_layers'] - 1}'s MLP maps the cycle")
+        ov = {**copy.deepcopy(a), "agree_tau": tau}
+        out.append(shapes.bench_case("real", f"assistant-agreeing-real-tau{tau}", "assistant", f"{label}, tau {tau}",
+                                     ("gemma4-assistant", ov), ("gemma4-target", copy.deepcopy(t)), ctx, gamma, dtype,
+                                     (*notes, note)))
+    return out
+
+
+def _assistant_capacity(tc: dict, dc: dict) -> int:
+    """The cycle's room: a drafter coordinate per token (D), a target coordinate per token beside
+    e_U (H - 1), a map unit per token (the target's intermediate)."""
+    return min(dc["text_config"]["hidden_size"], tc["hidden_size"] - 1, tc["intermediate_size"])
+
+
+def _lift_assistant(ckpt: shapes.Checkpoints, tau: int, seed: int) -> int:
+    """Replace the Gemma-4 target's and the assistant's weights that carry the stream (module
+    docstring); K."""
+    tc, dc = ckpt.target_config, ckpt.drafter_config
+    t, d = ckpt.weights("target"), ckpt.weights("drafter")
+    if dc.get("use_ordered_embeddings"):
+        raise ValueError("agreeing-real builds the assistant's tied or untied head, not a centroid head")
+    dt = t["model.embed_tokens.weight"].dtype
+    H, V, L = tc["hidden_size"], tc["vocab_size"], tc["num_hidden_layers"]
+    D = dc["text_config"]["hidden_size"]
+    k = cycle_size(tau, _assistant_capacity(tc, dc))
+    U = k
+    f, h = plan(tau, ckpt.case.shapes.gamma + 1, k, seed)
+    codes = np.arange(k)
+    # Target: the stream; the last layer's MLP moves e_code(c) to e_code(f(c)); the head is E.
+    _stream_target(t, tc, k)
+    if "lm_head.weight" in t:
+        t["lm_head.weight"] = t["model.embed_tokens.weight"]
+    for i in range(L):
+        t[f"model.layers.{i}.layer_scalar"] = mx.ones((1,), dtype=dt)
+    p = f"model.layers.{L - 1}."
+    n_in = math.sqrt(H / 2)                                  # e_code, e_U after the pre-feedforward norm
+    inter = t[p + "mlp.up_proj.weight"].shape[0]
+    t[p + "mlp.gate_proj.weight"] = _sparse((inter, H), dt, codes, U, MAP_GATE / n_in)
+    t[p + "mlp.up_proj.weight"] = _sparse((inter, H), dt, codes, codes, 1.0 / n_in)
+    t[p + "mlp.down_proj.weight"] = _sparse((H, inter), dt, f, codes, 1.0)
+    t[p + "pre_feedforward_layernorm.weight"] = mx.ones((H,), dtype=dt)
+    t[p + "post_feedforward_layernorm.weight"] = mx.full((H,), MAP_WRITE, dtype=dt)
+    # x = sqrt(H) (e_c + e_U + MAP_WRITE e_f(c)); logit of f(c) = w (n_f(c) + n_U) = TARGET_LOGIT.
+    rms = math.sqrt(2 + MAP_WRITE ** 2)
+    t["model.norm.weight"] = mx.full((H,), TARGET_LOGIT * rms / (math.sqrt(H) * (MAP_WRITE + 1)), dtype=dt)
+    # Drafter: embedding half of pre_projection e_code(j) -> e_j, head row h(j) on e_j.
+    d["pre_projection.weight"] = _sparse(d["pre_projection.weight"].shape, dt, codes, codes, 1.0 / math.sqrt(H))
+    _silence(d, "model.", dc["text_config"]["num_hidden_layers"])
+    d["model.norm.weight"] = mx.ones((D,), dtype=dt)
+    head = _sparse((V, D), dt, SPECIALS + h, codes, TARGET_LOGIT / math.sqrt(D))
+    d["model.embed_tokens.weight"] = head
+    if "lm_head.weight" in d:
+        d["lm_head.weight"] = head
+    return k
+
+
+FAMILIES = {
+    "dflash": Family(lambda gamma: BLOCK, _dflash_cases, _lift_dflash),
+    "assistant": Family(lambda gamma: gamma + 1, _assistant_cases, _lift_assistant),
+}

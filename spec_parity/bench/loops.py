@@ -26,9 +26,9 @@ permutation and the drafter proposes it on a share `--agree-frac` of the tokens,
 for every side, so every side's tau is set by the weights, not by its loop). The agreeing kinds
 need hidden >= vocab (DFlash) and exact float32 margins, so they are built at the factory's own
 shapes in float32 whatever `--shapes` says; the report states each case's shapes. `agreeing-real`
-(spec_parity/bench/agreeing_real.py): DFlash on a Qwen3-8B shaped target at real widths in the
-run's dtype, the stream confined to tokens each on a coordinate of its own, tau set exactly per
-case (`--tau`).
+(spec_parity/bench/agreeing_real.py): DFlash on a Qwen3-8B shaped target and the Gemma-4 12B
+assistant on its Gemma-4 target, at real widths in the run's dtype, the stream confined to tokens
+each on a coordinate of its own, tau set exactly per case (`--tau`).
 Figures are reported, never asserted.
 """
 
@@ -273,7 +273,7 @@ def run_case(condition: str, case: Case, opts: Options, env, root: Path, say) ->
            "gamma": s.gamma, "notes": list(s.notes), "prompt_len": opts.prompt_len, "new_tokens": opts.new_tokens}
     sides = loop_sides.sides_for(case.module, opts.sides)
     if condition == "agreeing-real":
-        out["declined"] = {s.name: why for src, why in agreeing_real.DECLINED.items()
+        out["declined"] = {s.name: why for src, why in agreeing_real.DECLINED.items() if src in opts.sources
                            for s in loop_sides.sides_for(src, None) if s.peer}
     try:
         ckpt = (agreeing_real.build if condition == "agreeing-real" else shapes.build)(case, root)
