@@ -1,6 +1,7 @@
-"""The agreeing-real condition of `bench --serve` sets tau by construction: at small widths, the
-tau each loop measures is the one asked for, within TOLERANCE, and a drafter broken from outside
-(its slot writes zeroed) falls to tau 1, so the check can fail."""
+"""The agreeing-real condition of `bench --serve` sets tau by construction, for DFlash and for the
+Gemma-4 assistant: at small widths, the tau each loop measures (ours and the peer's own) is the one
+asked for, within TOLERANCE, its stream is plain decode's, and a drafter broken from outside (the
+weights that carry its proposals zeroed) falls to tau 1, so the check can fail."""
 
 import importlib.util
 from types import SimpleNamespace
@@ -33,14 +34,15 @@ def _tau_of_plan(f: np.ndarray, h: np.ndarray, block: int, start: int, n: int) -
     return made / rounds
 
 
-@pytest.mark.parametrize("tau", [1, 2, 3, 4, 7, 16])
-def test_plan_gives_tau(tau):
-    """From every start on the cycle, the rounds commit tau tokens (after a first shorter one)."""
+@pytest.mark.parametrize("block,tau", [(16, t) for t in (1, 2, 3, 4, 7, 16)] + [(5, t) for t in (1, 2, 3, 4, 5)])
+def test_plan_gives_tau(block, tau):
+    """From every start on the cycle, the rounds commit tau tokens (after a first shorter one):
+    DFlash's block 16, the assistant's gamma 4 (a round commits at most 5)."""
     k = agreeing_real.cycle_size(tau, 32)
-    f, h = agreeing_real.plan(tau, 16, k, 0)
+    f, h = agreeing_real.plan(tau, block, k, 0)
     assert sorted(f) == list(range(k)) and sorted(h) == list(range(k))
     for start in range(k):
-        got = _tau_of_plan(f, h, 16, start, 10 * tau * 16)
+        got = _tau_of_plan(f, h, block, start, 10 * tau * block)
         assert (1 - TOLERANCE) * tau <= got <= tau, (start, got)
     if tau == 1:
         assert not np.any(h == f)
@@ -48,16 +50,30 @@ def test_plan_gives_tau(tau):
 
 def test_parse_taus_refuses():
     assert agreeing_real.parse_taus("2,4,max") == [2, 4, 16]
+    assert agreeing_real.parse_taus("2,4,max", agreeing_real.tau_max("assistant", 4)) == [2, 4, 5]
     for bad in ("0", "17", "two", ""):
         with pytest.raises(ValueError, match="--tau"):
             agreeing_real.parse_taus(bad)
+    with pytest.raises(ValueError, match="1..5"):
+        agreeing_real.parse_taus("2,8", agreeing_real.tau_max("assistant", 4))
+
+
+# The drafter's weights that carry its proposals: DFlash's slot writes, the assistant's reading of
+# the token it is fed (zeroed, it drafts token 0, which the target never emits).
+CARRIERS = {"dflash": "layers.0.self_attn.o_proj.weight", "assistant": "pre_projection.weight"}
+MAX = {"dflash": 16, "assistant": 5}   # the assistant at gamma 4
+
+
+def _case(source: str, tau: int, dtype: str = "float32"):
+    return agreeing_real.cases(source, [tau], "tiny", 64, dtype, gamma=4)[0]
 
 
 def _measure(case, tmp_path, side: str, corrupt: bool = False) -> tuple[float, list[int], list[int]]:
     ckpt = agreeing_real.build(case, tmp_path)
-    if corrupt:   # from outside the construction: the slot heads write nothing
+    if corrupt:   # from outside the construction: the drafter's stream carrier zeroed
         d = ckpt.weights("drafter")
-        d["layers.0.self_attn.o_proj.weight"] = mx.zeros_like(d["layers.0.self_attn.o_proj.weight"])
+        name = CARRIERS[case.module]
+        d[name] = mx.zeros_like(d[name])
     opts = loops.Options(prompt_len=64, new_tokens=48, runs=2)
     check, _, _ = loops.prompt_plan(opts, 1, ckpt.prompt_vocab, 0)
     plain = loop_sides.SIDES["plain"].build(ckpt, ENV).generate(check, opts.new_tokens)
@@ -65,32 +81,52 @@ def _measure(case, tmp_path, side: str, corrupt: bool = False) -> tuple[float, l
     return run.decode_tokens / run.rounds, run.tokens, plain.tokens
 
 
-SIDES = ["port"] + (["zlab-mlx"] if importlib.util.find_spec("dflash") else [])
+PEERS = {"dflash": ["zlab-mlx"] if importlib.util.find_spec("dflash") else [],
+         "assistant": ["optiq"] if importlib.util.find_spec("optiq") else []}
+LOOPS = [(src, side, tau) for src, taus in (("dflash", (1, 4, 16)), ("assistant", (1, 2, 4, 5)))
+         for side in ["port"] + PEERS[src] for tau in taus]
 
 
-@pytest.mark.parametrize("side", SIDES)
-@pytest.mark.parametrize("tau", [1, 4, 16])
-def test_loop_measures_tau(tmp_path, side, tau):
-    case = agreeing_real.cases([tau], "tiny", 64, "float32")[0]
-    got, tokens, plain = _measure(case, tmp_path, side)
+@pytest.mark.parametrize("source,side,tau", LOOPS)
+def test_loop_measures_tau(tmp_path, source, side, tau):
+    got, tokens, plain = _measure(_case(source, tau), tmp_path, side)
     assert tokens == plain
     assert (1 - TOLERANCE) * tau <= got <= tau + 1e-9, got
 
 
-def test_broken_drafter_falls_to_tau_1(tmp_path):
-    """The negative control: the tau-16 weights with layer 0's slot writes zeroed."""
-    case = agreeing_real.cases([16], "tiny", 64, "float32")[0]
-    got, tokens, plain = _measure(case, tmp_path, "port", corrupt=True)
+@pytest.mark.parametrize("source,side", [(src, side) for src in MAX for side in ["port"] + PEERS[src][:1]
+                                         if src == "assistant" or side == "port"])
+def test_broken_drafter_falls_to_tau_1(tmp_path, source, side):
+    """The negative control: the tau-max weights with the drafter's stream carrier zeroed."""
+    got, tokens, plain = _measure(_case(source, MAX[source]), tmp_path, side, corrupt=True)
     assert tokens == plain
     assert got < 1.2, got
 
 
-def test_bf16_keeps_tau(tmp_path):
+@pytest.mark.parametrize("source,side,tau", [("dflash", "port", 4)] + [("assistant", s, t) for s in ["port"]
+                                                                      + PEERS["assistant"] for t in (2, 4, 5)])
+def test_bf16_keeps_tau(tmp_path, source, side, tau):
     """The device runs bf16: the construction's margins hold there too."""
-    case = agreeing_real.cases([4], "tiny", 64, "bfloat16")[0]
-    got, tokens, plain = _measure(case, tmp_path, "port")
+    got, tokens, plain = _measure(_case(source, tau, "bfloat16"), tmp_path, side)
     assert tokens == plain
-    assert (1 - TOLERANCE) * 4 <= got <= 4, got
+    assert (1 - TOLERANCE) * tau <= got <= tau + 1e-9, got
+
+
+def test_real_assistant_case_is_the_bench_case():
+    """The real assistant cases take the bench's real assistant case as it is (shapes, head,
+    dtype), with K = the drafter's hidden (1024) rounded to a multiple of tau."""
+    real = loops.cases(loops.Options(shapes="real", sources=("assistant",), conditions=("random",),
+                                     dtype="bfloat16", prompt_len=1024))[0][1]
+    assert real.name == loops.RANDOM_CASES["real"]["assistant"] == agreeing_real.REAL_ASSISTANT
+    got = [c for _, c in loops.cases(loops.Options(shapes="real", sources=("assistant",), conditions=("agreeing-real",),
+                                                   dtype="bfloat16", prompt_len=1024))]
+    assert [c.name for c in got] == [f"assistant-agreeing-real-tau{t}" for t in (2, 4, 5)]
+    for c in got:
+        ov = dict(c.params.drafter[2])
+        tau = ov.pop("agree_tau")
+        assert (c.kind, c.overrides, c.dtype, c.shapes.gamma) == (real.kind, real.overrides, "bfloat16", 4)
+        assert (c.params.drafter[0], ov) == (real.params.drafter[0], real.params.drafter[2])
+        assert f"stream on {1024 // tau * tau} cycle tokens" in c.shapes.notes[-1]
 
 
 MLX_PEERS = {"zlab-mlx": "dflash", "dflash-mlx": "dflash_mlx"}     # side: the package it imports
@@ -117,3 +153,16 @@ def test_slot_weights_reach_the_lp():
         w, c, _ = agreeing_real.slot_weights(thetas, 30)
         assert abs(w.sum() - 1) < 1e-9 and (w >= 0).all()
         assert c <= _slot_weights(thetas, 30)[1] + 0.02
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sources", "assistant", "--tau", "2,8"], "'8' is not an integer in 1..5 or 'max' (the assistant's tau max is"),
+    (["--sources", "assistant", "--gamma", "7", "--tau", "9"], "1..8"),
+    (["--sources", "dflash", "--tau", "17"], "'17' is not an integer in 1..16"),
+])
+def test_a_tau_above_the_family_max_is_refused(argv, message, tmp_path, capsys):
+    from spec_parity import cli
+
+    assert cli.main(["bench", "--serve", "--conditions", "agreeing-real", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("spec-parity bench: error: ") and len(err.splitlines()) == 1

@@ -26,8 +26,9 @@ permutation and the drafter proposes it on a share `--agree-frac` of the tokens,
 for every side, so every side's tau is set by the weights, not by its loop). The agreeing kinds
 need hidden >= vocab (DFlash) and exact float32 margins, so they are built at the factory's own
 shapes in float32 whatever `--shapes` says; the report states each case's shapes. `agreeing-real`
-(spec_parity/bench/agreeing_real.py): DFlash on a Qwen3-8B shaped target at real widths in the
-run's dtype, the stream confined to the tokens a head carries, tau set exactly per case (`--tau`).
+(spec_parity/bench/agreeing_real.py): DFlash on a Qwen3-8B shaped target and the Gemma-4 12B
+assistant on its Gemma-4 target, at real widths in the run's dtype, the stream confined to tokens
+each on a coordinate of its own, tau set exactly per case (`--tau`).
 Figures are reported, never asserted.
 """
 
@@ -74,7 +75,7 @@ class Options:
     new_tokens: int = 128
     runs: int = 3
     agree_frac: float = 0.8
-    taus: tuple[int, ...] = (2, 4, agreeing_real.BLOCK)   # agreeing-real: tau per case
+    taus: str = "2,4,max"                 # agreeing-real: tau per case (max: the family's, parse_taus)
     dtype: str = "float32"
     scale: int = 1
     target_layers: int | None = None
@@ -112,10 +113,16 @@ def cases(opts: Options) -> list[tuple[str, Case]]:
     if "agreeing" in opts.conditions:
         out += [("agreeing", c) for c in agreeing_cases(opts.agree_frac, opts.gamma, opts.prompt_len)
                 if c.module in opts.sources]
-    if "agreeing-real" in opts.conditions and "dflash" in opts.sources:
-        out += [("agreeing-real", c) for c in agreeing_real.cases(list(opts.taus), opts.shapes, opts.prompt_len,
-                                                                  opts.dtype)]
+    if "agreeing-real" in opts.conditions:
+        for src in (s for s in SOURCES if s in opts.sources and s in agreeing_real.FAMILIES):
+            taus = agreeing_real.parse_taus(opts.taus, agreeing_real.tau_max(src, opts.gamma), _tau_why(src))
+            out += [("agreeing-real", c) for c in agreeing_real.cases(src, taus, opts.shapes, opts.prompt_len,
+                                                                      opts.dtype, opts.gamma, opts.target_layers)]
     return out
+
+
+def _tau_why(source: str) -> str:
+    return " (the assistant's tau max is --gamma + 1)" if source == "assistant" else f" ({source})"
 
 
 def our_sides(source: str, shape: str, names: list[str]) -> tuple[Options, Case, list[Side], SimpleNamespace]:
@@ -266,7 +273,7 @@ def run_case(condition: str, case: Case, opts: Options, env, root: Path, say) ->
            "gamma": s.gamma, "notes": list(s.notes), "prompt_len": opts.prompt_len, "new_tokens": opts.new_tokens}
     sides = loop_sides.sides_for(case.module, opts.sides)
     if condition == "agreeing-real":
-        out["declined"] = {s.name: why for src, why in agreeing_real.DECLINED.items()
+        out["declined"] = {s.name: why for src, why in agreeing_real.DECLINED.items() if src in opts.sources
                            for s in loop_sides.sides_for(src, None) if s.peer}
     try:
         ckpt = (agreeing_real.build if condition == "agreeing-real" else shapes.build)(case, root)
@@ -406,8 +413,12 @@ def main(args) -> int:
     conditions = tuple(x.strip() for x in args.conditions.split(",") if x.strip())
     if set(sources) - set(SOURCES) or set(conditions) - set(CONDITIONS):
         raise OptionError(f"--sources from {SOURCES}, --conditions from {CONDITIONS}")
+    taus = getattr(args, "tau", None) or "2,4,max"
     try:
-        taus = tuple(agreeing_real.parse_taus(getattr(args, "tau", None) or "2,4,max"))
+        agreeing_real.parse_taus(taus, max(agreeing_real.BLOCK, args.gamma + 1))
+        if "agreeing-real" in conditions:
+            for src in set(sources) & set(agreeing_real.FAMILIES):
+                agreeing_real.parse_taus(taus, agreeing_real.tau_max(src, args.gamma), _tau_why(src))
     except ValueError as e:
         raise OptionError(str(e)) from None
     opts = Options(shapes=args.shapes, sources=sources, sides=sides, conditions=conditions, prompt_len=args.prompt_len,
