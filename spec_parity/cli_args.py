@@ -211,9 +211,9 @@ def bench(p: argparse.ArgumentParser) -> None:
                    help="--serve: share of the tokens the agreeing drafters propose right (default 0.8)")
     p.add_argument("--conditions", default="random,agreeing",
                    help="--serve: random (random drafters, tau ~ 1), agreeing (controlled tau, tiny float32), "
-                   "agreeing-real (DFlash and the assistant at real widths, tau set by --tau)")
-    p.add_argument("--tau", default="2,4,max", help="--serve agreeing-real: tau per case, 1..max or max: DFlash 16, the assistant "
-                   "--gamma + 1 (default 2,4,max)")
+                   "agreeing-real (DFlash, the assistant and DSpark at real widths, tau set by --tau)")
+    p.add_argument("--tau", default="2,4,max", help="--serve agreeing-real: tau per case, 1..max or max, each family's own: DFlash 16, "
+                   "DSpark 8, the assistant --gamma + 1 (default 2,4,max)")
     p.add_argument("--out", required=True, help="directory for bench.json, bench.md, bench.png")
 
 

@@ -1,5 +1,5 @@
-"""The agreeing-real condition of `bench --serve` sets tau by construction, for DFlash and for the
-Gemma-4 assistant: at small widths, the tau each loop measures (ours and the peer's own) is the one
+"""The agreeing-real condition of `bench --serve` sets tau by construction, for DFlash, the Gemma-4
+assistant and DSpark: at small widths, the tau each loop measures (ours and the peer's own) is the one
 asked for, within TOLERANCE, its stream is plain decode's, and a drafter broken from outside (the
 weights that carry its proposals zeroed) falls to tau 1, so the check can fail."""
 
@@ -34,10 +34,11 @@ def _tau_of_plan(f: np.ndarray, h: np.ndarray, block: int, start: int, n: int) -
     return made / rounds
 
 
-@pytest.mark.parametrize("block,tau", [(16, t) for t in (1, 2, 3, 4, 7, 16)] + [(5, t) for t in (1, 2, 3, 4, 5)])
+@pytest.mark.parametrize("block,tau", [(16, t) for t in (1, 2, 3, 4, 7, 16)] + [(5, t) for t in (1, 2, 3, 4, 5)]
+                         + [(8, t) for t in (1, 2, 3, 4, 7, 8)])
 def test_plan_gives_tau(block, tau):
     """From every start on the cycle, the rounds commit tau tokens (after a first shorter one):
-    DFlash's block 16, the assistant's gamma 4 (a round commits at most 5)."""
+    DFlash's block 16, the assistant's gamma 4 (a round commits at most 5), DSpark's 7 drafts (8)."""
     k = agreeing_real.cycle_size(tau, 32)
     f, h = agreeing_real.plan(tau, block, k, 0)
     assert sorted(f) == list(range(k)) and sorted(h) == list(range(k))
@@ -51,6 +52,7 @@ def test_plan_gives_tau(block, tau):
 def test_parse_taus_refuses():
     assert agreeing_real.parse_taus("2,4,max") == [2, 4, 16]
     assert agreeing_real.parse_taus("2,4,max", agreeing_real.tau_max("assistant", 4)) == [2, 4, 5]
+    assert agreeing_real.parse_taus("2,4,max", agreeing_real.tau_max("dspark", 4)) == [2, 4, 8]
     for bad in ("0", "17", "two", ""):
         with pytest.raises(ValueError, match="--tau"):
             agreeing_real.parse_taus(bad)
@@ -60,12 +62,20 @@ def test_parse_taus_refuses():
 
 # The drafter's weights that carry its proposals: DFlash's slot writes, the assistant's reading of
 # the token it is fed (zeroed, it drafts token 0, which the target never emits).
-CARRIERS = {"dflash": "layers.0.self_attn.o_proj.weight", "assistant": "pre_projection.weight"}
-MAX = {"dflash": 16, "assistant": 5}   # the assistant at gamma 4
+CARRIERS = {"dflash": "layers.0.self_attn.o_proj.weight", "assistant": "pre_projection.weight",
+            "dspark": "layers.0.self_attn.o_proj.weight"}
+MAX = {"dflash": 16, "assistant": 5, "dspark": 8}   # the assistant at gamma 4
 
 
 def _case(source: str, tau: int, dtype: str = "float32"):
     return agreeing_real.cases(source, [tau], "tiny", 64, dtype, gamma=4)[0]
+
+
+# DeepSpec's loop runs until it has committed one token past the request's last and drops it: its
+# last round may add no kept token (tau 1: 47 tokens in 48 rounds). Its tau here is what its rounds
+# commit, kept or not: accepted drafts per round + 1.
+PER_ROUND = {"deepspec-torch": lambda run: run.accepted / run.rounds + 1}
+TORCH_CPU = SimpleNamespace(torch_device="cpu", torch_reason="")
 
 
 def _measure(case, tmp_path, side: str, corrupt: bool = False) -> tuple[float, list[int], list[int]]:
@@ -77,12 +87,22 @@ def _measure(case, tmp_path, side: str, corrupt: bool = False) -> tuple[float, l
     opts = loops.Options(prompt_len=64, new_tokens=48, runs=2)
     check, _, _ = loops.prompt_plan(opts, 1, ckpt.prompt_vocab, 0)
     plain = loop_sides.SIDES["plain"].build(ckpt, ENV).generate(check, opts.new_tokens)
-    run = loop_sides.SIDES[side].build(ckpt, ENV).generate(check, opts.new_tokens)
-    return run.decode_tokens / run.rounds, run.tokens, plain.tokens
+    run = loop_sides.SIDES[side].build(ckpt, TORCH_CPU if side == "deepspec-torch" else ENV).generate(
+        check, opts.new_tokens)
+    tau = PER_ROUND[side](run) if side in PER_ROUND else run.decode_tokens / run.rounds
+    return tau, run.tokens, plain.tokens
+
+
+def _deepspec_cpu() -> bool:
+    from spec_parity.oracles import dspark
+
+    return importlib.util.find_spec("torch") is not None and not dspark.status()
 
 
 PEERS = {"dflash": ["zlab-mlx"] if importlib.util.find_spec("dflash") else [],
-         "assistant": ["optiq"] if importlib.util.find_spec("optiq") else []}
+         "assistant": ["optiq"] if importlib.util.find_spec("optiq") else [],
+         "dspark": (["dspark-mlx"] if importlib.util.find_spec("dspark_mlx") else [])
+         + (["deepspec-torch"] if _deepspec_cpu() else [])}
 LOOPS = [(src, side, tau) for src, taus in (("dflash", (1, 4, 16)), ("assistant", (1, 2, 4, 5)))
          for side in ["port"] + PEERS[src] for tau in taus]
 
@@ -101,6 +121,17 @@ def test_broken_drafter_falls_to_tau_1(tmp_path, source, side):
     got, tokens, plain = _measure(_case(source, MAX[source]), tmp_path, side, corrupt=True)
     assert tokens == plain
     assert got < 1.2, got
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("side", ["port"] + PEERS["dspark"])
+@pytest.mark.parametrize("tau", [2, 4, 8])
+def test_dspark_loop_measures_tau(tmp_path, side, tau, dtype):
+    """DSpark (7 drafts a round, its Markov head adding 0, confidence threshold 0): each loop
+    measures tau (8: max), and its stream is plain decode's."""
+    got, tokens, plain = _measure(_case("dspark", tau, dtype), tmp_path, side)
+    assert tokens == plain
+    assert (1 - TOLERANCE) * tau <= got <= tau + 1e-9, got
 
 
 @pytest.mark.parametrize("source,side,tau", [("dflash", "port", 4)] + [("assistant", s, t) for s in ["port"]
@@ -129,6 +160,24 @@ def test_real_assistant_case_is_the_bench_case():
         assert f"stream on {1024 // tau * tau} cycle tokens" in c.shapes.notes[-1]
 
 
+def test_real_dspark_case_is_the_bench_case():
+    """The real DSpark cases take the bench's real DSpark case as it is (Qwen3-4B, tied, block 7,
+    Markov 256, its taps), with K = head_dim (128) rounded to a multiple of tau; max is 8."""
+    real = next(c for c in loops.cases(loops.Options(shapes="real", sources=("dspark",), conditions=("random",),
+                                                     dtype="bfloat16", prompt_len=1024))
+                if c[1].name == agreeing_real.REAL_DSPARK)[1]
+    got = [c for _, c in loops.cases(loops.Options(shapes="real", sources=("dspark",), conditions=("agreeing-real",),
+                                                   dtype="bfloat16", prompt_len=1024))]
+    assert [c.name for c in got] == [f"dspark-agreeing-real-tau{t}" for t in (2, 4, 8)]
+    for c in got:
+        ov = dict(c.params.drafter[2])
+        tau = ov.pop("agree_tau")
+        assert (c.kind, c.overrides, c.dtype, c.shapes.gamma) == (real.kind, real.overrides, "bfloat16", 7)
+        assert (c.params.drafter[0], ov) == (real.params.drafter[0], real.params.drafter[2])
+        assert c.overrides["tie_word_embeddings"] and ov["block_size"] == 7 and ov["markov_rank"] == 256
+        assert f"stream on {128 // tau * tau} cycle tokens" in c.shapes.notes[-1]
+
+
 MLX_PEERS = {"zlab-mlx": "dflash", "dflash-mlx": "dflash_mlx"}     # side: the package it imports
 
 
@@ -137,7 +186,7 @@ def test_every_mlx_peer_runs_at_the_runs_dtype(tmp_path, side):
     """A peer left in float32 beside bf16 sides would be timed on twice the bytes."""
     from mlx.utils import tree_flatten
 
-    ckpt = agreeing_real.build(agreeing_real.cases([4], "tiny", 64, "bfloat16")[0], tmp_path)
+    ckpt = agreeing_real.build(agreeing_real.cases("dflash", [4], "tiny", 64, "bfloat16")[0], tmp_path)
     loop = loop_sides.SIDES[side].build(ckpt, ENV)
     dtypes = {str(v.dtype) for m in loop.keep for _, v in tree_flatten(m.parameters())}
     assert dtypes == {"mlx.core.bfloat16"}, dtypes
@@ -159,6 +208,7 @@ def test_slot_weights_reach_the_lp():
     (["--sources", "assistant", "--tau", "2,8"], "'8' is not an integer in 1..5 or 'max' (the assistant's tau max is"),
     (["--sources", "assistant", "--gamma", "7", "--tau", "9"], "1..8"),
     (["--sources", "dflash", "--tau", "17"], "'17' is not an integer in 1..16"),
+    (["--sources", "dspark,dflash", "--tau", "2,9"], "'9' is not an integer in 1..8 or 'max' (dspark)"),
 ])
 def test_a_tau_above_the_family_max_is_refused(argv, message, tmp_path, capsys):
     from spec_parity import cli

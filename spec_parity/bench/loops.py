@@ -26,9 +26,10 @@ permutation and the drafter proposes it on a share `--agree-frac` of the tokens,
 for every side, so every side's tau is set by the weights, not by its loop). The agreeing kinds
 need hidden >= vocab (DFlash) and exact float32 margins, so they are built at the factory's own
 shapes in float32 whatever `--shapes` says; the report states each case's shapes. `agreeing-real`
-(spec_parity/bench/agreeing_real.py): DFlash on a Qwen3-8B shaped target and the Gemma-4 12B
-assistant on its Gemma-4 target, at real widths in the run's dtype, the stream confined to tokens
-each on a coordinate of its own, tau set exactly per case (`--tau`).
+(spec_parity/bench/agreeing_real.py): DFlash on a Qwen3-8B shaped target, the Gemma-4 12B
+assistant on its Gemma-4 target and DSpark on the Qwen3-4B shaped target of the bench's real DSpark
+case, at real widths in the run's dtype, the stream confined to tokens each on a coordinate of its
+own, tau set exactly per case and family (`--tau`; `max`: each family's own).
 Figures are reported, never asserted.
 """
 
@@ -272,9 +273,6 @@ def run_case(condition: str, case: Case, opts: Options, env, root: Path, say) ->
     out = {"case": case.name, "condition": condition, "source": case.module, "shape": s.label, "dtype": case.dtype,
            "gamma": s.gamma, "notes": list(s.notes), "prompt_len": opts.prompt_len, "new_tokens": opts.new_tokens}
     sides = loop_sides.sides_for(case.module, opts.sides)
-    if condition == "agreeing-real":
-        out["declined"] = {s.name: why for src, why in agreeing_real.DECLINED.items() if src in opts.sources
-                           for s in loop_sides.sides_for(src, None) if s.peer}
     try:
         ckpt = (agreeing_real.build if condition == "agreeing-real" else shapes.build)(case, root)
         vocab = ckpt.prompt_vocab or ckpt.target_config["vocab_size"]
@@ -378,7 +376,6 @@ def markdown(doc: dict) -> str:
         lines += ["| side | status | tok/s | p10-p90 | x plain | tau | acceptance | split ms (d / v / a+t) | peak MiB "
                   "| stream = plain | notes / reason |", "|" + "---|" * 11]
         lines += [_row(s) for s in c["sides"]] + [""]
-        lines += [f"declined: {name}: {why}" for name, why in c.get("declined", {}).items()]
     return "\n".join(lines)
 
 
