@@ -124,6 +124,17 @@ def test_run_report_on_a_centroid_control(tmp_path):
     assert err.getvalue().splitlines()[-1].startswith("[1/1] FAIL assistant/step-gemma4-centroid-optiq-control-scale")
 
 
+def test_python_dash_m_runs_the_command():
+    """`python -m spec_parity` is the `spec-parity` script, where none is on PATH."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "spec_parity", "--help"], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.startswith("usage: spec-parity"), run.stderr
+    run = subprocess.run([sys.executable, "-m", "spec_parity", "no-such-command"], capture_output=True, text=True)
+    assert run.returncode == 2 and "invalid choice: 'no-such-command'" in run.stderr, run.stderr
+
+
 def test_run_help_documents_every_option_and_its_default():
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
