@@ -143,39 +143,34 @@ def test_bf16_keeps_tau(tmp_path, source, side, tau):
     assert (1 - TOLERANCE) * tau <= got <= tau + 1e-9, got
 
 
-def test_real_assistant_case_is_the_bench_case():
-    """The real assistant cases take the bench's real assistant case as it is (shapes, head,
-    dtype), with K = the drafter's hidden (1024) rounded to a multiple of tau."""
-    real = loops.cases(loops.Options(shapes="real", sources=("assistant",), conditions=("random",),
-                                     dtype="bfloat16", prompt_len=1024))[0][1]
-    assert real.name == loops.RANDOM_CASES["real"]["assistant"] == agreeing_real.REAL_ASSISTANT
-    got = [c for _, c in loops.cases(loops.Options(shapes="real", sources=("assistant",), conditions=("agreeing-real",),
-                                                   dtype="bfloat16", prompt_len=1024))]
-    assert [c.name for c in got] == [f"assistant-agreeing-real-tau{t}" for t in (2, 4, 5)]
+# source: (its bench case, the taus of 2,4,max, the drafts a round, K's capacity: the assistant's hidden, head_dim)
+REAL = {"assistant": (agreeing_real.REAL_ASSISTANT, (2, 4, 5), 4, 1024),
+        "dspark": (agreeing_real.REAL_DSPARK, (2, 4, 8), 7, 128)}
+
+
+@pytest.mark.parametrize("source", REAL)
+def test_real_cases_are_the_bench_case(source):
+    """The real cases take the bench's real case as it is (shapes, head, dtype; DSpark: Qwen3-4B,
+    tied, block 7, Markov 256, its taps), with K = the capacity rounded to a multiple of tau."""
+    name, taus, gamma, capacity = REAL[source]
+
+    def cases(condition):
+        return [c for _, c in loops.cases(loops.Options(shapes="real", sources=(source,), conditions=(condition,),
+                                                        dtype="bfloat16", prompt_len=1024))]
+
+    real = next(c for c in cases("random") if c.name == name)
+    if source == "assistant":
+        assert name == loops.RANDOM_CASES["real"]["assistant"]
+    got = cases("agreeing-real")
+    assert [c.name for c in got] == [f"{source}-agreeing-real-tau{t}" for t in taus]
     for c in got:
         ov = dict(c.params.drafter[2])
         tau = ov.pop("agree_tau")
-        assert (c.kind, c.overrides, c.dtype, c.shapes.gamma) == (real.kind, real.overrides, "bfloat16", 4)
+        assert (c.kind, c.overrides, c.dtype, c.shapes.gamma) == (real.kind, real.overrides, "bfloat16", gamma)
         assert (c.params.drafter[0], ov) == (real.params.drafter[0], real.params.drafter[2])
-        assert f"stream on {1024 // tau * tau} cycle tokens" in c.shapes.notes[-1]
-
-
-def test_real_dspark_case_is_the_bench_case():
-    """The real DSpark cases take the bench's real DSpark case as it is (Qwen3-4B, tied, block 7,
-    Markov 256, its taps), with K = head_dim (128) rounded to a multiple of tau; max is 8."""
-    real = next(c for c in loops.cases(loops.Options(shapes="real", sources=("dspark",), conditions=("random",),
-                                                     dtype="bfloat16", prompt_len=1024))
-                if c[1].name == agreeing_real.REAL_DSPARK)[1]
-    got = [c for _, c in loops.cases(loops.Options(shapes="real", sources=("dspark",), conditions=("agreeing-real",),
-                                                   dtype="bfloat16", prompt_len=1024))]
-    assert [c.name for c in got] == [f"dspark-agreeing-real-tau{t}" for t in (2, 4, 8)]
-    for c in got:
-        ov = dict(c.params.drafter[2])
-        tau = ov.pop("agree_tau")
-        assert (c.kind, c.overrides, c.dtype, c.shapes.gamma) == (real.kind, real.overrides, "bfloat16", 7)
-        assert (c.params.drafter[0], ov) == (real.params.drafter[0], real.params.drafter[2])
-        assert c.overrides["tie_word_embeddings"] and ov["block_size"] == 7 and ov["markov_rank"] == 256
-        assert f"stream on {128 // tau * tau} cycle tokens" in c.shapes.notes[-1]
+        assert f"stream on {capacity // tau * tau} cycle tokens" in c.shapes.notes[-1]
+        if source == "dspark":
+            assert c.overrides["tie_word_embeddings"] and ov["block_size"] == 7 and ov["markov_rank"] == 256
 
 
 MLX_PEERS = {"zlab-mlx": "dflash", "dflash-mlx": "dflash_mlx"}     # side: the package it imports

@@ -205,6 +205,7 @@ def _slot_heads(d: dict, dc: dict, H: int, first: int, h: np.ndarray, code: np.n
         o_rows.append(code[hk])                             # the code scoring h^(j+1) (anchor)
         o_cols.append(j * hd + np.arange(k))
     o = _sparse((H, nh * hd), dt, np.concatenate(o_rows), np.concatenate(o_cols), SLOT_WRITE * math.sqrt(2))
+    _silence(d, "", dc["num_hidden_layers"])                # layer 0's o_proj is written next
     p0 = "layers.0.self_attn."
     for name, a in (("q_proj", q), ("k_proj", kk), ("v_proj", v), ("o_proj", o)):
         d[p0 + name + ".weight"] = a
@@ -213,10 +214,6 @@ def _slot_heads(d: dict, dc: dict, H: int, first: int, h: np.ndarray, code: np.n
     d["layers.0.input_layernorm.weight"] = mx.ones((H,), dtype=dt)
     d["norm.weight"] = mx.ones((H,), dtype=dt)
     _zero(d, "fc.weight")
-    _zero(d, "layers.0.mlp.down_proj.weight")
-    for i in range(1, dc["num_hidden_layers"]):
-        for n in ("self_attn.o_proj", "mlp.down_proj"):
-            _zero(d, f"layers.{i}.{n}.weight")
 
 
 def _slot_checks(dc: dict, H: int, k: int, mask: int, first: int) -> None:
